@@ -1,0 +1,53 @@
+"""The engine contract: generate a response for exact prompt token ids, with token ids and logprobs.
+
+The gateway renders chat messages to ids (with the engine's tokenizer and chat template), calls
+`generate`, and records the turn. Engines: `local` (transformers in this process) and `upstream`
+(an OpenAI-compatible server such as vLLM/SGLang asked for token ids and logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """The engine failed (not the client's fault). `status` is the HTTP status the gateway answers."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+class PromptTooLong(ValueError):
+    """The prompt plus max_tokens does not fit the engine's context: a client error (400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # generation also ends at the tokenizer's eos
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    response_ids: list[int]
+    response_logprobs: list[float]  # log-prob of each response id under the sampling distribution
+    finish_reason: str  # "stop" | "length"
+    model_version: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    tokenizer: Any  # a transformers tokenizer with a chat template
+    model_version: int
+    max_context: int  # prompt tokens + max_tokens must fit
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,172 @@
+"""The data model: a rollout is a list of turns, each turn the exact token ids the policy saw and made.
+
+Validation is strict and nothing is coerced: a bad value raises `TraceError` naming the rollout,
+the turn and the field. Checks run once, when a `Turn` or `Rollout` is built; later stages trust them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+# A log-probability is <= 0; engines in low precision may return a hair above it.
+LOGPROB_TOLERANCE = 1e-3
+
+
+class TraceError(ValueError):
+    """Bad input in a trace; the message names the rollout, the turn and the field."""
+
+
+class RolloutState(str, Enum):
+    """Life of a rollout: queued -> running -> succeeded | failed | timed_out (terminal)."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    timed_out = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def infra_failure(self) -> bool:
+        """States that say nothing about the policy: excluded from training by default."""
+        return self in (RolloutState.failed, RolloutState.timed_out)
+
+
+TERMINAL_STATES = frozenset({RolloutState.succeeded, RolloutState.failed, RolloutState.timed_out})
+
+# queued -> running -> terminal; a terminal state is final.
+LEGAL_TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
+    RolloutState.queued: frozenset({RolloutState.running, RolloutState.failed, RolloutState.timed_out}),
+    RolloutState.running: TERMINAL_STATES,
+    RolloutState.succeeded: frozenset(),
+    RolloutState.failed: frozenset(),
+    RolloutState.timed_out: frozenset(),
+}
+
+
+def _where(rollout_id: str | None, turn_index: int | None) -> str:
+    parts = []
+    if rollout_id is not None:
+        parts.append(f"rollout {rollout_id!r}")
+    if turn_index is not None:
+        parts.append(f"turn {turn_index}")
+    return ", ".join(parts) + ": " if parts else ""
+
+
+def _check_ids(ids: object, name: str, where: str, *, allow_empty: bool) -> list[int]:
+    if not isinstance(ids, list):
+        raise TraceError(f"{where}{name} must be a list of int token ids, got {type(ids).__name__}")
+    if not ids:
+        if allow_empty:
+            return ids
+        raise TraceError(f"{where}{name} is empty; a turn needs at least one token id")
+    # bool is an int subclass: a True in a token list is a bug, not token 1.
+    if set(map(type, ids)) != {int}:
+        i, t = next((i, t) for i, t in enumerate(ids) if type(t) is not int)
+        raise TraceError(f"{where}{name}[{i}] is {t!r} ({type(t).__name__}); token ids must be int")
+    lo = min(ids)
+    if lo < 0:
+        raise TraceError(f"{where}{name}[{ids.index(lo)}] is {lo}; token ids must be >= 0")
+    return ids
+
+
+def _check_finite(x: object, name: str, where: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TraceError(f"{where}{name} must be a number, got {x!r} ({type(x).__name__})")
+    if not math.isfinite(x):
+        raise TraceError(f"{where}{name} is {x!r}; it must be finite")
+    return x
+
+
+@dataclass
+class Turn:
+    """One model call: the prompt ids the policy saw, the response ids it produced.
+
+    `response_logprobs[j]` is the sampling log-probability of `response_ids[j]`; None when the
+    engine did not return them. `model_version` is the policy version that produced the response.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None = None
+    model_version: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, rollout_id: str | None = None, turn_index: int | None = None) -> None:
+        where = _where(rollout_id, turn_index)
+        _check_ids(self.prompt_ids, "prompt_ids", where, allow_empty=False)
+        _check_ids(self.response_ids, "response_ids", where, allow_empty=False)
+        lp = self.response_logprobs
+        if lp is not None:
+            if not isinstance(lp, list):
+                raise TraceError(f"{where}response_logprobs must be a list of float or None, got {type(lp).__name__}")
+            if len(lp) != len(self.response_ids):
+                raise TraceError(
+                    f"{where}response_logprobs has {len(lp)} values but response_ids has "
+                    f"{len(self.response_ids)} tokens; they must match one to one"
+                )
+            if not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
+                for j, v in enumerate(lp):
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                        raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; it must be a finite float")
+                    if v > LOGPROB_TOLERANCE:
+                        raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; a log-probability is <= 0")
+        mv = self.model_version
+        if mv is not None and (type(mv) is not int or mv < 0):
+            raise TraceError(f"{where}model_version is {mv!r}; it must be an int >= 0 or None")
+
+
+@dataclass
+class Rollout:
+    """One run of the agent on one task. `reward` is None until the environment scores it."""
+
+    rollout_id: str
+    group_id: str
+    turns: list[Turn] = field(default_factory=list)
+    reward: float | None = None
+    state: RolloutState | str = RolloutState.succeeded
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rollout_id, str) or not self.rollout_id:
+            raise TraceError(f"rollout_id must be a non-empty str, got {self.rollout_id!r}")
+        where = _where(self.rollout_id, None)
+        if not isinstance(self.group_id, str) or not self.group_id:
+            raise TraceError(f"{where}group_id must be a non-empty str, got {self.group_id!r}")
+        try:
+            self.state = RolloutState(self.state)
+        except ValueError:
+            known = ", ".join(s.value for s in RolloutState)
+            raise TraceError(f"{where}state {self.state!r} is unknown; known states: {known}") from None
+        if self.reward is not None:
+            _check_finite(self.reward, "reward", where)
+        if not isinstance(self.turns, list):
+            raise TraceError(f"{where}turns must be a list of Turn, got {type(self.turns).__name__}")
+        for k, turn in enumerate(self.turns):
+            if not isinstance(turn, Turn):
+                raise TraceError(f"{where}turns[{k}] is a {type(turn).__name__}, not a Turn")
+            turn.validate(self.rollout_id, k)
+
+
+def check_unique_ids(rollouts: Iterable[Rollout]) -> None:
+    """Raise if two rollouts in one batch share a rollout_id."""
+    seen: set[str] = set()
+    for r in rollouts:
+        if r.rollout_id in seen:
+            raise TraceError(f"rollout {r.rollout_id!r}: rollout_id appears more than once in the batch")
+        seen.add(r.rollout_id)
+
+
+def check_rollouts(rollouts: Sequence[Rollout]) -> None:
+    """Batch-level checks: every item is a Rollout, and rollout ids are unique."""
+    for k, r in enumerate(rollouts):
+        if not isinstance(r, Rollout):
+            raise TraceError(f"rollouts[{k}] is a {type(r).__name__}, not a Rollout")
+    check_unique_ids(rollouts)
