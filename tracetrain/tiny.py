@@ -1,4 +1,4 @@
-"""A tiny model toolkit: a byte-level BPE tokenizer with a ChatML template, and a small Qwen2.
+"""A tiny model toolkit: a byte-level BPE tokenizer with a ChatML template, and a small Llama.
 
 Everything is built offline, in-process and deterministically: the same inputs give the same
 vocabulary, merges and weights. Used by tests, examples and benchmarks that need a real
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 NUMBER_TOKENS = [f"{i:02d}" for i in range(100)] + ["100"]
 N_BYTES = 256
 MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + N_BYTES + len(NUMBER_TOKENS)  # 360
-DEFAULT_VOCAB_SIZE = 384
+DEFAULT_VOCAB_SIZE = 512
 ROLES = ("system", "user", "assistant", "tool")
 
 # ChatML, as Qwen2 uses it. Content may be a string, None, or a list of {"type": "text"} parts;
@@ -51,7 +51,7 @@ CHAT_TEMPLATE = (
     "{%- if messages and messages[0].role == 'system' -%}"
     "{{- text(messages[0].content) + '\\n\\n' -}}{%- set ns.skip_first = true -%}"
     "{%- endif -%}"
-    "{{- '# Tools\\nCall a function as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.' -}}"
+    '{{- \'# Tools\\nCall a function as <tool_call>{"name": ..., "arguments": ...}</tool_call>.\' -}}'
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -83,7 +83,9 @@ def default_corpus(n_games: int = 200, seed: int = 0) -> list[str]:
         "system\nYou are a helpful assistant. Answer briefly.",
         "system\nYou are playing a game. Guess the secret number. Reply with the number only.",
         "user\nWhat is the answer? Use the calculator tool if you need it.",
-        "assistant\nThe answer is", 'tool\n{"result": }', "Too high. Too low. Correct! You win.",
+        "assistant\nThe answer is",
+        'tool\n{"result": }',
+        "Too high. Too low. Correct! You win.",
         '<tool_call>{"name": "calculator", "arguments": {"expression": ""}}</tool_call>',
         "The quick brown fox jumps over the lazy dog. Hello, world! Thank you.",
     ]
@@ -114,8 +116,8 @@ def build_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `corpus` (default: `default_corpus()`), plus one token per number.
 
-    `vocab_size` counts everything (3 special + 256 bytes + learned merges + 101 number tokens),
-    so it must be >= 360. eos = <|im_end|> (the end of a ChatML turn), pad = <|endoftext|>.
+    `vocab_size` bounds everything (3 special + 256 bytes + learned merges + 101 number tokens),
+    so it must be >= 360; a small corpus may run out of merges first. eos = <|im_end|> (the end of a ChatML turn), pad = <|endoftext|>.
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
@@ -139,10 +141,10 @@ def build_tokenizer(
     bpe.train_from_iterator((re.sub(r"\d", "", t) for t in texts), trainer)
     vocab: dict[str, int] = bpe.get_vocab()
     merges: list[tuple[str, str]] = [tuple(m) for m in _model_state(bpe)["merges"]]
-    # 2. Every 2-digit string, then "100", is one token: merges (d1, d2) and ("10", "0").
+    # 2. Every 2-digit string, then "100", is one token: merges (d1, d2), then ("1", "00").
     for tok in NUMBER_TOKENS:
         vocab[tok] = len(vocab)
-        merges.append((tok[0], tok[1]) if len(tok) == 2 else ("10", "0"))
+        merges.append((tok[0], tok[1]) if len(tok) == 2 else ("1", "00"))
     assert len(vocab) <= vocab_size, (len(vocab), vocab_size)
     # 3. Assemble the final fast tokenizer.
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -177,14 +179,17 @@ def build_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     seed: int = 0,
-) -> Qwen2ForCausalLM:
-    """A Qwen2 causal LM with tied embeddings, initialised from `seed` (0.78M params by default).
+) -> LlamaForCausalLM:
+    """A Llama causal LM (GQA, RoPE, SwiGLU, RMSNorm) with tied embeddings, initialised from `seed`.
 
-    intermediate_size defaults to 8/3 * hidden rounded up to a multiple of 32 (352 for 128).
+    0.77M parameters by default. intermediate_size defaults to 8/3 * hidden rounded up to a
+    multiple of 32 (352 for 128). Llama rather than Qwen2 (the same blocks save Qwen2's q/k/v
+    biases): transformers 5 makes `AutoTokenizer` load a qwen2 directory with its own Qwen2
+    tokenizer class, which replaces our pre-tokenizer; for llama it loads tokenizer.json as is.
     """
     if intermediate_size is None:
         intermediate_size = -(-(8 * hidden_size // 3) // 32) * 32
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -200,7 +205,7 @@ def build_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
@@ -209,7 +214,7 @@ def build_model(
 def save_tiny(
     path: str | Path,
     tokenizer: PreTrainedTokenizerFast | None = None,
-    model: Qwen2ForCausalLM | None = None,
+    model: LlamaForCausalLM | None = None,
     **model_kwargs,
 ) -> Path:
     """Write tokenizer and model to `path` (building the defaults when not given); load them back
@@ -223,7 +228,7 @@ def save_tiny(
     return path
 
 
-def load_tiny(path: str | Path) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def load_tiny(path: str | Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """(model, tokenizer) from a directory written by `save_tiny`, offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -32,6 +32,22 @@ class SamplingParams:
     seed: int | None = None
 
 
+def check_sampling_params(params: SamplingParams) -> None:
+    """ValueError naming the field when params are out of range (engines call it; nothing is clamped)."""
+    mt, t, p, seed = params.max_tokens, params.temperature, params.top_p, params.seed
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {mt!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    for k, i in enumerate(params.stop_token_ids):
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"stop_token_ids[{k}] must be a token id (int >= 0), got {i!r}")
+
+
 @dataclass(frozen=True)
 class Generation:
     response_ids: list[int]

@@ -1,0 +1,243 @@
+"""Benchmark: turns -> rows for 512 rollouts x 8 turns, tracetrain.aggregate vs Agent Lightning.
+
+Data (seeded): turn 0's prompt is 64 tokens; every turn answers with 128 tokens (with logprobs);
+the prompt of turn k is the previous context (prompt + response) + 64 observation tokens. The
+"breaks" variant changes one context token in 20% of the turns after the first (half in an earlier
+response, half in an earlier prompt), so the trajectory level must close rows there.
+
+Peer: Agent Lightning 1.0.2 `RolloutAdapter.get_train_data_batch` (agentlightning/verl/
+rollout_adapter.py), fed the same token ids as `CompletedRollout`/`Triplet`s, run with the
+interpreter of the peers env (bench/.venv-peers, see bench/setup_peers.sh) when it exists.
+
+Each (case, implementation) runs in a fresh child process: build inputs, one tiny warm-up call,
+gc, then baseline = current RSS and the peak counter is reset (/proc/self/clear_refs); the first
+timed call gives the peak RSS above baseline; wall time is the best of --repeat calls. Limits are
+the exact maxima of each case's rows, so nothing is dropped or truncated and both sides build
+tensors of the same shape.
+
+    .venv/bin/python bench/bench_aggregate.py [--repeat 3] [--only trajectory-clean ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = ROOT / "bench" / ".venv-peers" / "bin" / "python"
+
+N_ROLLOUTS, N_TURNS, FIRST_PROMPT, OBS, RESPONSE, VOCAB = 512, 8, 64, 64, 128, 32_000
+BREAK_FRACTION = 0.2
+CASES = {  # name: (level, breaks)
+    "trajectory-clean": ("trajectory", False),
+    "trajectory-breaks": ("trajectory", True),
+    "transition-clean": ("transition", False),
+    "transition-breaks": ("transition", True),
+}
+
+
+# ---------------------------------------------------------------- data
+
+
+def make_traces(breaks: bool, seed: int = 0, n_rollouts: int = N_ROLLOUTS):
+    """[(rollout_id, reward, [(prompt_ids, response_ids, logprobs)])], plain lists."""
+    rng = random.Random(seed)
+    eligible = [(i, k) for i in range(n_rollouts) for k in range(1, N_TURNS)]
+    n_break = round(BREAK_FRACTION * n_rollouts * N_TURNS) if breaks else 0
+    broken = set(rng.sample(eligible, n_break))
+    traces = []
+    for i in range(n_rollouts):
+        prompt = [rng.randrange(VOCAB) for _ in range(FIRST_PROMPT)]
+        resp_spans: list[tuple[int, int]] = []
+        turns = []
+        for k in range(N_TURNS):
+            response = [rng.randrange(VOCAB) for _ in range(RESPONSE)]
+            logprobs = [-rng.random() * 4 for _ in range(RESPONSE)]
+            turns.append((prompt, response, logprobs))
+            resp_spans.append((len(prompt), len(prompt) + RESPONSE))
+            context = prompt + response
+            if (i, k + 1) in broken:  # one token of the context changes: a response or a prompt
+                a, b = rng.choice(resp_spans)
+                p = rng.randrange(a, b) if rng.random() < 0.5 else rng.randrange(0, resp_spans[0][0])
+                context = context[:p] + [(context[p] + 1) % VOCAB] + context[p + 1 :]
+            prompt = context + [rng.randrange(VOCAB) for _ in range(OBS)]
+        traces.append((f"rollout-{i}", float(rng.random() < 0.5), turns))
+    return traces
+
+
+def to_tracetrain(traces):
+    from tracetrain.types import Rollout, Turn
+
+    return [
+        Rollout(rid, f"group-{n // 8}", [Turn(p, r, lp, model_version=1) for p, r, lp in turns], reward)
+        for n, (rid, reward, turns) in enumerate(traces)
+    ]
+
+
+def to_agentlightning(traces):
+    """Fresh CompletedRollouts (the adapter extends a logprob list in place: never reuse them)."""
+    from agentlightning.verl.agl_rollout_manager import CompletedRollout, Triplet
+
+    return [
+        CompletedRollout(
+            rollout_id=rid,
+            data_id=f"group-{n // 8}",
+            step=0,
+            sample_idx_in_step=n,
+            enqueue_time=0.0,
+            final_reward=reward,
+            triplets=[
+                Triplet(prompt={"token_ids": p}, response={"token_ids": r, "log_probs": list(lp)})
+                for p, r, lp in turns
+            ],
+        )
+        for n, (rid, reward, turns) in enumerate(traces)
+    ]
+
+
+def limits(traces, level):
+    """Exact prompt/response widths of the rows of `level` (what both sides must fit)."""
+    from tracetrain.aggregate import aggregate
+
+    batch, _ = aggregate(to_tracetrain(traces), level=level, max_prompt_length=10**6, max_response_length=10**6)
+    return batch.prompt_length, batch.response_length
+
+
+# ---------------------------------------------------------------- one measured run (child)
+
+
+def _status(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _tensor_bytes(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "batch"):  # verl DataProto -> TensorDict
+        return sum(_tensor_bytes(v) for v in obj.batch.values())
+    return sum(_tensor_bytes(v) for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+def child(case: str, impl: str, repeat: int) -> dict:
+    import torch
+
+    level, breaks = CASES[case]
+    traces = make_traces(breaks)
+    max_p, max_r = limits(traces, level)
+    if impl == "tracetrain":
+        from tracetrain.aggregate import aggregate
+
+        def prepare():
+            return to_tracetrain(traces)
+
+        def call(inputs):
+            batch, m = aggregate(inputs, level=level, max_prompt_length=max_p, max_response_length=max_r)
+            assert m["dropped_rollouts/overlong_prompt"] + m["dropped_rollouts/overlong_response"] == 0
+            return batch, batch.n_rows, int(batch.response_mask.sum())
+
+        tiny = to_tracetrain(make_traces(breaks, seed=1, n_rollouts=2))
+    else:
+        from agentlightning.verl.rollout_adapter import RolloutAdapter
+
+        adapter = RolloutAdapter(
+            max_prompt_length=max_p,
+            max_response_length=max_r,
+            device=torch.device("cpu"),
+            pad_token_id=0,
+            trace_aggregator_level=level,
+        )
+
+        def prepare():
+            return to_agentlightning(traces)
+
+        def call(inputs):
+            out, _ = adapter.get_train_data_batch(inputs)
+            b = out.batch
+            mask = b["response_mask"] if "response_mask" in b.keys() else b["attention_mask"][:, max_p:]
+            return out, len(b["input_ids"]), int(mask.sum())
+
+        tiny = to_agentlightning(make_traces(breaks, seed=1, n_rollouts=2))
+
+    call(tiny)  # warm-up: first-call library work is not the aggregation's
+    times, first = [], None
+    for _ in range(repeat):
+        inputs = prepare()
+        gc.collect()
+        base = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to now
+        t0 = time.perf_counter()
+        out, n_rows, n_trained = call(inputs)
+        times.append(time.perf_counter() - t0)
+        if first is None:
+            first = dict(peak_above=_status("VmHWM") - base, out_bytes=_tensor_bytes(out), rows=n_rows, trained=n_trained)
+        del out, inputs
+    return dict(case=case, impl=impl, wall=min(times), walls=times, limits=[max_p, max_r], **first)
+
+
+# ---------------------------------------------------------------- driver (parent)
+
+
+def run_child(python: Path | str, case: str, impl: str, repeat: int) -> dict | None:
+    cmd = [str(python), __file__, "--child", case, impl, "--repeat", str(repeat)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"  {impl} on {case} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def peer_available() -> bool:
+    if not PEER_PYTHON.exists():
+        return False
+    probe = [str(PEER_PYTHON), "-c", "import agentlightning.verl.rollout_adapter, tracetrain"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3, help="timed calls per case (best is reported)")
+    ap.add_argument("--only", nargs="*", choices=list(CASES), default=list(CASES))
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(*args.child, args.repeat)), flush=True)
+        return
+
+    peer = not args.no_peer and peer_available()
+    print(f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens, {RESPONSE} response tokens;")
+    print(f"breaks: {BREAK_FRACTION:.0%} of turns change one context token. Best of {args.repeat} calls; peak RSS above")
+    print("baseline measured on the first call in a fresh process; 'out' = bytes of the output tensors.")
+    if not peer:
+        print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken; bench/setup_peers.sh builds it)")
+    head = f"{'case':<18} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>9} {'peak MB':>8} {'out MB':>7} {'peak/out':>8}"
+    print("\n" + head + f" {'speed-up':>9}")
+    for case in args.only:
+        ours = run_child(sys.executable, case, "tracetrain", args.repeat)
+        theirs = run_child(PEER_PYTHON, case, "agentlightning", args.repeat) if peer else None
+        for r in (ours, theirs):
+            if r is None:
+                continue
+            line = (
+                f"{case:<18} {r['impl']:<14} {r['rows']:>5} {r['wall']:>7.3f} {r['rows'] / r['wall']:>9.0f} "
+                f"{r['peak_above'] / 2**20:>8.1f} {r['out_bytes'] / 2**20:>7.1f} {r['peak_above'] / r['out_bytes']:>8.2f}"
+            )
+            if r is ours and theirs is not None:
+                line += f" {theirs['wall'] / ours['wall']:>8.1f}x"
+                if (ours["rows"], ours["trained"]) != (theirs["rows"], theirs["trained"]):
+                    line += f"  (MISMATCH: peer rows {theirs['rows']}, trained {theirs['trained']})"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

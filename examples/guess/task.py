@@ -1,0 +1,77 @@
+"""Number guessing: the agent guesses a hidden number in 1..high; the environment answers
+"higher" or "lower". Reward 1 if found within `max_turns` guesses, else 0.
+
+A random guesser that ignores the feedback scores 1 - (1 - 1/high)^max_turns (0.33 for 8 and 3);
+binary search scores 0.875. The agent is an ordinary `openai` SDK program: tracetrain only hands it a
+base URL and a key.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from openai import AsyncOpenAI
+
+SYSTEM = "Guess my number from 1 to {high}."
+FIRST = "Guess."
+
+
+def tasks(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[dict]:
+    """`n` tasks with hidden numbers drawn uniformly from 1..high."""
+    rng = random.Random(seed)
+    return [{"target": rng.randint(1, high), "high": high, "max_turns": max_turns} for _ in range(n)]
+
+
+def feedback(guess_text: str, target: int) -> tuple[str | None, float | None]:
+    """(reply to the agent, reward when the game is over)."""
+    text = guess_text.strip()
+    if not text.isdigit():
+        return None, 0.0  # not a number: the game ends, reward 0
+    guess = int(text)
+    if guess == target:
+        return None, 1.0
+    return ("higher" if guess < target else "lower"), None
+
+
+async def agent(task: dict, client: dict) -> float:
+    """Play one game through the gateway. `client` holds base_url, api_key, model and sampling."""
+    openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0)
+    messages = [
+        {"role": "system", "content": SYSTEM.format(high=task["high"])},
+        {"role": "user", "content": FIRST},
+    ]
+    try:
+        for _ in range(task["max_turns"]):
+            out = await openai.chat.completions.create(
+                model=client["model"],
+                messages=messages,
+                temperature=client.get("temperature", 1.0),
+                max_tokens=client.get("max_tokens", 4),
+            )
+            text = out.choices[0].message.content or ""
+            reply, reward = feedback(text, task["target"])
+            if reward is not None:
+                return reward
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": reply}]
+        return 0.0
+    finally:
+        await openai.close()
+
+
+def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
+    """Games of a random guesser that ignores the feedback: they teach the format, not the skill."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        target = rng.randint(1, high)
+        messages = [{"role": "system", "content": SYSTEM.format(high=high)}, {"role": "user", "content": FIRST}]
+        for _ in range(max_turns):
+            guess = str(rng.randint(1, high))
+            messages.append({"role": "assistant", "content": guess})
+            reply, reward = feedback(guess, target)
+            if reward is not None:
+                break
+            messages.append({"role": "user", "content": reply})
+        out.append(messages)
+    return out

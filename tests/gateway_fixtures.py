@@ -1,0 +1,162 @@
+"""Shared pieces for the gateway tests: a fast deterministic engine, a live gateway on loopback.
+
+`FakeEngine` implements the Engine protocol with no model: it answers with the canonical
+tokenization of a reply text (plus eos), so decode -> re-encode round-trips and a chat template
+that renders the assistant message back reproduces the response ids exactly. Every call is kept
+in `calls` (prompt ids, Generation) so tests compare what the store holds with what the engine
+produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tracetrain.engines.base import EngineError, Generation, SamplingParams
+from tracetrain.gateway import create_app
+from tracetrain.gateway.serve import ThreadedServer
+from tracetrain.store import SQLiteStore
+from tracetrain.tiny import build_tokenizer
+
+_TOKENIZER = None
+
+
+def tiny_tokenizer():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = build_tokenizer()
+    return _TOKENIZER
+
+
+class FakeEngine:
+    """Deterministic Engine: reply k (k = call number) is `reply(k, prompt_ids)` + eos."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        tokenizer=None,
+        *,
+        max_context: int = 2048,
+        reply: Callable[[int, list[int]], str] | None = None,
+        delay: float = 0.0,
+        model_version: int = 0,
+        record: bool = True,
+    ):
+        self.tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+        self.max_context = max_context
+        self.model_version = model_version
+        self.reply = reply or (lambda k, prompt: f"Reply number {k}, I guess {k % 100}.")
+        self.delay = delay
+        self.record = record
+        self.calls: list[tuple[list[int], Generation]] = []
+        self.fail_with: EngineError | None = None
+        self._count = itertools.count()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        if self.fail_with is not None:
+            raise self.fail_with
+        k = next(self._count)
+        ids = self.tokenizer.encode(self.reply(k, prompt_ids), add_special_tokens=False)
+        ids = ids + [self.tokenizer.eos_token_id]
+        finish = "stop"
+        if len(ids) > params.max_tokens:
+            ids, finish = ids[: params.max_tokens], "length"
+        logprobs = [-0.125 * (1 + (k + j) % 5) for j in range(len(ids))]  # exact in float32
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        gen = Generation(ids, logprobs, finish, self.model_version)
+        if self.record:
+            self.calls.append((list(prompt_ids), gen))
+        return gen
+
+    async def aclose(self) -> None:
+        pass
+
+
+@dataclass
+class LiveGateway:
+    url: str
+    admin_key: str
+    store: SQLiteStore
+    engine: FakeEngine
+    app: object
+    admin: httpx.Client = field(repr=False, default=None)
+
+    def create(self, n: int = 1, **spec) -> list[dict]:
+        """Create n rollouts; returns the created records (with base_url and api_key)."""
+        body = {"rollouts": [dict(spec) for _ in range(n)]}
+        r = self.admin.post("/rollouts", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["rollouts"]
+
+
+def live_gateway(tmp_path, engine: FakeEngine | None = None, **app_kwargs):
+    """Context-managed live gateway (store + app + uvicorn thread)."""
+
+    class _Ctx:
+        def __enter__(self):
+            self.store = SQLiteStore(tmp_path / "gateway.db")
+            self.engine = engine or FakeEngine()
+            key = "admin-" + secrets.token_hex(16)
+            self.app = create_app(self.store, {"default": self.engine}, admin_key=key, **app_kwargs)
+            self.server = ThreadedServer(self.app).start()
+            admin = httpx.Client(
+                base_url=self.server.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            )
+            return LiveGateway(self.server.url, key, self.store, self.engine, self.app, admin)
+
+        def __exit__(self, *exc):
+            self.server.stop()
+            self.store.close()
+
+    return _Ctx()
+
+
+@pytest.fixture
+def gateway(tmp_path):
+    with live_gateway(tmp_path) as gw:
+        yield gw
+        gw.admin.close()
+
+
+def save_tiny_tokenizer(path) -> str:
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def spawn_gateway(db, upstream_url: str, tokenizer_dir: str, admin_key: str, *extra: str, timeout=60.0):
+    """`python -m tracetrain.gateway.serve` (upstream mode) as a subprocess -> (process, url)."""
+    import subprocess
+    import sys
+    import time
+
+    args = [
+        sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(db), "--port", "0",
+        "--engine", "upstream", "--upstream-url", upstream_url, "--model", "fake",
+        "--tokenizer", tokenizer_dir, "--max-context", "4096", *extra,
+    ]
+    env = {**__import__("os").environ, "TRACETRAIN_ADMIN_KEY": admin_key}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("TRACETRAIN_GATEWAY_URL="):
+            url = line.strip().split("=", 1)[1]
+            while time.monotonic() < deadline:  # the socket is bound; wait until it answers
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        return proc, url
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            break
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"gateway subprocess did not start within {timeout} s")

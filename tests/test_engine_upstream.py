@@ -1,0 +1,335 @@
+"""UpstreamEngine against the fake vLLM server on loopback: exact pass-through, retries, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tracetrain.engines.base import Engine, EngineError, PromptTooLong, SamplingParams
+from tracetrain.engines.upstream import UpstreamEngine, parse_choice, request_body
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_upstream import FakeConfig, FakeUpstream, fake_generation  # noqa: E402
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with FakeUpstream(response_len=8, max_model_len=MAX_MODEL_LEN) as f:
+        yield f
+
+
+@pytest.fixture
+def clean(fake):
+    """Fresh counters and no injected failures for each test."""
+    fake.config.fail_first, fake.config.fail_status, fake.config.delay_s = 0, 500, 0.0
+    for k in fake.stats:
+        fake.stats[k] = 0
+    return fake
+
+
+def engine(url: str, **kw) -> UpstreamEngine:
+    kw.setdefault("max_context", MAX_MODEL_LEN)
+    kw.setdefault("backoff", 0.01)
+    return UpstreamEngine(url, "fake", tokenizer=None, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_ids_and_logprobs_pass_through_exactly(clean):
+    eng = engine(clean.url)
+    assert isinstance(eng, Engine)
+    cases = [
+        ([5, 6, 7], SamplingParams(max_tokens=20)),
+        ([100] * 50, SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9)),  # cut by max_tokens
+        ([9, 9], SamplingParams(max_tokens=20, seed=123)),
+        ([9, 9], SamplingParams(max_tokens=20, seed=124)),
+        ([1, 2, 3, 4], SamplingParams(max_tokens=20, stop_token_ids=tuple(range(3, 300)))),
+    ]
+
+    async def go():
+        try:
+            out = [await eng.generate(p, sp) for p, sp in cases]
+            eng.model_version = 7
+            out.append(await eng.generate([5, 6, 7], SamplingParams(max_tokens=20)))
+            return out
+        finally:
+            await eng.aclose()
+
+    gens = run(go())
+    cfg = FakeConfig(response_len=8, max_model_len=MAX_MODEL_LEN)
+    for (prompt, sp), gen in zip(
+        cases + [([5, 6, 7], SamplingParams(max_tokens=20))], gens, strict=True
+    ):
+        ids, lps, finish = fake_generation(
+            prompt, sp.max_tokens, seed=sp.seed, stop_token_ids=sp.stop_token_ids, config=cfg
+        )
+        assert gen.response_ids == ids
+        assert gen.response_logprobs == lps  # bit-exact floats through JSON
+        assert gen.finish_reason == finish
+    assert [g.finish_reason for g in gens[:2]] == ["stop", "length"]
+    assert gens[2].response_ids != gens[3].response_ids  # the seed reaches the server
+    assert len(gens[4].response_ids) < 8  # so do stop ids: the first generated id is a stop
+    assert [g.model_version for g in gens] == [0] * 5 + [7]
+    assert clean.stats["completions"] == 6
+
+
+def test_request_body_is_vllm_shaped():
+    body = request_body(
+        "m", [1, 2], SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,))
+    )
+    assert body["prompt"] == [1, 2] and body["return_token_ids"] is True and body["logprobs"] == 1
+    assert (body["max_tokens"], body["temperature"], body["seed"], body["stop_token_ids"]) == (
+        5,
+        0.5,
+        3,
+        [9],
+    )
+    assert body["n"] == 1 and body["stream"] is False
+
+
+@pytest.mark.parametrize("fail_status", [500, 503, 0])  # 0: the connection drops mid-answer
+def test_retries_after_injected_failures(clean, fail_status):
+    clean.config.fail_first, clean.config.fail_status = 2, fail_status
+    eng = engine(clean.url, max_retries=3)
+
+    async def go():
+        try:
+            return await eng.generate([5, 6, 7], SamplingParams(max_tokens=20))
+        finally:
+            await eng.aclose()
+
+    gen = run(go())
+    assert gen.response_ids == fake_generation([5, 6, 7], 20, config=clean.config)[0]
+    assert gen.extra["attempts"] == 3
+    assert clean.stats["completions"] == 3 and clean.stats["failed"] == 2
+    assert eng.stats["retries"] == 2
+
+
+@pytest.mark.parametrize("fail_status,status", [(500, 502), (503, 503), (429, 503), (0, 503)])
+def test_gives_up_after_max_retries(clean, fail_status, status):
+    clean.config.fail_first, clean.config.fail_status = 100, fail_status
+    eng = engine(clean.url, max_retries=2)
+
+    async def go():
+        try:
+            await eng.generate([5], SamplingParams(max_tokens=4))
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match="after 3 attempts") as e:
+        run(go())
+    assert e.value.status == status
+    assert clean.stats["completions"] == 3
+
+
+def test_unreachable_server_is_503_and_bounded():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    eng = engine(f"http://127.0.0.1:{port}", max_retries=2, backoff=0.01)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="ClientConnectorError|Connect") as e:
+        run(eng.generate([5], SamplingParams(max_tokens=4)))
+    assert e.value.status == 503
+    assert time.monotonic() - t0 < 2.0
+    assert eng.stats["attempts"] == 3
+
+
+def test_timeouts_are_bounded_and_504(clean):
+    clean.config.delay_s = 2.0
+    eng = engine(clean.url, timeout=0.2, max_retries=1, backoff=0.01)
+    t0 = time.monotonic()
+
+    async def go():
+        try:
+            await eng.generate([5], SamplingParams(max_tokens=4))
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match="timed out") as e:
+        run(go())
+    elapsed = time.monotonic() - t0
+    assert e.value.status == 504
+    assert 0.4 <= elapsed < 1.5, elapsed  # 2 attempts x 0.2 s + backoff, not the 2 s delay
+
+
+def test_prompt_too_long_locally_and_from_upstream(clean):
+    local = engine(clean.url)
+    with pytest.raises(PromptTooLong, match="max_context 256"):
+        run(local.generate([5] * 250, SamplingParams(max_tokens=10)))
+    assert clean.stats["requests"] == 0  # refused before any call
+    # an engine that believes in a larger context learns it from the server's 400, without retries
+    optimist = engine(clean.url, max_context=10_000, max_retries=3)
+
+    async def go():
+        try:
+            await optimist.generate([5] * 250, SamplingParams(max_tokens=10))
+        finally:
+            await optimist.aclose()
+
+    with pytest.raises(PromptTooLong, match="maximum context length is 256"):
+        run(go())
+    assert clean.stats["completions"] == 1
+
+
+def test_other_client_errors_are_not_retried(clean):
+    eng = engine(clean.url, max_retries=3)
+
+    async def go():
+        try:
+            await eng.generate([100_000], SamplingParams(max_tokens=4))  # out of the fake's vocab
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match="out of vocabulary") as e:
+        run(go())
+    assert e.value.status == 502 and clean.stats["completions"] == 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=0),
+        SamplingParams(temperature=-1.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_p=1.5),
+        SamplingParams(stop_token_ids=(-3,)),
+    ],
+)
+def test_bad_params_are_refused_before_any_call(clean, params):
+    with pytest.raises(ValueError, match="max_tokens|temperature|top_p|stop_token_ids"):
+        run(engine(clean.url).generate([5], params))
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        run(engine(clean.url).generate([], SamplingParams()))
+    assert clean.stats["requests"] == 0
+
+
+@pytest.mark.parametrize(
+    "payload,err",
+    [
+        ({}, "no choices"),
+        (
+            {"choices": [{"logprobs": {"token_logprobs": []}, "finish_reason": "stop"}]},
+            "token_ids is missing",
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "token_ids": [1, 2],
+                        "logprobs": {"token_logprobs": [-1.0]},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+            "has 1 values for 2",
+        ),
+        (
+            {"choices": [{"token_ids": [1], "logprobs": None, "finish_reason": "stop"}]},
+            "has no values",
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "token_ids": [1],
+                        "logprobs": {"token_logprobs": [None]},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+            "non-number",
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "token_ids": [1],
+                        "logprobs": {"token_logprobs": [-1.0]},
+                        "finish_reason": "abort",
+                    }
+                ]
+            },
+            "finish_reason",
+        ),
+        (
+            {
+                "choices": [
+                    {
+                        "token_ids": [-1],
+                        "logprobs": {"token_logprobs": [-1.0]},
+                        "finish_reason": "stop",
+                    }
+                ]
+            },
+            "token_ids",
+        ),
+    ],
+)
+def test_malformed_answers_are_named(payload, err):
+    with pytest.raises(ValueError, match=err):
+        parse_choice(payload)
+
+
+def test_concurrent_requests_share_the_pool(clean):
+    eng = engine(clean.url, max_connections=8)
+    prompts = [[3 + i, 7] for i in range(64)]
+
+    async def go():
+        try:
+            return await asyncio.gather(
+                *(eng.generate(p, SamplingParams(max_tokens=20)) for p in prompts)
+            )
+        finally:
+            await eng.aclose()
+
+    gens = run(go())
+    for p, g in zip(prompts, gens, strict=True):
+        assert g.response_ids == fake_generation(p, 20, config=clean.config)[0]
+    assert clean.stats["completions"] == 64
+
+
+def test_fake_speaks_the_openai_sdk_protocol(clean):
+    """The fake is a stand-in for vLLM for the gateway and benchmarks: the real SDK parses it."""
+    client = openai.OpenAI(base_url=clean.url + "/v1", api_key="x", max_retries=0)
+    c = client.completions.create(
+        model="fake",
+        prompt=[5, 6, 7],
+        max_tokens=20,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    )
+    ids, lps, finish = fake_generation([5, 6, 7], 20, config=clean.config)
+    assert c.choices[0].logprobs.token_logprobs == lps and c.choices[0].finish_reason == finish
+    assert c.choices[0].model_extra["token_ids"] == ids and c.usage.completion_tokens == len(ids)
+    chat = client.chat.completions.create(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    assert chat.choices[0].finish_reason == "length" and len(chat.choices[0].logprobs.content) == 5
+    assert (
+        len(chat.choices[0].model_extra["token_ids"]) == 5 and chat.model_extra["prompt_token_ids"]
+    )
+    stream = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+    )
+    chunks = list(stream)
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        == chat.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"

@@ -1,0 +1,277 @@
+"""SQLiteStore: round trips, legal transitions, rewards, group commit, migrations, crash safety."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracetrain.store import (
+    SCHEMA_VERSION,
+    IllegalTransition,
+    NewRollout,
+    RolloutConflict,
+    RolloutEnded,
+    SQLiteStore,
+    StoreError,
+    UnknownRollout,
+    blob_to_floats,
+    blob_to_ids,
+    floats_to_blob,
+    ids_to_blob,
+)
+from tracetrain.types import LEGAL_TRANSITIONS, Rollout, RolloutState
+
+_ids = itertools.count()
+
+
+def new(rollout_id=None, group_id="g", task=None, engine=None) -> NewRollout:
+    rid = rollout_id or f"r{next(_ids)}"
+    return NewRollout(rid, group_id, task, engine, b"salt-" + rid.encode(), b"hash-" + rid.encode())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = SQLiteStore(tmp_path / "t.db")
+    yield s
+    s.close()
+
+
+def test_create_is_idempotent_and_conflicts_are_atomic(store):
+    (rec, created), = run(store.create_rollouts([new("a", task={"q": 1})]))
+    assert created and rec.state == RolloutState.queued and rec.task == {"q": 1}
+    (again, created_again), = run(store.create_rollouts([new("a", task={"q": 1})]))
+    assert not created_again and again.seq == rec.seq
+    # A batch holding a conflicting id writes nothing, not even its new rollouts.
+    with pytest.raises(RolloutConflict, match="'a'"):
+        run(store.create_rollouts([new("b"), new("a", task={"q": 2})]))
+    assert store.get_rollout("b") is None
+    assert store.get_rollout("a").task == {"q": 1}
+
+
+def test_turns_round_trip_in_order(store):
+    run(store.create_rollouts([new("a")]))
+    lp = [-0.1, -2.5, -1e-9]
+    i0 = run(store.add_turn("a", [1, 2, 3], [4, 5, 2], lp, 7, "stop"))
+    i1 = run(store.add_turn("a", [1, 2, 3, 4, 5, 2, 9], [2**31 - 1], None, 8, "length"))
+    assert (i0, i1) == (0, 1)
+    rec = store.get_rollout("a")
+    assert rec.state == RolloutState.running and rec.n_turns == 2  # first turn started it
+    t0, t1 = store.get_turns("a")
+    assert (t0.prompt_ids, t0.response_ids, t0.model_version, t0.finish_reason) == (
+        [1, 2, 3],
+        [4, 5, 2],
+        7,
+        "stop",
+    )
+    assert t0.response_logprobs == pytest.approx(lp, rel=1e-6, abs=1e-12)
+    assert t1.response_ids == [2**31 - 1] and t1.response_logprobs is None
+
+
+def test_turn_after_end_and_unknown_rollout_are_refused(store):
+    run(store.create_rollouts([new("a")]))
+    run(store.set_state("a", "running"))
+    run(store.set_state("a", "succeeded"))
+    with pytest.raises(RolloutEnded, match="succeeded"):
+        run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    with pytest.raises(RolloutEnded):
+        run(store.start("a"))
+    with pytest.raises(UnknownRollout, match="'nope'"):
+        run(store.add_turn("nope", [1], [2], None, 0, "stop"))
+    assert store.get_turns("a") == [] and store.get_rollout("a").n_turns == 0
+
+
+def test_state_machine_matches_legal_transitions(tmp_path):
+    store = SQLiteStore(tmp_path / "sm.db")
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.sampled_from(list(RolloutState)), max_size=5))
+    def check(targets):
+        rid = f"sm{next(_ids)}"
+        run(store.create_rollouts([new(rid)]))
+        state = RolloutState.queued
+        for target in targets:
+            legal = target == state or target in LEGAL_TRANSITIONS[state]
+            try:
+                run(store.set_state(rid, target))
+            except IllegalTransition as e:
+                assert not legal and target.value in str(e)
+            else:
+                assert legal
+                state = target
+            assert store.get_rollout(rid).state == state
+
+    try:
+        check()
+    finally:
+        store.close()
+
+
+def test_reward_is_last_reward_event_unless_overridden(store):
+    run(store.create_rollouts([new("a")]))
+    assert store.get_rollout("a").reward is None
+    run(store.add_event("a", "reward", {"why": "first"}, reward=0.25))
+    run(store.add_event("a", "note", {"x": 1}))
+    run(store.add_event("a", "reward", None, reward=0.75))
+    assert store.get_rollout("a").reward == 0.75
+    run(store.set_reward_override("a", -1.0))
+    assert store.get_rollout("a").reward == -1.0
+    run(store.set_reward_override("a", None))
+    assert store.get_rollout("a").reward == 0.75
+    kinds = [(e.kind, e.reward, e.payload) for e in store.list_events("a")]
+    assert kinds == [
+        ("reward", 0.25, {"why": "first"}),
+        ("note", None, {"x": 1}),
+        ("reward", 0.75, None),
+    ]
+    run(store.set_state("a", "failed", "agent crashed"))
+    with pytest.raises(RolloutEnded):  # an agent's event after the end is refused ...
+        run(store.add_event("a", "reward", None, reward=1.0, allow_ended=False))
+    run(store.add_event("a", "reward", None, reward=0.5))  # ... the trainer's is not
+    assert store.get_rollout("a").reward == 0.5 and store.get_rollout("a").error == "agent crashed"
+
+
+def test_list_pages_by_state_and_group(store):
+    run(store.create_rollouts([new(f"p{i}", group_id=f"g{i % 3}") for i in range(10)]))
+    for i in range(0, 10, 2):
+        run(store.start(f"p{i}"))
+    seen, after = [], 0
+    while page := store.list_rollouts(state="running", after=after, limit=2):
+        assert len(page) <= 2
+        seen += [r.rollout_id for r in page]
+        after = page[-1].seq
+    assert seen == [f"p{i}" for i in range(0, 10, 2)]
+    assert [r.rollout_id for r in store.list_rollouts(group_id="g1")] == ["p1", "p4", "p7"]
+
+
+def test_delete_cascades(store):
+    run(store.create_rollouts([new("a"), new("b")]))
+    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    run(store.add_event("a", "reward", None, reward=1.0))
+    assert run(store.delete_rollout("a")) and not run(store.delete_rollout("a"))
+    assert store.get_rollout("a") is None and store.get_turns("a") == []
+    assert store.list_events("a") == [] and store.get_rollout("b") is not None
+    # The id can be used again, from scratch.
+    run(store.create_rollouts([new("a")]))
+    assert store.get_rollout("a").n_turns == 0
+
+
+def test_concurrent_turns_are_dense_ordered_and_group_committed(store):
+    n_rollouts, n_turns = 32, 15
+    run(store.create_rollouts([new(f"c{i}") for i in range(n_rollouts)]))
+    commits_before = store.commits
+
+    async def agent(i):
+        for k in range(n_turns):
+            idx = await store.add_turn(f"c{i}", [i, k], [k + 1], [-0.5], k, "stop")
+            assert idx == k
+
+    async def main():
+        await asyncio.gather(*(agent(i) for i in range(n_rollouts)))
+
+    run(main())
+    for i in range(n_rollouts):
+        turns = store.get_turns(f"c{i}")
+        assert [t.index for t in turns] == list(range(n_turns))
+        assert [t.prompt_ids for t in turns] == [[i, k] for k in range(n_turns)]
+    # Writes from concurrent coroutines shared commits.
+    assert store.commits - commits_before < n_rollouts * n_turns
+
+
+def test_load_rollouts_gives_validated_finished_rollouts(store):
+    run(store.create_rollouts([new("done", group_id="G"), new("live", group_id="G")]))
+    run(store.add_turn("done", [1, 2], [3, 2], [-0.5, -0.25], 3, "stop"))
+    run(store.add_turn("live", [1, 2], [3], [-0.5], 3, "stop"))
+    run(store.add_event("done", "reward", None, reward=1.0))
+    run(store.set_state("done", "succeeded"))
+    (r,) = store.load_rollouts(group_id="G")
+    assert isinstance(r, Rollout)
+    assert (r.rollout_id, r.group_id, r.reward, r.state) == ("done", "G", 1.0, "succeeded")
+    assert [(t.prompt_ids, t.response_ids, t.model_version) for t in r.turns] == [([1, 2], [3, 2], 3)]
+    with pytest.raises(UnknownRollout):
+        store.load_rollouts(rollout_ids=["done", "ghost"])
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=200))
+def test_id_blobs_round_trip(ids):
+    blob = ids_to_blob(ids)
+    assert len(blob) == 4 * len(ids) and blob_to_ids(blob) == ids
+
+
+@given(st.lists(st.floats(-1e4, 0.0, width=32), max_size=100))
+def test_float32_blobs_round_trip_exactly_for_float32_values(xs):
+    assert blob_to_floats(floats_to_blob(xs)) == xs
+
+
+def test_schema_is_versioned_and_survives_reopen(tmp_path):
+    path = tmp_path / "v.db"
+    with SQLiteStore(path) as s:
+        run(s.create_rollouts([new("keep")]))
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        SQLiteStore(path)
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.close()
+    with SQLiteStore(path) as s:
+        assert s.get_rollout("keep") is not None
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="synchronous"):
+        SQLiteStore(tmp_path / "x.db", synchronous="OFF")
+    with pytest.raises(ValueError, match="file path"):
+        SQLiteStore(":memory:")
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from tracetrain.store import SQLiteStore, NewRollout
+    store = SQLiteStore(sys.argv[1])
+    async def main():
+        await store.create_rollouts([NewRollout("k", "g", None, None, b"s", b"h")])
+        print("created", flush=True)
+        for i in range(100000):
+            idx = await store.add_turn("k", [i], [i + 1], [-1.0], 0, "stop")
+            print(idx, flush=True)  # acknowledged: committed before this line
+    asyncio.run(main())
+    """
+)
+
+
+def test_acknowledged_turns_survive_kill_9(tmp_path):
+    path = tmp_path / "crash.db"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    acked = -1
+    for line in proc.stdout:
+        if line.strip().isdigit():
+            acked = int(line)
+            if acked >= 300:
+                break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with SQLiteStore(path) as s:
+        turns = s.get_turns("k")
+        assert len(turns) >= acked + 1
+        assert [t.index for t in turns] == list(range(len(turns)))
+        assert all(t.prompt_ids == [t.index] for t in turns)

@@ -1,0 +1,209 @@
+"""The typed run configuration: a YAML file plus `key.sub=value` overrides.
+
+Unknown keys and bad values are errors that name the key (`ConfigError`), never ignored or coerced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Where the policy comes from: a tiny model built from a config, a local path, or a GGUF file."""
+
+    kind: Literal["tiny", "pretrained", "gguf"] = "tiny"
+    path: str | None = None  # pretrained dir, or the dir holding the GGUF file
+    gguf_file: str | None = None
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _needs_path(self) -> ModelConfig:
+        if self.kind in ("pretrained", "gguf") and not self.path:
+            raise ValueError(f"model.path is required when model.kind is {self.kind!r}")
+        if self.kind == "gguf" and not self.gguf_file:
+            raise ValueError("model.gguf_file is required when model.kind is 'gguf'")
+        return self
+
+
+class WarmStartConfig(_Section):
+    """Optional supervised phase before RL (loss on every token of example transcripts)."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(1e-3, gt=0)
+
+
+class RolloutConfig(_Section):
+    tasks_per_step: int = Field(16, gt=0)
+    n_per_task: int = Field(8, gt=0)  # the group size
+    concurrency: int = Field(256, gt=0)
+    timeout_s: float = Field(60.0, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(16, gt=0)
+
+
+class AggregateConfig(_Section):
+    level: Literal["trajectory", "transition"] = "trajectory"
+    max_prompt_length: int = Field(512, gt=0)
+    max_response_length: int = Field(512, gt=0)
+    overlong: Literal["drop_rollout", "truncate"] = "drop_rollout"
+
+
+class AdvantageConfig(_Section):
+    estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++"] = "grpo"
+    failed_rollouts: Literal["exclude", "zero_reward"] = "exclude"
+    eps: float = Field(1e-6, gt=0)
+
+
+class LossConfig(_Section):
+    mode: Literal[
+        "rollout-mean",
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ] = "rollout-mean"
+    norm_length: float | None = Field(None, gt=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(3.0, gt=1)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(5e-4, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    mini_batches: int = Field(1, gt=0)  # optimizer updates per PPO epoch
+    ppo_epochs: int = Field(1, gt=0)
+    micro_batch_tokens: int = Field(65536, gt=0)
+
+
+class TrainerConfig(_Section):
+    steps: int = Field(100, gt=0)
+    seed: int = 0
+    max_staleness: int = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0)  # 0: no eval pass
+    eval_tasks: int = Field(64, gt=0)
+    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    run_dir: str = "runs/default"
+    resume: bool = False
+    tensorboard: bool = False
+    wandb: bool = False
+
+
+class TrainConfig(_Section):
+    """A whole run. `task` names the example environment and agent (e.g. `guess`)."""
+
+    task: str = "guess"
+    task_args: dict[str, Any] = Field(default_factory=dict)
+    backend: Literal["embedded", "verl"] = "embedded"
+    runner: Literal["local", "ray"] = "local"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _norm_length(self) -> TrainConfig:
+        if self.loss.mode == "seq-mean-token-sum-norm" and self.loss.norm_length is None:
+            raise ValueError("loss.norm_length is required when loss.mode is 'seq-mean-token-sum-norm'")
+        return self
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"override {key!r}: empty key part")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {p!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["optim.lr=1e-3", "trainer.steps=5"]` -> nested dict; values parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _set_dotted(tree, key.strip(), _scalar(raw.strip()))
+    return tree
+
+
+def _scalar(raw: str) -> Any:
+    """A command-line value: int, then float (YAML 1.1 reads `1e-3` as a string), then YAML."""
+    for parse in (int, float):
+        try:
+            return parse(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw) if raw else ""
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"config key {key!r}: unknown key")
+        else:
+            lines.append(f"config key {key!r}: {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    tree = _merge(data or {}, parse_overrides(overrides or []))
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return build_config(data, overrides)

@@ -1,0 +1,316 @@
+"""`local` engine: a transformers causal LM in this process, concurrent requests decoded as one batch.
+
+Requests that arrive together (concurrent `generate` calls, e.g. the turns of 128 agents) are
+gathered into one left-padded batch and decoded by one loop with a KV cache, in a worker thread
+so the event loop keeps serving. Gathering: after the first request, keep collecting while new
+ones arrive less than `batch_window_ms` apart (at most `max_batch_size` requests, at most
+`max_wait_ms` in all); requests that arrive while a batch is decoding form the next batch.
+
+One decode step for the rows b of the batch, with logits l_b of the next token:
+
+    T_b = temperature (1 where temperature == 0)      z_b = l_b / T_b      logp_b = log_softmax(z_b)
+    temperature == 0:  y_b = argmax z_b
+    otherwise:         y_b ~ softmax(z_b) restricted to the top-p nucleus (the most likely tokens
+                       whose mass, before the last one, is < top_p), renormalised; drawn by inverse
+                       CDF at u_b = uniform(seed_b, step), so a seeded request gives the same ids
+                       whatever else is in its batch (up to float ties)
+    recorded logprob:  logp_b[y_b]  -- under the full temperature-scaled distribution (before
+                       top-p), the quantity `tracetrain.logprobs.response_logprobs` recomputes
+
+A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
+request's stop_token_ids; the stop id is kept in the response, finish "stop") or at max_tokens
+("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tracetrain.engines.base import (
+    EngineError,
+    Generation,
+    PromptTooLong,
+    SamplingParams,
+    check_sampling_params,
+)
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, step): 53 bits of splitmix64."""
+    return (_splitmix64(_splitmix64(seed & _M64) ^ step) >> 11) * 2.0**-53
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step for a batch: logits [B, V] fp32, temperature [B] (0 = greedy), top_p [B], u [B]
+    uniforms (float64). Returns (token ids [B], their logprobs under log_softmax(logits / T) [B])."""
+    greedy = temperature == 0
+    z = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    if bool((top_p < 1).any()):
+        p, order = p.sort(dim=-1, descending=True)
+        p = p * ((p.cumsum(-1) - p) < top_p[:, None])  # the nucleus; the top token always stays
+    else:
+        order = None
+    cdf = p.double().cumsum(-1)
+    j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
+    y = j if order is None else order.gather(-1, j)
+    y = torch.where(greedy, z.argmax(-1), y.squeeze(-1))
+    return y, logp.gather(-1, y[:, None]).squeeze(-1)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    future: asyncio.Future | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+
+class LocalEngine:
+    """Engine over a transformers causal LM in this process (see the module docstring).
+
+    `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
+    (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
+    `stats` counts decode loops ("batches"), requests, forward calls and generated tokens.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str = "local",
+        max_context: int | None = None,
+        max_batch_size: int = 128,
+        batch_window_ms: float = 2.0,
+        max_wait_ms: float = 50.0,
+        device: str | torch.device | None = None,
+        model_version: int = 0,
+        seed: int | None = None,
+    ):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if not batch_window_ms >= 0 or not max_wait_ms >= 0:
+            raise ValueError(f"batch_window_ms and max_wait_ms must be >= 0, got {batch_window_ms!r}, {max_wait_ms!r}")
+        self.model = model if device is None else model.to(device)
+        self.device = next(self.model.parameters()).device
+        self.tokenizer = tokenizer
+        self.name = name
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = int(max_context if max_context is not None else limit)
+        if limit is not None and self.max_context > limit:
+            raise ValueError(f"max_context {self.max_context} exceeds the model's max_position_embeddings {limit}")
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_batch_size = max_batch_size
+        self.batch_window = batch_window_ms / 1000
+        self.max_wait = max_wait_ms / 1000
+        self.model_version = model_version
+        eos = [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
+        self.stop_ids = frozenset(i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids, default=0)
+        self._seeds = random.Random(seed)
+        self._lock = threading.Lock()  # held while the model decodes or its weights change
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[_Request] = []
+        self._wakeup: asyncio.Event | None = None
+        self._collector: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats = {"batches": 0, "requests": 0, "forward_calls": 0, "tokens": 0, "max_batch": 0}
+
+    # ------------------------------------------------------------------ requests
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError on bad params or ids; PromptTooLong if prompt + max_tokens > max_context."""
+        check_sampling_params(params)
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        for k, i in enumerate(prompt_ids):
+            if type(i) is not int or not 0 <= i < self.vocab_size:
+                raise ValueError(f"prompt_ids[{k}] is {i!r}; token ids of this model are ints in [0, {self.vocab_size})")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_context:
+            raise PromptTooLong(
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} > the engine's max_context {self.max_context}"
+            )
+
+    def _request(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
+        self.check(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        return _Request(list(prompt_ids), params, seed)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        req = self._request(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._collector is None or self._collector.done():
+            self._loop, self._wakeup, self._pending = loop, asyncio.Event(), []
+            self._collector = loop.create_task(self._collect())
+        req.future = loop.create_future()
+        self._pending.append(req)
+        self._wakeup.set()
+        return await req.future
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
+        """Decode `prompts` (with one params for all, or one each) in batches of max_batch_size."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        reqs = [self._request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        out: list[Generation] = []
+        for k in range(0, len(reqs), self.max_batch_size):
+            out += self._run(reqs[k : k + self.max_batch_size])
+        return out
+
+    async def _collect(self) -> None:
+        """Forever: wait for requests, gather a batch (see the module docstring), decode it."""
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            start, seen = loop.time(), len(self._pending)
+            while seen < self.max_batch_size and self.batch_window > 0:
+                await asyncio.sleep(self.batch_window)
+                if len(self._pending) == seen or loop.time() - start >= self.max_wait:
+                    break
+                seen = len(self._pending)
+            batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]
+            del self._pending[: self.max_batch_size]
+            if not self._pending:
+                self._wakeup.clear()
+            if not batch:
+                continue
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
+            try:
+                gens = await loop.run_in_executor(self._executor, self._run, batch)
+            except Exception as e:  # the engine failed, not the request: 503 with the reason
+                err = EngineError(f"local engine {self.name!r} failed: {type(e).__name__}: {e}", 503)
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(err)
+                continue
+            for r, g in zip(batch, gens, strict=True):
+                if not r.future.done():
+                    r.future.set_result(g)
+
+    # ------------------------------------------------------------------ decoding
+    def _run(self, reqs: list[_Request]) -> list[Generation]:
+        with self._lock:
+            version = self.model_version
+            self._decode(reqs)
+        return [Generation(r.ids, r.logprobs, r.finish, version) for r in reqs]
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        self.stats["forward_calls"] += 1
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.inference_mode()
+    def _decode(self, reqs: list[_Request]) -> None:
+        """Fill r.ids, r.logprobs, r.finish for each request; one batched loop."""
+        dev, B = self.device, len(reqs)
+        P = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, r in enumerate(reqs):  # left padding: the last column is every row's last prompt token
+            ids[b, P - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[b, P - len(r.prompt_ids) :] = 1
+        position = (mask.cumsum(-1) - 1).clamp_(min=0)
+        ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
+        temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
+        top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
+        stops = [self.stop_ids | set(r.params.stop_token_ids) for r in reqs]
+        logits, cache = self._forward(ids, mask, position, None)
+        next_pos = position[:, -1] + 1
+        rows = list(range(B))  # request index of each batch row
+        alive = [True] * B
+        self.stats["batches"] += 1
+        self.stats["requests"] += B
+        self.stats["max_batch"] = max(self.stats["max_batch"], B)
+        for step in range(max(r.params.max_tokens for r in reqs)):
+            u = torch.tensor([uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev)
+            y, lp = sample_tokens(logits, temperature, top_p, u)
+            for b, (i, t, v) in enumerate(zip(rows, y.tolist(), lp.tolist(), strict=True)):
+                if not alive[b]:
+                    continue
+                r = reqs[i]
+                r.ids.append(t)
+                r.logprobs.append(v)
+                if t in stops[i]:
+                    r.finish = "stop"
+                elif len(r.ids) >= r.params.max_tokens:
+                    r.finish = "length"
+                if r.finish is not None:
+                    alive[b] = False
+            n_alive = sum(alive)
+            self.stats["tokens"] += len(rows)
+            if n_alive == 0:
+                break
+            if 4 * (len(rows) - n_alive) >= len(rows):  # drop finished rows from the batch and cache
+                keep = torch.tensor([b for b in range(len(rows)) if alive[b]], device=dev)
+                cache.batch_select_indices(keep)
+                mask, next_pos, y = mask[keep], next_pos[keep], y[keep]
+                temperature, top_p = temperature[keep], top_p[keep]
+                rows = [rows[b] for b in range(len(rows)) if alive[b]]
+                alive = [True] * len(rows)
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            logits, cache = self._forward(y[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Load `state_dict` into the model in place (None: the trainer updated the shared module
+        itself) and set model_version. Waits for a decoding batch to finish first; the gateway
+        pauses and drains requests around it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        with self._lock:
+            if state_dict is not None:
+                with torch.no_grad():
+                    self.model.load_state_dict(state_dict, strict=True)
+            self.model_version = version
+
+    async def aclose(self) -> None:
+        if self._collector is not None:
+            self._collector.cancel()
+            self._collector = None
+        for r in self._pending:
+            if r.future is not None and not r.future.done():
+                r.future.set_exception(EngineError(f"local engine {self.name!r} closed", 503))
+        self._pending = []
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,129 @@
+"""The gateway app: `create_app(store, engines, admin_key=...)` -> a FastAPI app.
+
+    app.state.gateway   the Gateway below: store, engine slots, keys, settings
+    routes              rollout_routes (rollouts, rewards, events), openai_routes (per-rollout
+                        OpenAI API), engine_routes (register, pause, resume, drain)
+    limits              request bodies over max_body_bytes are refused (413) without being read
+    errors              every error is a JSON body; no client mistake is a 5xx
+
+Serve it with uvicorn (`tracetrain.gateway.serve`). The app does not own the store or the engines
+it was given (the caller closes them); it closes the engines it built itself (registered ones).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from tracetrain.engines.base import Engine, EngineError
+from tracetrain.gateway import engine_routes, errors, openai_routes, rollout_routes
+from tracetrain.gateway.limits import BodySizeLimit
+from tracetrain.gateway.slots import EngineSlot
+from tracetrain.store import RolloutRecord, Store
+
+log = logging.getLogger("tracetrain.gateway")
+
+EngineFactory = Callable[[dict[str, Any], "Gateway"], Engine]
+
+
+@dataclass
+class Gateway:
+    store: Store
+    admin_key: str
+    default_engine: str
+    pause_wait_s: float = 60.0
+    public_url: str | None = None
+    engine_factory: EngineFactory | None = None
+    slots: dict[str, EngineSlot] = field(default_factory=dict)
+    owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
+
+    def add_engine(self, name: str, engine: Engine, *, spec: dict | None = None) -> EngineSlot:
+        missing = [a for a in ("tokenizer", "model_version", "max_context", "generate") if not hasattr(engine, a)]
+        if missing:
+            raise TypeError(f"engine {name!r} lacks {', '.join(missing)} (see tracetrain.engines.base.Engine)")
+        self.slots[name] = EngineSlot(name, engine, pause_wait_s=self.pause_wait_s, spec=spec)
+        if spec is not None:
+            self.owned.append(engine)
+        return self.slots[name]
+
+    def slot_for(self, rollout: RolloutRecord) -> EngineSlot:
+        name = rollout.engine or self.default_engine
+        slot = self.slots.get(name)
+        if slot is None:
+            raise EngineError(f"engine {name!r} of rollout {rollout.rollout_id!r} is not available", 503)
+        return slot
+
+    def base_url(self, request: Request, rollout_id: str) -> str:
+        root = self.public_url or str(request.base_url)
+        return f"{root.rstrip('/')}/rollouts/{rollout_id}/v1"
+
+
+def create_app(
+    store: Store,
+    engines: Engine | Mapping[str, Engine],
+    *,
+    admin_key: str,
+    max_body_bytes: int = 8 << 20,
+    pause_wait_s: float = 60.0,
+    default_engine: str | None = None,
+    public_url: str | None = None,
+    engine_factory: EngineFactory | None = None,
+    close_engines: bool = False,
+) -> FastAPI:
+    """Build the gateway. `engines`: one engine (named "default") or {name: engine}; the default
+    engine serves rollouts that name none. `engine_factory(spec, gateway)` builds engines registered
+    over HTTP (and rebuilds persisted ones at startup); without it registration is refused.
+    close_engines: also close the given engines at shutdown (the app then owns them)."""
+    if not isinstance(admin_key, str) or not admin_key.strip():
+        raise ValueError("admin_key must be a non-empty string")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    engines = {"default": engines} if not isinstance(engines, Mapping) else dict(engines)
+    if not engines:
+        raise ValueError("engines is empty; the gateway needs at least one engine")
+    default_engine = default_engine or next(iter(engines))
+    if default_engine not in engines:
+        raise ValueError(f"default_engine {default_engine!r} is not among the engines {sorted(engines)}")
+    gw = Gateway(store, admin_key, default_engine, pause_wait_s, public_url, engine_factory)
+    for name, engine in engines.items():
+        gw.add_engine(name, engine)
+        if close_engines:
+            gw.owned.append(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if engine_factory is not None:  # engines registered before a restart
+            for name, spec in store.list_engines().items():
+                if name in gw.slots:
+                    continue
+                try:
+                    gw.add_engine(name, engine_factory(spec, gw), spec=spec)
+                except Exception as e:
+                    log.warning("engine %r not rebuilt: %s: %s", name, type(e).__name__, e)
+        yield
+        for engine in gw.owned:
+            await engine.aclose()
+
+    app = FastAPI(
+        title="tracetrain gateway",
+        version="1",
+        description="OpenAI-compatible endpoint per rollout that records exact token ids.",
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    errors.install(app)
+    app.include_router(rollout_routes.router)
+    app.include_router(openai_routes.router)
+    app.include_router(engine_routes.router)
+    app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
+
+    @app.get("/health", tags=["health"])
+    async def health() -> dict:
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,191 @@
+"""OpenAI-compatible model routes, one base URL per rollout: {base}/rollouts/{rollout_id}/v1.
+
+One request is one turn:
+    render prompt ids (chat template) -> check the rollout is open (queued -> running)
+    -> engine.generate (through the engine's pause gate) -> record the turn (committed)
+    -> answer (JSON, or SSE chunks then [DONE]).
+The turn is in the store before the first byte of the answer is sent. The answer text is decoded
+from the response ids. Extra fields: "tracetrain" {rollout_id, turn_index, model_version} always;
+"prompt_token_ids" and choices[0].token_ids when the request sets return_token_ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from tracetrain.engines.base import EngineError, Generation, PromptTooLong, SamplingParams
+from tracetrain.gateway import render
+from tracetrain.gateway.keys import rollout_access
+from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn
+from tracetrain.gateway.slots import EngineSlot
+from tracetrain.gateway.tool_calls import parse_tool_calls
+from tracetrain.store import RolloutEnded, RolloutRecord
+from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, Turn
+
+router = APIRouter(tags=["openai"])
+
+
+async def generate_turn(
+    request: Request, rollout: RolloutRecord, slot: EngineSlot, prompt_ids: list[int], params: SamplingParams
+) -> tuple[Generation, int]:
+    """Generate and record one turn; returns (generation, turn index)."""
+    store = request.app.state.gateway.store
+    rid = rollout.rollout_id
+    if rollout.state in TERMINAL_STATES:
+        raise RolloutEnded(f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls")
+    if rollout.state == RolloutState.queued:
+        await store.start(rid)
+    async with slot.admit() as engine:
+        try:
+            gen = await engine.generate(prompt_ids, params)
+        except (EngineError, PromptTooLong):
+            raise
+        except Exception as e:  # an engine bug is still the engine failing, not the client
+            raise EngineError(f"{type(e).__name__}: {e}", status=502) from e
+    try:
+        if not isinstance(gen, Generation):
+            raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
+        Turn(prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version)
+    except TraceError as e:
+        raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
+    index = await store.add_turn(
+        rid, prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version, gen.finish_reason
+    )
+    return gen, index
+
+
+def _text(tokenizer: Any, gen: Generation, params: SamplingParams) -> str:
+    ids = gen.response_ids
+    if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
+        ids = ids[:-1]  # like OpenAI: the stop sequence is not part of the text
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _usage(prompt_ids: list[int], gen: Generation) -> dict[str, int]:
+    p, c = len(prompt_ids), len(gen.response_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
+    return {"rollout_id": rollout_id, "turn_index": index, "model_version": gen.model_version}
+
+
+def _sse(chunks: list[dict[str, Any]]) -> Response:
+    body = "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks)
+    return Response(body + "data: [DONE]\n\n", media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"})
+
+
+def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
+    return [
+        {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+        for t, lp in zip(gen.response_ids, gen.response_logprobs, strict=True)
+    ]
+
+
+@router.post("/rollouts/{rollout_id}/v1/chat/completions", summary="OpenAI chat completion (one turn)")
+async def chat_completions(
+    body: ChatCompletionIn, request: Request, rollout: RolloutRecord = Depends(rollout_access)
+) -> Response:
+    gw = request.app.state.gateway
+    slot = gw.slot_for(rollout)
+    tok = slot.engine.tokenizer
+    prompt_ids, params = render.chat_request(tok, slot.engine, body)
+    gen, index = await generate_turn(request, rollout, slot, prompt_ids, params)
+
+    text = _text(tok, gen, params)
+    tool_calls: list[dict[str, Any]] = []
+    content: str | None = text
+    if body.tools:
+        content, tool_calls = parse_tool_calls(text)
+    finish = "tool_calls" if tool_calls else gen.finish_reason
+    logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None
+    base = {
+        "id": f"chatcmpl-{rollout.rollout_id}-{index}",
+        "created": int(time.time()),
+        "model": body.model or slot.name,
+    }
+    extra = {"tracetrain": _meta(rollout.rollout_id, index, gen)}
+    if body.return_token_ids:
+        extra["prompt_token_ids"] = prompt_ids
+    ids = {"token_ids": gen.response_ids} if body.return_token_ids else {}
+
+    if not body.stream:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish, **ids}
+        return JSONResponse(
+            {**base, "object": "chat.completion", "choices": [choice],
+             "usage": _usage(prompt_ids, gen), **extra}
+        )
+
+    chunk = {**base, "object": "chat.completion.chunk"}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if content:
+        deltas.append({"content": content})
+    if tool_calls:
+        deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]})
+    chunks = [
+        {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
+        for d in deltas
+    ]
+    if logprobs is not None:
+        chunks[-1]["choices"][0]["logprobs"] = logprobs
+    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, **ids}
+    chunks.append({**chunk, "choices": [last], **extra})
+    if body.stream_options is not None and body.stream_options.include_usage:
+        chunks.append({**chunk, "choices": [], "usage": _usage(prompt_ids, gen)})
+    return _sse(chunks)
+
+
+@router.post("/rollouts/{rollout_id}/v1/completions", summary="OpenAI text completion (one turn)")
+async def completions(
+    body: CompletionIn, request: Request, rollout: RolloutRecord = Depends(rollout_access)
+) -> Response:
+    gw = request.app.state.gateway
+    slot = gw.slot_for(rollout)
+    tok = slot.engine.tokenizer
+    prompt_ids, params = render.completion_request(tok, slot.engine, body)
+    gen, index = await generate_turn(request, rollout, slot, prompt_ids, params)
+
+    text = _text(tok, gen, params)
+    logprobs = None
+    if body.logprobs is not None:
+        tokens = [tok.decode([t]) for t in gen.response_ids]
+        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        logprobs = {"tokens": tokens, "token_logprobs": gen.response_logprobs,
+                    "top_logprobs": None, "text_offset": offsets}
+    base = {
+        "id": f"cmpl-{rollout.rollout_id}-{index}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or slot.name,
+    }
+    extra: dict[str, Any] = {"tracetrain": _meta(rollout.rollout_id, index, gen)}
+    if body.return_token_ids:
+        extra["prompt_token_ids"] = prompt_ids
+    ids = {"token_ids": gen.response_ids} if body.return_token_ids else {}
+    if not body.stream:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason, **ids}
+        return JSONResponse({**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra})
+    chunks = [
+        {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}]},
+        {**base, "choices": [{"index": 0, "text": "", "logprobs": None,
+                              "finish_reason": gen.finish_reason, **ids}], **extra},
+    ]
+    if body.stream_options is not None and body.stream_options.include_usage:
+        chunks.append({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
+    return _sse(chunks)
+
+
+@router.get("/rollouts/{rollout_id}/v1/models", summary="OpenAI model list (the rollout's engine)")
+async def models(request: Request, rollout: RolloutRecord = Depends(rollout_access)) -> dict:
+    slot = request.app.state.gateway.slot_for(rollout)
+    card = {"id": slot.name, "object": "model", "created": 0, "owned_by": "tracetrain"}
+    return {"object": "list", "data": [card]}

@@ -1,0 +1,121 @@
+"""OpenAI request -> exact prompt token ids and SamplingParams, on the gateway side.
+
+Chat messages are rendered with the engine tokenizer's chat template
+(`apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)`), so the ids
+recorded for a turn are the ids the model saw. Nothing the engine cannot honour is dropped silently:
+n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop strings are 400s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
+from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
+
+
+def chat_prompt_ids(tokenizer: Any, body: ChatCompletionIn) -> list[int]:
+    messages = [m.model_dump() for m in body.messages]
+    kwargs = {"tools": body.tools} if body.tools else {}
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
+    except Exception as e:  # a template raising on the messages is the client's input at fault
+        raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids)
+
+
+def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts; only one is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+        vocab = len(tokenizer)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (size {vocab})", "prompt")
+    if not ids:
+        raise ApiError(400, "prompt is empty", "prompt")
+    return ids
+
+
+def _reject(body: _Sampling, extra: dict[str, Any]) -> None:
+    if body.n not in (None, 1):
+        raise ApiError(400, f"n is {body.n}; only n=1 is supported (one turn per request)", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            raise ApiError(400, f"{name} is not supported (got {value})", name)
+    for name, default in extra.items():
+        value = getattr(body, name, None)
+        if value not in (None, default):
+            raise ApiError(400, f"{name}={value!r} is not supported", name)
+
+
+def _stop_ids(tokenizer: Any, stop: str | list[str] | None) -> tuple[int, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4:
+        raise ApiError(400, f"stop has {len(stops)} entries; at most 4", "stop")
+    ids = []
+    for s in stops:
+        toks = tokenizer.encode(s, add_special_tokens=False)
+        if len(toks) != 1:
+            raise ApiError(
+                400, f"stop {s!r} is {len(toks)} tokens; only single-token stops are supported", "stop"
+            )
+        ids.append(toks[0])
+    return tuple(ids)
+
+
+def sampling_params(
+    tokenizer: Any, engine: Engine, body: _Sampling, prompt_len: int, max_tokens: int | None
+) -> SamplingParams:
+    """Check the prompt fits: prompt_len + max_tokens <= engine.max_context (default max_tokens:
+    all the room left, like vLLM)."""
+    room = engine.max_context - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise PromptTooLong(
+                f"prompt is {prompt_len} tokens; the context limit is {engine.max_context}, "
+                "which leaves no room for a response"
+            )
+        max_tokens = room
+    elif max_tokens > room:
+        raise PromptTooLong(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context limit "
+            f"of {engine.max_context} tokens"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        stop_token_ids=_stop_ids(tokenizer, body.stop),
+        seed=body.seed,
+    )
+
+
+def chat_request(tokenizer: Any, engine: Engine, body: ChatCompletionIn):
+    """(prompt_ids, SamplingParams) for a chat completion."""
+    _reject(body, {"top_logprobs": 0})
+    mt, mct = body.max_tokens, body.max_completion_tokens
+    if mt is not None and mct is not None and mt != mct:
+        raise ApiError(400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens")
+    prompt_ids = chat_prompt_ids(tokenizer, body)
+    return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), mct or mt)
+
+
+def completion_request(tokenizer: Any, engine: Engine, body: CompletionIn):
+    """(prompt_ids, SamplingParams) for a text completion."""
+    _reject(body, {"echo": False, "best_of": 1, "suffix": None})
+    prompt_ids = completion_prompt_ids(tokenizer, body)
+    return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), body.max_tokens)

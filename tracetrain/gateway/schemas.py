@@ -1,0 +1,196 @@
+"""Request and response bodies (pydantic). They are the OpenAPI schema of the gateway.
+
+Rollout API bodies are strict: wrong types are errors (422, naming the field), unknown fields are
+errors, non-finite numbers are errors. OpenAI bodies accept unknown fields (agent harnesses send
+many) but type-check the ones the gateway uses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+State = Literal["queued", "running", "succeeded", "failed", "timed_out"]
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+Id = Annotated[str, Field(min_length=1, max_length=200, pattern=ID_PATTERN)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class Loose(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+# ------------------------------------------------------------------------------- rollouts
+
+
+class NewRolloutIn(Strict):
+    rollout_id: Id | None = Field(None, description="default: a new random id")
+    group_id: Id | None = Field(None, description="default: the rollout id (a group of one)")
+    task: JsonValue = Field(None, description="the task input, any JSON")
+    engine: Id | None = Field(None, description="engine name; default: the gateway's default")
+
+
+class CreateRolloutsIn(Strict):
+    rollouts: list[NewRolloutIn] = Field(min_length=1, max_length=10_000)
+
+
+class RolloutOut(BaseModel):
+    rollout_id: str
+    group_id: str
+    task: JsonValue
+    engine: str | None
+    state: State
+    error: str | None
+    reward: float | None
+    n_turns: int
+    created_at: float
+    updated_at: float
+
+
+class CreatedRolloutOut(RolloutOut):
+    created: bool = Field(description="false when the id existed (idempotent create)")
+    base_url: str = Field(description="OpenAI base URL for this rollout's agent")
+    api_key: str = Field(description="this rollout's key; shown here only")
+
+
+class CreateRolloutsOut(BaseModel):
+    rollouts: list[CreatedRolloutOut]
+
+
+class TurnOut(BaseModel):
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None
+    model_version: int | None
+    finish_reason: str | None
+    created_at: float
+
+
+class RolloutDetailOut(RolloutOut):
+    turns: list[TurnOut] | None
+
+
+class RolloutPageOut(BaseModel):
+    rollouts: list[RolloutOut]
+    next_cursor: int | None = Field(description="pass as `cursor` for the next page; null at the end")
+
+
+class PatchRolloutIn(Strict):
+    state: State | None = None
+    error: str | None = Field(None, max_length=100_000)
+    reward: float | None = Field(
+        None, description="override the reward (null clears the override); absent: unchanged"
+    )
+
+
+class RewardIn(Strict):
+    reward: float
+    info: JsonValue = None
+
+
+class EventIn(Strict):
+    kind: Annotated[str, Field(min_length=1, max_length=100)]
+    payload: JsonValue = None
+
+
+class EventOut(BaseModel):
+    event_id: int
+    kind: str
+    payload: JsonValue
+    reward: float | None
+    created_at: float
+
+
+class EventsOut(BaseModel):
+    events: list[EventOut]
+
+
+# -------------------------------------------------------------------------------- engines
+
+
+class RegisterEngineIn(Strict):
+    name: Id
+    base_url: Annotated[str, Field(min_length=1, max_length=2000, pattern=r"^https?://")]
+    model: Annotated[str, Field(min_length=1, max_length=500)]
+    tokenizer: str | None = Field(
+        None, description="tokenizer path; default: the default engine's tokenizer"
+    )
+    max_context: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="prompt + max_tokens limit; default: the default engine's"
+    )
+
+
+class EngineOut(BaseModel):
+    name: str
+    kind: str
+    model_version: int
+    max_context: int
+    paused: bool
+    in_flight: int
+    served: int
+    spec: dict[str, Any] | None
+
+
+class EnginesOut(BaseModel):
+    engines: list[EngineOut]
+
+
+class DrainOut(BaseModel):
+    drained: bool
+    in_flight: int
+
+
+# --------------------------------------------------------------------------------- OpenAI
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(Loose):
+    include_usage: bool = False
+
+
+class _Sampling(Loose):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_token_ids: bool | None = Field(
+        False, description="add prompt_token_ids and choices[].token_ids to the answer"
+    )
+
+
+class ChatCompletionIn(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionIn(_Sampling):
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None

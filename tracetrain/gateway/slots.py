@@ -1,0 +1,84 @@
+"""An engine slot: the gate in front of one engine, for weight updates.
+
+    pause()   new requests wait at the gate (at most `pause_wait_s`, then 503) instead of failing
+    resume()  open the gate
+    drain()   pause, then wait until the requests already past the gate have finished
+
+A weight update is `await slot.drain(); update weights; slot.resume()`. Methods run on the
+gateway's event loop (from another thread use the HTTP routes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from tracetrain.engines.base import Engine, EngineError
+
+
+class EngineSlot:
+    def __init__(self, name: str, engine: Engine, *, pause_wait_s: float = 60.0, spec: dict | None = None):
+        self.name, self.engine, self.pause_wait_s = name, engine, pause_wait_s
+        self.spec = spec  # how it was registered (None for engines given at startup)
+        self.in_flight = 0
+        self.served = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Pause, then wait (at most `timeout` s) for in-flight requests; True when none is left."""
+        self.pause()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    @asynccontextmanager
+    async def admit(self):
+        """Hold a place among the in-flight requests while generating; wait while paused."""
+        deadline = time.monotonic() + self.pause_wait_s
+        while not self._open.is_set():  # re-check: a pause may follow the resume that woke us
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(self._open.wait(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                raise EngineError(
+                    f"engine {self.name!r} is paused (waited {self.pause_wait_s:g} s)", status=503
+                ) from None
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield self.engine
+        finally:
+            self.in_flight -= 1
+            self.served += 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    def describe(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "name": self.name,
+            "kind": getattr(e, "name", type(e).__name__),
+            "model_version": e.model_version,
+            "max_context": e.max_context,
+            "paused": self.paused,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "spec": self.spec,
+        }

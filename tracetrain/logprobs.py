@@ -1,0 +1,37 @@
+"""Per-token log-probabilities (and entropy) of the response columns of rows under a causal LM.
+
+For row i and response column t (absolute position P + t), with logits z = model(...)[i, P+t-1] / T:
+    logprob[i, t] = z[y] - logsumexp(z)          y = input_ids[i, P + t]
+    entropy[i, t] = logsumexp(z) - sum_v softmax(z)_v * z_v
+T is the sampling temperature, so these are the same quantities the local engine records.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (logprobs [rows, R], entropy [rows, R] or None); R = response_length."""
+    R = response_length
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    # The logit at position j predicts token j+1: the response columns are predicted by [-R-1, -1).
+    logits = out.logits[:, -R - 1 : -1, :].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    target = input_ids[:, -R:]
+    logprobs = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy

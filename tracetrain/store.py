@@ -1,0 +1,783 @@
+"""The store: rollouts, their turns, rewards and events, durably, in one SQLite file.
+
+Contract (`Store`): writes are `async` and return only after their transaction is committed, so a
+gateway that answers 2xx after `await store.add_turn(...)` never loses an acknowledged turn when
+its process is killed (`kill -9`). Reads are plain calls, cheap and safe from any thread.
+
+`SQLiteStore(path)` implements it:
+- WAL journal, `synchronous=NORMAL` by default: a commit is in the WAL (the OS page cache) before
+  it is acknowledged, which survives the death of the process; `synchronous="FULL"` also fsyncs
+  the WAL on every commit, which survives power loss at the cost of one fsync per group commit.
+- One writer thread owns the write connection. Writes from any number of coroutines go through a
+  queue; the thread takes everything queued, runs each write in its own SAVEPOINT (one failing
+  write does not undo the others), commits the whole group once, then resolves each caller's
+  future (group commit). Writes are therefore serialised: a turn's index is `n_turns` of its
+  rollout read and bumped inside the same transaction, so indices are dense, unique and in the
+  order the writes reached the store.
+- Reads use one read-only connection per thread; in WAL mode they never wait for the writer.
+- Token ids are stored as little-endian int32 BLOBs and logprobs as little-endian float32 BLOBs
+  (4 bytes per token; float32 keeps a logprob to ~1e-7 relative, the precision engines compute in).
+- Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1.
+
+A rollout's reward is its `reward_override` when the trainer set one, else the value of its last
+`reward` event, else None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import sqlite3
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracetrain.types import (
+    LEGAL_TRANSITIONS,
+    TERMINAL_STATES,
+    Rollout,
+    RolloutState,
+    Turn,
+)
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class StoreError(Exception):
+    """A write the store refused; the message says why. Subclasses map to HTTP statuses."""
+
+
+class UnknownRollout(StoreError):
+    """No rollout with this id (404)."""
+
+
+class IllegalTransition(StoreError):
+    """A state change not in LEGAL_TRANSITIONS (409)."""
+
+
+class RolloutEnded(StoreError):
+    """A turn or agent event for a rollout already in a terminal state (409)."""
+
+
+class RolloutConflict(StoreError):
+    """Create with an existing id but a different group, task or engine (409)."""
+
+
+# -------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class NewRollout:
+    """What `create_rollouts` needs; `key_salt`/`key_hash` come from the gateway's keys module."""
+
+    rollout_id: str
+    group_id: str
+    task: Any = None
+    engine: str | None = None
+    key_salt: bytes = b""
+    key_hash: bytes = b""
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    rollout_id: str
+    group_id: str
+    task: Any
+    engine: str | None
+    state: RolloutState
+    error: str | None
+    reward: float | None  # reward_override if set, else the last reward event's value
+    reward_override: float | None
+    n_turns: int
+    created_at: float
+    updated_at: float
+    seq: int  # insertion order; the paging cursor
+    key_salt: bytes = field(repr=False, default=b"")
+    key_hash: bytes = field(repr=False, default=b"")
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None
+    model_version: int | None
+    finish_reason: str | None
+    created_at: float
+
+    def to_turn(self) -> Turn:
+        return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version)
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    event_id: int
+    rollout_id: str
+    kind: str
+    payload: Any
+    reward: float | None  # set for kind == "reward"
+    created_at: float
+
+
+# ------------------------------------------------------------------------------ the interface
+
+
+class Store(ABC):
+    """Durable rollouts, turns and events. Writes return after commit; reads are synchronous."""
+
+    # writes
+    @abstractmethod
+    async def create_rollouts(
+        self, rollouts: Sequence[NewRollout]
+    ) -> list[tuple[RolloutRecord, bool]]:
+        """Insert each rollout unless its id exists (then: same group/task/engine -> returned with
+        created=False; different -> RolloutConflict, and nothing of the batch is written)."""
+
+    @abstractmethod
+    async def rekey_rollout(self, rollout_id: str, key_salt: bytes, key_hash: bytes) -> None: ...
+
+    @abstractmethod
+    async def set_state(
+        self, rollout_id: str, state: RolloutState | str, error: str | None = None
+    ) -> RolloutRecord:
+        """Move a rollout to `state` if LEGAL_TRANSITIONS allows (setting the current state again
+        is a no-op); IllegalTransition otherwise."""
+
+    @abstractmethod
+    async def start(self, rollout_id: str) -> RolloutRecord:
+        """queued -> running; a running rollout is returned as is; RolloutEnded if terminal."""
+
+    @abstractmethod
+    async def add_turn(
+        self,
+        rollout_id: str,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+        response_logprobs: Sequence[float] | None,
+        model_version: int | None,
+        finish_reason: str | None,
+    ) -> int:
+        """Append a turn and return its index (0, 1, ...). A queued rollout becomes running;
+        RolloutEnded if it is terminal."""
+
+    @abstractmethod
+    async def add_event(
+        self,
+        rollout_id: str,
+        kind: str,
+        payload: Any = None,
+        reward: float | None = None,
+        *,
+        allow_ended: bool = True,
+    ) -> EventRecord:
+        """Append an event; kind "reward" carries `reward`, which becomes the rollout's reward."""
+
+    @abstractmethod
+    async def set_reward_override(self, rollout_id: str, reward: float | None) -> RolloutRecord: ...
+
+    @abstractmethod
+    async def delete_rollout(self, rollout_id: str) -> bool: ...
+
+    @abstractmethod
+    async def put_engine(self, name: str, spec: dict[str, Any]) -> None: ...
+
+    # reads
+    @abstractmethod
+    def get_rollout(self, rollout_id: str) -> RolloutRecord | None: ...
+
+    @abstractmethod
+    def rollout_by_key_hash(self, key_hash: bytes) -> RolloutRecord | None: ...
+
+    @abstractmethod
+    def get_turns(self, rollout_id: str) -> list[TurnRecord]: ...
+
+    @abstractmethod
+    def list_rollouts(
+        self,
+        *,
+        state: RolloutState | str | None = None,
+        group_id: str | None = None,
+        after: int = 0,
+        limit: int = 100,
+    ) -> list[RolloutRecord]:
+        """Rollouts with seq > `after`, in insertion order, at most `limit`."""
+
+    @abstractmethod
+    def list_events(self, rollout_id: str, kind: str | None = None) -> list[EventRecord]: ...
+
+    @abstractmethod
+    def list_engines(self) -> dict[str, dict[str, Any]]: ...
+
+    def load_rollouts(
+        self,
+        *,
+        rollout_ids: Iterable[str] | None = None,
+        group_id: str | None = None,
+        states: Iterable[RolloutState | str] = TERMINAL_STATES,
+    ) -> list[Rollout]:
+        """Finished rollouts as `tracetrain.types.Rollout` (validated), for the trainer."""
+        wanted = {RolloutState(s) for s in states}
+        if rollout_ids is not None:
+            rollout_ids = list(rollout_ids)
+            records = [self.get_rollout(i) for i in rollout_ids]
+            missing = [i for i, r in zip(rollout_ids, records, strict=True) if r is None]
+            if missing:
+                raise UnknownRollout(f"unknown rollout ids: {missing[:10]}")
+        else:
+            records, after = [], 0
+            while page := self.list_rollouts(group_id=group_id, after=after, limit=1000):
+                records += page
+                after = page[-1].seq
+        out = []
+        for r in records:
+            if r.state not in wanted or (group_id is not None and r.group_id != group_id):
+                continue
+            turns = [t.to_turn() for t in self.get_turns(r.rollout_id)]
+            out.append(Rollout(r.rollout_id, r.group_id, turns, r.reward, r.state))
+        return out
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- blob encoding
+
+assert array("i").itemsize == 4 and array("f").itemsize == 4
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def ids_to_blob(ids: Sequence[int]) -> bytes:
+    """Token ids -> little-endian int32 bytes (4 per id)."""
+    a = array("i", ids)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def blob_to_ids(blob: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(blob)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tolist()
+
+
+def floats_to_blob(xs: Sequence[float]) -> bytes:
+    """Floats -> little-endian float32 bytes (4 per value)."""
+    a = array("f", xs)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def blob_to_floats(blob: bytes) -> list[float]:
+    a = array("f")
+    a.frombytes(blob)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tolist()
+
+
+# -------------------------------------------------------------------------------- schema
+
+_STATES = ", ".join(f"'{s.value}'" for s in RolloutState)
+
+MIGRATIONS: list[str] = [
+    # 0 -> 1
+    f"""
+    CREATE TABLE rollouts (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id TEXT NOT NULL UNIQUE,
+        group_id TEXT NOT NULL,
+        task TEXT NOT NULL,                 -- JSON
+        engine TEXT,                        -- engine name; NULL = the gateway's default
+        state TEXT NOT NULL CHECK (state IN ({_STATES})),
+        error TEXT,
+        reward_event REAL,                  -- value of the last reward event
+        reward_override REAL,               -- set by the trainer; wins over reward_event
+        n_turns INTEGER NOT NULL DEFAULT 0,
+        key_salt BLOB NOT NULL,
+        key_hash BLOB NOT NULL UNIQUE,      -- sha256 of the rollout's key; the key is never stored
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX rollouts_by_state ON rollouts (state, seq);
+    CREATE INDEX rollouts_by_group ON rollouts (group_id, seq);
+    CREATE TABLE turns (
+        rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id) ON DELETE CASCADE,
+        idx INTEGER NOT NULL,
+        prompt_ids BLOB NOT NULL,           -- int32 little-endian
+        response_ids BLOB NOT NULL,         -- int32 little-endian
+        logprobs BLOB,                      -- float32 little-endian, one per response id
+        model_version INTEGER,
+        finish_reason TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (rollout_id, idx)
+    ) WITHOUT ROWID;
+    CREATE TABLE events (
+        event_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id) ON DELETE CASCADE,
+        kind TEXT NOT NULL,
+        payload TEXT NOT NULL,              -- JSON
+        reward REAL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX events_by_rollout ON events (rollout_id, event_id);
+    CREATE TABLE engines (
+        name TEXT PRIMARY KEY,
+        spec TEXT NOT NULL,                 -- JSON: how to rebuild the engine
+        created_at REAL NOT NULL
+    );
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_ROLLOUT_COLUMNS = (
+    "rollout_id, group_id, task, engine, state, error, "
+    "COALESCE(reward_override, reward_event), reward_override, n_turns, created_at, updated_at, "
+    "seq, key_salt, key_hash"
+)
+
+
+def _rollout(row: tuple) -> RolloutRecord:
+    return RolloutRecord(
+        row[0], row[1], json.loads(row[2]), row[3], RolloutState(row[4]), *row[5:]
+    )
+
+
+def _connect(path: str, synchronous: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        raise StoreError(f"{path}: SQLite refused WAL mode (journal_mode is {mode!r})")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def migrate(conn: sqlite3.Connection, path: str = "") -> int:
+    """Bring the schema to SCHEMA_VERSION, one migration per transaction. Returns the version."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path}: schema version {version} is newer than this tracetrain knows "
+            f"({SCHEMA_VERSION}); upgrade tracetrain"
+        )
+    for v in range(version, SCHEMA_VERSION):
+        conn.executescript(f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;")
+    return SCHEMA_VERSION
+
+
+# --------------------------------------------------------------- write operations (writer thread)
+# Each takes the write connection as first argument and runs inside the group's transaction.
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _get(conn: sqlite3.Connection, rollout_id: str) -> RolloutRecord:
+    row = conn.execute(
+        f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+    ).fetchone()
+    if row is None:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    return _rollout(row)
+
+
+def _op_create(conn, rollouts: Sequence[NewRollout]) -> list[tuple[RolloutRecord, bool]]:
+    out = []
+    now = _now()
+    for r in rollouts:
+        task = json.dumps(r.task, allow_nan=False, separators=(",", ":"))
+        row = conn.execute(
+            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (r.rollout_id,)
+        ).fetchone()
+        if row is not None:
+            old = _rollout(row)
+            if (old.group_id, old.task, old.engine) != (r.group_id, json.loads(task), r.engine):
+                raise RolloutConflict(
+                    f"rollout {r.rollout_id!r} already exists with a different group_id, task or "
+                    "engine; creating with an existing id is only allowed with the same values"
+                )
+            out.append((old, False))
+            continue
+        conn.execute(
+            "INSERT INTO rollouts (rollout_id, group_id, task, engine, state, key_salt, key_hash,"
+            " created_at, updated_at) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+            (r.rollout_id, r.group_id, task, r.engine, r.key_salt, r.key_hash, now, now),
+        )
+        out.append((_get(conn, r.rollout_id), True))
+    return out
+
+
+def _op_rekey(conn, rollout_id: str, key_salt: bytes, key_hash: bytes) -> None:
+    cur = conn.execute(
+        "UPDATE rollouts SET key_salt = ?, key_hash = ?, updated_at = ? WHERE rollout_id = ?",
+        (key_salt, key_hash, _now(), rollout_id),
+    )
+    if cur.rowcount == 0:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+
+
+def _op_set_state(conn, rollout_id: str, state: RolloutState, error: str | None) -> RolloutRecord:
+    old = _get(conn, rollout_id)
+    if state == old.state:
+        return old
+    if state not in LEGAL_TRANSITIONS[old.state]:
+        allowed = ", ".join(sorted(s.value for s in LEGAL_TRANSITIONS[old.state])) or "none"
+        raise IllegalTransition(
+            f"rollout {rollout_id!r} cannot go from {old.state.value} to {state.value} "
+            f"(allowed from {old.state.value}: {allowed})"
+        )
+    conn.execute(
+        "UPDATE rollouts SET state = ?, error = COALESCE(?, error), updated_at = ? "
+        "WHERE rollout_id = ?",
+        (state.value, error, _now(), rollout_id),
+    )
+    return _get(conn, rollout_id)
+
+
+def _check_open(rollout: RolloutRecord, what: str) -> None:
+    if rollout.state in TERMINAL_STATES:
+        raise RolloutEnded(
+            f"rollout {rollout.rollout_id!r} has ended ({rollout.state.value}); no more {what}"
+        )
+
+
+def _op_start(conn, rollout_id: str) -> RolloutRecord:
+    r = _get(conn, rollout_id)
+    _check_open(r, "model calls")
+    if r.state == RolloutState.queued:
+        conn.execute(
+            "UPDATE rollouts SET state = 'running', updated_at = ? WHERE rollout_id = ?",
+            (_now(), rollout_id),
+        )
+        r = _get(conn, rollout_id)
+    return r
+
+
+def _op_add_turn(
+    conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason
+) -> int:
+    row = conn.execute(
+        "SELECT state, n_turns FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+    ).fetchone()
+    if row is None:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    state, index = RolloutState(row[0]), row[1]
+    if state in TERMINAL_STATES:
+        raise RolloutEnded(f"rollout {rollout_id!r} has ended ({state.value}); no more turns")
+    now = _now()
+    conn.execute(
+        "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
+        " finish_reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            rollout_id,
+            index,
+            ids_to_blob(prompt_ids),
+            ids_to_blob(response_ids),
+            None if response_logprobs is None else floats_to_blob(response_logprobs),
+            model_version,
+            finish_reason,
+            now,
+        ),
+    )
+    conn.execute(
+        "UPDATE rollouts SET n_turns = ?, state = 'running', updated_at = ? WHERE rollout_id = ?",
+        (index + 1, now, rollout_id),
+    )
+    return index
+
+
+def _op_add_event(conn, rollout_id, kind, payload, reward, allow_ended) -> EventRecord:
+    r = _get(conn, rollout_id)
+    if not allow_ended:
+        _check_open(r, "events from the agent")
+    now = _now()
+    cur = conn.execute(
+        "INSERT INTO events (rollout_id, kind, payload, reward, created_at) VALUES (?, ?, ?, ?, ?)",
+        (rollout_id, kind, json.dumps(payload, allow_nan=False, separators=(",", ":")), reward, now),
+    )
+    if kind == "reward":
+        conn.execute(
+            "UPDATE rollouts SET reward_event = ?, updated_at = ? WHERE rollout_id = ?",
+            (reward, now, rollout_id),
+        )
+    return EventRecord(cur.lastrowid, rollout_id, kind, payload, reward, now)
+
+
+def _op_set_override(conn, rollout_id: str, reward: float | None) -> RolloutRecord:
+    cur = conn.execute(
+        "UPDATE rollouts SET reward_override = ?, updated_at = ? WHERE rollout_id = ?",
+        (reward, _now(), rollout_id),
+    )
+    if cur.rowcount == 0:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    return _get(conn, rollout_id)
+
+
+def _op_delete(conn, rollout_id: str) -> bool:
+    return conn.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,)).rowcount > 0
+
+
+def _op_put_engine(conn, name: str, spec: dict) -> None:
+    conn.execute(
+        "INSERT INTO engines (name, spec, created_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET spec = excluded.spec",
+        (name, json.dumps(spec, allow_nan=False), _now()),
+    )
+
+
+# ----------------------------------------------------------------------------- writer thread
+
+_Op = tuple[Callable[..., Any], tuple, concurrent.futures.Future]
+_STOP = object()
+
+
+class _Writer(threading.Thread):
+    """Owns the write connection; commits queued writes in groups (see module docstring)."""
+
+    def __init__(self, conn: sqlite3.Connection, max_group: int = 512):
+        super().__init__(name="tracetrain-store-writer", daemon=True)
+        self.conn, self.max_group = conn, max_group
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.groups = 0  # commits done (for tests and metrics)
+        self.writes = 0
+
+    def submit(self, fn: Callable[..., Any], *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((fn, args, fut))
+        return fut
+
+    def run(self) -> None:
+        stop = False
+        while not stop:
+            item = self.queue.get()
+            if item is _STOP:
+                break
+            group: list[_Op] = [item]
+            while len(group) < self.max_group:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                    break
+                group.append(item)
+            self._commit(group)
+
+    def _commit(self, group: list[_Op]) -> None:
+        conn = self.conn
+        results: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for fn, args, fut in group:
+                conn.execute("SAVEPOINT op")
+                try:
+                    value = fn(conn, *args)
+                except Exception as e:  # this write fails alone; the group goes on
+                    conn.execute("ROLLBACK TO op")
+                    results.append((fut, None, e))
+                else:
+                    results.append((fut, value, None))
+                conn.execute("RELEASE op")
+            conn.execute("COMMIT")
+        except Exception as e:  # the commit itself failed (disk full, I/O error): nothing holds
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            err = StoreError(f"store write failed: {type(e).__name__}: {e}")
+            results = [(fut, None, err) for _, _, fut in group]
+        self.groups += 1
+        self.writes += len(group)
+        for fut, value, err in results:
+            if err is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(err)
+
+
+# ------------------------------------------------------------------------------ SQLiteStore
+
+
+class SQLiteStore(Store):
+    """See the module docstring. `path` is a file (":memory:" cannot be shared between threads)."""
+
+    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL"):
+        synchronous = synchronous.upper()
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
+        self.path = str(path)
+        if self.path == ":memory:" or self.path.startswith("file::memory:"):
+            raise ValueError("SQLiteStore needs a file path; ':memory:' is not shared between threads")
+        self.synchronous = synchronous
+        conn = _connect(self.path, synchronous)
+        migrate(conn, self.path)
+        self._writer = _Writer(conn)
+        self._writer.start()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._closed = False
+
+    # -- plumbing
+    async def _write(self, fn: Callable[..., Any], *args) -> Any:
+        if self._closed:
+            raise StoreError("store is closed")
+        return await asyncio.wrap_future(self._writer.submit(fn, *args))
+
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._closed:
+                raise StoreError("store is closed")
+            conn = _connect(self.path, self.synchronous)
+            conn.execute("PRAGMA query_only=ON")
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    @property
+    def commits(self) -> int:
+        """Group commits done so far (each may hold many writes)."""
+        return self._writer.groups
+
+    # -- writes
+    async def create_rollouts(self, rollouts):
+        return await self._write(_op_create, list(rollouts))
+
+    async def rekey_rollout(self, rollout_id, key_salt, key_hash):
+        await self._write(_op_rekey, rollout_id, key_salt, key_hash)
+
+    async def set_state(self, rollout_id, state, error=None):
+        return await self._write(_op_set_state, rollout_id, RolloutState(state), error)
+
+    async def start(self, rollout_id):
+        return await self._write(_op_start, rollout_id)
+
+    async def add_turn(
+        self, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason
+    ):
+        return await self._write(
+            _op_add_turn,
+            rollout_id,
+            prompt_ids,
+            response_ids,
+            response_logprobs,
+            model_version,
+            finish_reason,
+        )
+
+    async def add_event(self, rollout_id, kind, payload=None, reward=None, *, allow_ended=True):
+        if (kind == "reward") != (reward is not None):
+            raise ValueError("an event carries a reward exactly when its kind is 'reward'")
+        return await self._write(_op_add_event, rollout_id, kind, payload, reward, allow_ended)
+
+    async def set_reward_override(self, rollout_id, reward):
+        return await self._write(_op_set_override, rollout_id, reward)
+
+    async def delete_rollout(self, rollout_id):
+        return await self._write(_op_delete, rollout_id)
+
+    async def put_engine(self, name, spec):
+        await self._write(_op_put_engine, name, spec)
+
+    # -- reads
+    def get_rollout(self, rollout_id):
+        row = (
+            self._reader()
+            .execute(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+            .fetchone()
+        )
+        return None if row is None else _rollout(row)
+
+    def rollout_by_key_hash(self, key_hash):
+        row = (
+            self._reader()
+            .execute(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE key_hash = ?", (key_hash,))
+            .fetchone()
+        )
+        return None if row is None else _rollout(row)
+
+    def get_turns(self, rollout_id):
+        rows = (
+            self._reader()
+            .execute(
+                "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
+                " created_at FROM turns WHERE rollout_id = ? ORDER BY idx",
+                (rollout_id,),
+            )
+            .fetchall()
+        )
+        return [
+            TurnRecord(
+                idx,
+                blob_to_ids(p),
+                blob_to_ids(r),
+                None if lp is None else blob_to_floats(lp),
+                mv,
+                fr,
+                ts,
+            )
+            for idx, p, r, lp, mv, fr, ts in rows
+        ]
+
+    def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):
+        where, args = ["seq > ?"], [after]
+        if state is not None:
+            where.append("state = ?")
+            args.append(RolloutState(state).value)
+        if group_id is not None:
+            where.append("group_id = ?")
+            args.append(group_id)
+        rows = (
+            self._reader()
+            .execute(
+                f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE {' AND '.join(where)} "
+                "ORDER BY seq LIMIT ?",
+                (*args, limit),
+            )
+            .fetchall()
+        )
+        return [_rollout(r) for r in rows]
+
+    def list_events(self, rollout_id, kind=None):
+        sql = "SELECT event_id, rollout_id, kind, payload, reward, created_at FROM events "
+        sql += "WHERE rollout_id = ?" + (" AND kind = ?" if kind is not None else "")
+        args = (rollout_id,) if kind is None else (rollout_id, kind)
+        rows = self._reader().execute(sql + " ORDER BY event_id", args).fetchall()
+        return [EventRecord(i, r, k, json.loads(p), rw, ts) for i, r, k, p, rw, ts in rows]
+
+    def list_engines(self):
+        rows = self._reader().execute("SELECT name, spec FROM engines ORDER BY name").fetchall()
+        return {name: json.loads(spec) for name, spec in rows}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.queue.put(_STOP)
+        self._writer.join()
+        self._writer.conn.close()
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
