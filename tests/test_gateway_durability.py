@@ -93,7 +93,7 @@ def test_acknowledged_records_survive_kill_9(tmp_path):
             r = next(iter(acked["rollouts"].values()))
             n = detail[r["rollout_id"]]["n_turns"]
             again = httpx.post(
-                r["base_url"] + "/chat/completions",
+                url + f"/rollouts/{r['rollout_id']}/v1/chat/completions",  # new port
                 json={"messages": [{"role": "user", "content": "after restart"}], "max_tokens": 4},
                 headers={"Authorization": f"Bearer {r['api_key']}"},
             )

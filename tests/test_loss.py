@@ -359,7 +359,7 @@ def test_entropy_bonus_and_weighted_metrics():
     loss, m = policy_loss(lp, lp.detach(), torch.zeros(1), w, entropy=ent, entropy_coef=0.1)
     loss.backward()
     assert loss.item() == pytest.approx(-0.1 * 2.5)
-    assert ent.grad.tolist() == pytest.approx([[-0.075, -0.025]])
+    assert ent.grad[0].tolist() == pytest.approx([-0.075, -0.025])
     assert m["entropy"].item() == pytest.approx(2.5)
     assert "kl_ref" not in m
 
@@ -402,7 +402,7 @@ def test_truncated_is_weights():
     old = torch.tensor([[-1.0, -1.0, -3.0]])
     rollout = torch.tensor([[-1.0, -2.0, -1.0]])
     v = truncated_is_weights(old, rollout, cap=2.0)
-    assert v.tolist() == pytest.approx([[1.0, 2.0, math.exp(-2)]])  # e^1 = 2.72 is capped at 2
+    assert v[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-2)])  # e^1 = 2.72 is capped at 2
 
 
 # --- split invariance: one row per rollout vs each rollout cut into k rows ----------------------

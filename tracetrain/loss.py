@@ -42,11 +42,13 @@ def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
     then the 8 bytes of each block sum, gives the exact count (tested against `mask.sum(1)`).
     """
     rows, width = mask.shape
-    mask = mask.contiguous()
     n_words = width // 8
     counts = torch.zeros(rows, dtype=torch.int64, device=mask.device)
-    if n_words:
-        words = mask[:, : 8 * n_words].contiguous().view(torch.int64)  # [rows, n_words]
+    if n_words and rows:
+        head = mask[:, : 8 * n_words]
+        if not (head.is_contiguous() and head.stride(0) == 8 * n_words and head.storage_offset() % 8 == 0):
+            head = torch.empty(rows, 8 * n_words, dtype=torch.bool, device=mask.device).copy_(head)
+        words = head.view(torch.int64)  # [rows, n_words]
         full = n_words // 128
         lanes = []
         if full:
@@ -54,7 +56,7 @@ def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
         if n_words % 128:
             lanes.append(words[:, 128 * full :].sum(-1, keepdim=True))  # lanes <= 127
         lane_sums = torch.cat(lanes, dim=1).contiguous()  # [rows, blocks] int64, 8 lanes each
-        counts += lane_sums.view(torch.uint8).view(rows, -1).sum(-1)
+        counts += lane_sums.view(torch.uint8).view(rows, 8 * lane_sums.shape[1]).sum(-1)
     if width % 8:
         counts += mask[:, 8 * n_words :].sum(-1)
     return counts
@@ -131,7 +133,7 @@ def _rollout_mean(t_row, inverse, n_rollouts, norm_length):
     t_rollout = torch.zeros(n_rollouts, dtype=t_row.dtype, device=t_row.device)
     t_rollout.index_add_(0, inverse, t_row)
     n_nonempty = (t_rollout > 0).sum().to(t_row.dtype)  # R
-    return _inv_or_zero(n_nonempty * t_rollout)[inverse]
+    return _inv_or_zero(n_nonempty * t_rollout)[inverse] * (t_row > 0)
 
 
 @register_mode("token-mean")

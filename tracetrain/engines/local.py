@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +110,16 @@ class LocalEngine:
         model_version: int = 0,
         seed: int | None = None,
     ):
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if (
+            isinstance(max_batch_size, bool)
+            or not isinstance(max_batch_size, int)
+            or max_batch_size < 1
+        ):
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not batch_window_ms >= 0 or not max_wait_ms >= 0:
-            raise ValueError(f"batch_window_ms and max_wait_ms must be >= 0, got {batch_window_ms!r}, {max_wait_ms!r}")
+            raise ValueError(
+                f"batch_window_ms and max_wait_ms must be >= 0, got {batch_window_ms!r}, {max_wait_ms!r}"
+            )
         self.model = model if device is None else model.to(device)
         self.device = next(self.model.parameters()).device
         self.tokenizer = tokenizer
@@ -122,15 +127,23 @@ class LocalEngine:
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_context = int(max_context if max_context is not None else limit)
         if limit is not None and self.max_context > limit:
-            raise ValueError(f"max_context {self.max_context} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(
+                f"max_context {self.max_context} exceeds the model's max_position_embeddings {limit}"
+            )
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_batch_size = max_batch_size
         self.batch_window = batch_window_ms / 1000
         self.max_wait = max_wait_ms / 1000
         self.model_version = model_version
         eos = [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
-        self.stop_ids = frozenset(i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop_ids, default=0)
+        self.stop_ids = frozenset(
+            i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None
+        )
+        self.pad_id = (
+            tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else min(self.stop_ids, default=0)
+        )
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
         self._executor: ThreadPoolExecutor | None = None
@@ -148,7 +161,9 @@ class LocalEngine:
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         for k, i in enumerate(prompt_ids):
             if type(i) is not int or not 0 <= i < self.vocab_size:
-                raise ValueError(f"prompt_ids[{k}] is {i!r}; token ids of this model are ints in [0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompt_ids[{k}] is {i!r}; token ids of this model are ints in [0, {self.vocab_size})"
+                )
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_context:
             raise PromptTooLong(
@@ -172,7 +187,9 @@ class LocalEngine:
         self._wakeup.set()
         return await req.future
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Generation]:
+    def generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Generation]:
         """Decode `prompts` (with one params for all, or one each) in batches of max_batch_size."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
@@ -202,11 +219,22 @@ class LocalEngine:
             if not batch:
                 continue
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"engine-{self.name}"
+                )
             try:
                 gens = await loop.run_in_executor(self._executor, self._run, batch)
+            except asyncio.CancelledError:  # aclose() while decoding: nobody waits forever
+                for r in batch:
+                    if not r.future.done():
+                        r.future.set_exception(
+                            EngineError(f"local engine {self.name!r} closed", 503)
+                        )
+                raise
             except Exception as e:  # the engine failed, not the request: 503 with the reason
-                err = EngineError(f"local engine {self.name!r} failed: {type(e).__name__}: {e}", 503)
+                err = EngineError(
+                    f"local engine {self.name!r} failed: {type(e).__name__}: {e}", 503
+                )
                 for r in batch:
                     if not r.future.done():
                         r.future.set_exception(err)
@@ -241,10 +269,12 @@ class LocalEngine:
         P = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, P), dtype=torch.long)
-        for b, r in enumerate(reqs):  # left padding: the last column is every row's last prompt token
+        for b, r in enumerate(
+            reqs
+        ):  # left padding: the last column is every row's last prompt token
             ids[b, P - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[b, P - len(r.prompt_ids) :] = 1
-        position = (mask.cumsum(-1) - 1).clamp_(min=0)
+        position = torch.arange(P).expand(B, P)
         ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
         temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
         top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
@@ -257,7 +287,9 @@ class LocalEngine:
         self.stats["requests"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
         for step in range(max(r.params.max_tokens for r in reqs)):
-            u = torch.tensor([uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev)
+            u = torch.tensor(
+                [uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev
+            )
             y, lp = sample_tokens(logits, temperature, top_p, u)
             for b, (i, t, v) in enumerate(zip(rows, y.tolist(), lp.tolist(), strict=True)):
                 if not alive[b]:
@@ -275,7 +307,9 @@ class LocalEngine:
             self.stats["tokens"] += len(rows)
             if n_alive == 0:
                 break
-            if 4 * (len(rows) - n_alive) >= len(rows):  # drop finished rows from the batch and cache
+            if 4 * (len(rows) - n_alive) >= len(
+                rows
+            ):  # drop finished rows from the batch and cache
                 keep = torch.tensor([b for b in range(len(rows)) if alive[b]], device=dev)
                 cache.batch_select_indices(keep)
                 mask, next_pos, y = mask[keep], next_pos[keep], y[keep]
@@ -310,7 +344,3 @@ class LocalEngine:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-
-
-def _now() -> float:
-    return time.perf_counter()

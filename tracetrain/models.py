@@ -1,0 +1,54 @@
+"""Load the policy (model + tokenizer) a run config names: a tiny model built offline, a local
+transformers directory, or a GGUF file (re-instantiated as a plain trainable transformers model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tracetrain.config import ConfigError, ModelConfig
+
+
+def load_policy(mc: ModelConfig, *, seed: int = 0):
+    """-> (model in eval mode, tokenizer with a chat template)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, mc.dtype)
+    if mc.kind == "tiny":
+        from tracetrain import tiny
+
+        tokenizer = tiny.build_tokenizer()
+        model = tiny.build_model(
+            tokenizer,
+            hidden_size=mc.hidden_size,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            seed=seed,
+        )
+    elif mc.kind == "pretrained":
+        if not Path(mc.path).is_dir():
+            raise ConfigError(f"config key 'model.path': {mc.path!r} is not a directory")
+        tokenizer = AutoTokenizer.from_pretrained(mc.path)
+        model = AutoModelForCausalLM.from_pretrained(mc.path, dtype=dtype)
+    else:
+        model, tokenizer = load_gguf(mc.path, mc.gguf_file, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(dtype).eval(), tokenizer
+
+
+def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
+    """A GGUF checkpoint loads dequantized; it is rebuilt as a plain model from its config and
+    state dict so that it can be trained and saved like any transformers model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(directory) / gguf_file
+    if not path.is_file():
+        raise ConfigError(f"config keys 'model.path'/'model.gguf_file': {str(path)!r} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
+    model = type(loaded)(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    return model.to(dtype), tokenizer

@@ -1,0 +1,68 @@
+"""What a person looks at after a run: the reward/eval curve PNG and a short summary."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def moving_average(xs: list[float], k: int) -> list[float]:
+    out, window = [], []
+    for x in xs:
+        window.append(x)
+        if len(window) > k:
+            window.pop(0)
+        finite = [v for v in window if not math.isnan(v)]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out
+
+
+def plot_curves(history: list[dict], path: str | Path, *, window: int = 10, title: str = "") -> Path:
+    """Training reward per step, its moving average, and eval reward where measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    reward = [m["reward_mean"] for m in history]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, reward, color="tab:blue", alpha=0.3, lw=1, label="train reward (step mean)")
+    ax.plot(steps, moving_average(reward, window), color="tab:blue", lw=2,
+            label=f"train reward ({window}-step mean)")
+    ev = [(m["step"], m["eval/reward_mean"]) for m in history if "eval/reward_mean" in m]
+    if ev:
+        ax.plot(*zip(*ev, strict=True), "o-", color="tab:orange", lw=1.5, label="eval reward (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(title or "tracetrain")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def summary(history: list[dict], *, window: int = 10) -> dict:
+    """First and last `window`-step mean reward, the gain, the best moving average, totals."""
+    reward = [m["reward_mean"] for m in history]
+    ma = moving_average(reward, window)
+    first = ma[min(window, len(ma)) - 1] if ma else float("nan")
+    head = [r for r in reward[:window] if not math.isnan(r)]
+    start = sum(head) / len(head) if head else float("nan")
+    out = {
+        "steps": len(history),
+        "reward_first_window": start,
+        "reward_last_window": ma[-1] if ma else float("nan"),
+        "reward_gain": (ma[-1] - start) if ma else float("nan"),
+        "best_moving_average": max((v for v in ma if not math.isnan(v)), default=float("nan")),
+        "first_full_window": first,
+        "failed_rollouts": sum(m.get("n_failed", 0) for m in history),
+        "timed_out_rollouts": sum(m.get("n_timed_out", 0) for m in history),
+    }
+    evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
+    if evals:
+        out["eval_first"], out["eval_last"], out["eval_best"] = evals[0], evals[-1], max(evals)
+    return out

@@ -1,0 +1,202 @@
+"""The runner: launch one agent per rollout against the gateway, with bounded concurrency.
+
+An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
+(`client` = {"base_url", "api_key", "model", "rollout_id", "temperature", "max_tokens", ...}) or a
+command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and TRACETRAIN_* variables
+and reports its reward through the gateway (POST $TRACETRAIN_ROLLOUT_URL/rewards).
+
+State of each rollout (set through the gateway's admin API):
+    running while the agent runs; succeeded when it returns or exits 0; failed on an exception or a
+    non-zero exit (the error is kept); timed_out past `timeout_s` (a subprocess is killed with its
+    whole process group). Failed and timed-out rollouts are never given reward 0 here.
+A coroutine agent must be cooperative (await its I/O): one that blocks the event loop cannot be
+interrupted in-process; run such an agent as a command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+AgentFn = Callable[[dict, dict], Awaitable[float | None]]
+
+
+class GatewayClient:
+    """The runner's and trainer's side of the gateway: admin routes over HTTP."""
+
+    def __init__(self, url: str, admin_key: str, *, timeout_s: float = 60.0):
+        self.url = url.rstrip("/")
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+
+    async def _call(self, method: str, path: str, **kw) -> Any:
+        r = await self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            raise RuntimeError(f"gateway {method} {path} -> {r.status_code}: {r.text[:500]}")
+        return r.json() if r.content else None
+
+    async def create_rollouts(self, rollouts: list[dict]) -> list[dict]:
+        return (await self._call("POST", "/rollouts", json={"rollouts": rollouts}))["rollouts"]
+
+    async def set_state(self, rollout_id: str, state: str, error: str | None = None) -> dict:
+        body: dict[str, Any] = {"state": state}
+        if error is not None:
+            body["error"] = error[-100_000:]
+        return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
+
+    async def post_reward(self, rollout_id: str, reward: float) -> dict:
+        return await self._call("POST", f"/rollouts/{rollout_id}/rewards", json={"reward": reward})
+
+    async def get_rollout(self, rollout_id: str, *, turns: bool = True) -> dict:
+        return await self._call("GET", f"/rollouts/{rollout_id}", params={"turns": str(turns).lower()})
+
+    async def engine(self, name: str, action: str) -> dict:
+        """action: pause | resume | drain."""
+        return await self._call("POST", f"/engines/{name}/{action}")
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+@dataclass
+class RolloutResult:
+    rollout_id: str
+    group_id: str
+    state: str  # succeeded | failed | timed_out
+    reward: float | None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class CommandAgent:
+    """An agent run as `argv` in a subprocess (its own process group, killed at the timeout)."""
+
+    argv: Sequence[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    async def __call__(self, task: dict, client: dict) -> float | None:
+        env = {
+            **os.environ,
+            **self.env,
+            "OPENAI_BASE_URL": client["base_url"],
+            "OPENAI_API_KEY": client["api_key"],
+            "TRACETRAIN_MODEL": client["model"],
+            "TRACETRAIN_ROLLOUT_ID": client["rollout_id"],
+            "TRACETRAIN_ROLLOUT_URL": client["rollout_url"],
+            "TRACETRAIN_TASK": json.dumps(task),
+            "TRACETRAIN_SAMPLING": json.dumps({k: client[k] for k in ("temperature", "max_tokens") if k in client}),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            _, stderr = await proc.communicate()
+        except asyncio.CancelledError:  # timeout or shutdown: kill the whole process group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = stderr.decode(errors="replace")[-4000:]
+            raise RuntimeError(f"agent command exited with status {proc.returncode}: {tail}")
+        return None  # the command reports its reward through the gateway
+
+
+async def run_one(
+    gateway: GatewayClient,
+    created: dict,
+    task: Any,
+    agent: AgentFn,
+    client_extra: dict,
+    timeout_s: float,
+) -> RolloutResult:
+    rid, gid = created["rollout_id"], created["group_id"]
+    base_url = created["base_url"]
+    client = {
+        **client_extra,
+        "base_url": base_url,
+        "api_key": created["api_key"],
+        "rollout_id": rid,
+        "rollout_url": base_url.removesuffix("/").removesuffix("/v1"),
+    }
+    start = time.monotonic()
+    await gateway.set_state(rid, "running")
+    state, reward, error = "succeeded", None, None
+    try:
+        reward = await asyncio.wait_for(agent(task, client), timeout_s)
+    except asyncio.TimeoutError:
+        state, error = "timed_out", f"agent did not finish within {timeout_s} s"
+    except Exception as e:  # the agent's failure, kept with its traceback
+        state, error = "failed", "".join(traceback.format_exception(e))[-8000:]
+    if state == "succeeded" and reward is not None:
+        try:
+            reward = float(reward)
+            await gateway.post_reward(rid, reward)
+        except (TypeError, ValueError, RuntimeError) as e:
+            state, error = "failed", f"agent returned an unusable reward {reward!r}: {e}"
+    await gateway.set_state(rid, state, error)
+    if state == "succeeded" and reward is None:  # reported through the gateway, if at all
+        reward = (await gateway.get_rollout(rid, turns=False))["reward"]
+    return RolloutResult(rid, gid, state, reward if state == "succeeded" else None, error,
+                         time.monotonic() - start)
+
+
+async def run_rollouts(
+    gateway: GatewayClient,
+    rollouts: list[dict],
+    agent: AgentFn,
+    *,
+    concurrency: int,
+    timeout_s: float,
+    client_extra: dict | None = None,
+) -> list[RolloutResult]:
+    """Create `rollouts` ([{rollout_id, group_id, task}]) on the gateway, run one agent each.
+
+    Results are in the order of `rollouts`. The step never waits longer than about timeout_s per
+    wave of `concurrency` agents: every agent is bounded by its timeout.
+    """
+    created = await gateway.create_rollouts(rollouts)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def bounded(c: dict, task: Any) -> RolloutResult:
+        async with sem:
+            return await run_one(gateway, c, task, agent, client_extra or {}, timeout_s)
+
+    return list(await asyncio.gather(*(bounded(c, r.get("task")) for c, r in zip(created, rollouts, strict=True))))
+
+
+def load_agent(spec: str | Sequence[str] | AgentFn) -> AgentFn:
+    """A coroutine function, `module:function`, or a command (list of argv, or a string with spaces)."""
+    if callable(spec):
+        return spec
+    if isinstance(spec, str) and ":" in spec and " " not in spec:
+        import importlib
+
+        mod, _, name = spec.partition(":")
+        return getattr(importlib.import_module(mod), name)
+    argv = spec.split() if isinstance(spec, str) else list(spec)
+    if argv and argv[0] == "python":
+        argv[0] = sys.executable
+    return CommandAgent(argv)

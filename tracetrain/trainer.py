@@ -1,0 +1,412 @@
+"""The embedded trainer: one process, one machine, the whole loop.
+
+    for step in 1..steps:
+        tasks -> n rollouts per task (a group) -> agents call the gateway -> turns in the store
+        aggregate(turns) -> rows;  advantages per rollout;  stale turns excluded
+        for epoch: for mini-batch (whole rollouts): sum over micro-batches of L_micro -> backward
+                   clip grad norm -> AdamW step -> lr schedule
+        pause + drain the engine, bump model_version, resume;  metrics -> JSONL;  checkpoint
+
+The policy module is shared by the engine and the optimizer: the weight update is in place, so the
+"sync" is a version bump done while the gateway holds new requests (pause) and no request is in
+flight (drain).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracetrain.advantage import batch_advantages
+from tracetrain.aggregate import aggregate
+from tracetrain.config import TrainConfig
+from tracetrain.engines.local import LocalEngine
+from tracetrain.logprobs import response_logprobs
+from tracetrain.loss import RowWeights, policy_loss
+from tracetrain.minibatch import plan_step
+from tracetrain.runner import GatewayClient, RolloutResult, run_rollouts
+from tracetrain.types import Rollout
+
+
+# ----------------------------------------------------------------------------- pure pieces
+def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up, then decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if decay == "constant" or total <= warmup:
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + math.cos(math.pi * frac)) if decay == "cosine" else 1.0 - frac
+
+
+def drop_stale(rollouts: list[Rollout], current_version: int, max_staleness: int) -> tuple[list[Rollout], int]:
+    """Drop rollouts with a turn made by a model more than max_staleness versions old (counted)."""
+    keep, n_stale = [], 0
+    for r in rollouts:
+        versions = [t.model_version for t in r.turns if t.model_version is not None]
+        if versions and current_version - min(versions) > max_staleness:
+            n_stale += 1
+        else:
+            keep.append(r)
+    return keep, n_stale
+
+
+def step_tasks(task_module: Any, cfg: TrainConfig, step: int) -> list[dict]:
+    """The tasks of step `step`: a function of (seed, step) only, so a resumed run sees the same."""
+    seed = cfg.trainer.seed * 1_000_003 + step
+    return task_module.tasks(cfg.rollout.tasks_per_step, seed=seed, **cfg.task_args)
+
+
+def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]:
+    return [
+        {"rollout_id": f"{prefix}-t{j}-n{m}", "group_id": f"{prefix}-t{j}", "task": task}
+        for j, task in enumerate(tasks)
+        for m in range(n_per_task)
+    ]
+
+
+@dataclass
+class UpdateResult:
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch,
+    advantages: torch.Tensor,
+    cfg: TrainConfig,
+    *,
+    ref_model: torch.nn.Module | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> list[UpdateResult]:
+    """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
+    of its micro-batch losses (weights computed once per mini-batch, see minibatch.py)."""
+    lc, oc = cfg.loss, cfg.optim
+    need_entropy = lc.entropy_coef > 0
+    adv_rows = advantages[batch.rollout_index]
+    R = batch.response_length
+    old_all = batch.rollout_logprobs
+    if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
+        with torch.no_grad():
+            old_all, _ = response_logprobs(model, batch.input_ids, batch.attention_mask,
+                                           batch.position_ids, R, temperature=cfg.rollout.temperature)
+    results = []
+    model.train()
+    for _epoch in range(oc.ppo_epochs):
+        plan = plan_step(
+            batch.response_mask,
+            batch.rollout_index,
+            n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
+            micro_batch_tokens=oc.micro_batch_tokens,
+            mode=lc.mode,
+            norm_length=lc.norm_length,
+            row_tokens=batch.attention_mask.sum(1),
+        )
+        for mb in plan:
+            optimizer.zero_grad(set_to_none=True)
+            total, sums = 0.0, {}
+            for micro in mb.micro_batches:
+                rows = micro.rows
+                ids, att, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
+                # Drop columns that are left padding in every row of this micro-batch.
+                lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
+                                            with_entropy=need_entropy)
+                ref = None
+                if ref_model is not None:
+                    with torch.no_grad():
+                        ref, _ = response_logprobs(ref_model, ids, att, pos, R,
+                                                   temperature=cfg.rollout.temperature)
+                loss, m = policy_loss(
+                    lp, old_all[rows], adv_rows[rows], RowWeights(batch.response_mask[rows], micro.row_scales),
+                    clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
+                    ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                    entropy=ent, entropy_coef=lc.entropy_coef,
+                )
+                loss.backward()
+                total += float(loss.detach())
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            results.append(UpdateResult(total, grad_norm, sums))
+    model.eval()
+    return results
+
+
+# ----------------------------------------------------------------------------- the loop (I/O)
+class Trainer:
+    """Owns the policy, the engine, the store and the in-process gateway of one run."""
+
+    def __init__(self, cfg: TrainConfig, task_module: Any, *, log=print):
+        from tracetrain.models import load_policy
+
+        self.cfg, self.task, self.log = cfg, task_module, log
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        self.step = 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+        )
+        updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda k: lr_factor(k, warmup=cfg.optim.warmup_steps * updates_per_step,
+                                total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
+        )
+        self.ref_model = None
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.history: list[dict] = []
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def save_checkpoint(self) -> Path:
+        path = self.checkpoint_path()
+        tmp = path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": self.step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "ref_model": None if self.ref_model is None else self.ref_model.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "history": self.history,
+            },
+            tmp,
+        )
+        tmp.replace(path)  # atomic: a crash leaves the previous checkpoint whole
+        return path
+
+    def load_checkpoint(self) -> None:
+        ck = torch.load(self.checkpoint_path(), weights_only=False)
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        if ck["ref_model"] is not None:
+            self.ref_model = copy.deepcopy(self.model)
+            self.ref_model.load_state_dict(ck["ref_model"])
+        torch.set_rng_state(ck["rng"]["torch"])
+        random.setstate(ck["rng"]["python"])
+        self.step = ck["step"]
+        self.history = ck["history"]
+
+    # -- one step ------------------------------------------------------------------------
+    async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
+                      temperature: float) -> list[RolloutResult]:
+        rc = self.cfg.rollout
+        specs = rollout_specs(tasks, n_per_task, prefix)
+        client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
+                        "seed": self.cfg.trainer.seed * 1_000_003 + self.step}
+        return await run_rollouts(gateway, specs, self.agent, concurrency=rc.concurrency,
+                                  timeout_s=rc.timeout_s, client_extra=client_extra)
+
+    async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        tasks = step_tasks(self.task, cfg, self.step)
+        results = await self.collect(gateway, tasks, f"s{self.step}", cfg.rollout.n_per_task,
+                                     cfg.rollout.temperature)
+        t_collect = time.perf_counter() - t0
+        ids = [r.rollout_id for r in results]
+        rollouts = self.store.load_rollouts(rollout_ids=ids)
+        rollouts, n_stale = drop_stale(rollouts, engine.model_version, cfg.trainer.max_staleness)
+        ac = cfg.aggregate
+        batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
+                               max_response_length=ac.max_response_length,
+                               pad_token_id=self.tokenizer.pad_token_id or 0, tokenizer=self.tokenizer,
+                               overlong=ac.overlong)
+        metrics: dict[str, Any] = {"step": self.step}
+        states = [r.state for r in results]
+        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+        metrics["reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
+        metrics["n_failed"] = states.count("failed")
+        metrics["n_timed_out"] = states.count("timed_out")
+        metrics["n_stale_rollouts"] = n_stale
+        metrics.update({f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))})
+        t1 = time.perf_counter()
+        if batch.n_rows:
+            ad = cfg.advantage
+            batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
+                                                       failed_rollouts=ad.failed_rollouts)
+            metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        if batch.n_rows:
+            # The update: hold new requests and wait for in-flight ones, then bump the version.
+            await gateway.engine("default", "pause")
+            await gateway.engine("default", "drain")
+            try:
+                updates = await asyncio.to_thread(
+                    ppo_update, self.model, self.optimizer, batch, adv, cfg,
+                    ref_model=self.ref_model, scheduler=self.scheduler,
+                )
+                engine.update_weights(None, engine.model_version + 1)
+            finally:
+                await gateway.engine("default", "resume")
+            metrics["loss"] = sum(u.loss for u in updates) / len(updates)
+            metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
+            for k in updates[0].metrics:
+                metrics[f"loss/{k}"] = sum(u.metrics[k] for u in updates) / len(updates)
+        metrics["model_version"] = engine.model_version
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        t_train = time.perf_counter() - t1
+        n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
+        metrics.update({"time/collect_s": t_collect, "time/train_s": t_train,
+                        "rollouts_per_s": len(results) / max(t_collect, 1e-9),
+                        "trained_tokens_per_s": n_tokens / max(t_train, 1e-9),
+                        "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)})
+        self.step += 1
+        return metrics
+
+    async def evaluate(self, gateway: GatewayClient) -> float:
+        """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
+        cfg = self.cfg
+        seed = -(cfg.trainer.seed * 1_000_003 + 1)
+        tasks = self.task.tasks(cfg.trainer.eval_tasks, seed=seed, **cfg.task_args)
+        results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
+        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+        return sum(rewards) / len(rewards) if rewards else float("nan")
+
+    async def run(self) -> list[dict]:
+        import secrets
+
+        from tqdm import tqdm
+
+        from tracetrain.gateway.app import create_app
+        from tracetrain.inprocess import serve_in_loop
+        from tracetrain.store import SQLiteStore
+        from tracetrain.warmstart import warm_start
+
+        cfg = self.cfg
+        self.nonce = secrets.token_hex(3)
+        self.agent = self.task.agent
+        if cfg.trainer.resume and self.checkpoint_path().is_file():
+            self.load_checkpoint()
+            self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
+        elif cfg.warm_start.steps:
+            t = time.perf_counter()
+            ws = cfg.warm_start
+            transcripts = self.task.warm_start_transcripts(ws.steps * ws.batch_size, seed=cfg.trainer.seed,
+                                                           **cfg.task_args)
+            losses = await asyncio.to_thread(warm_start, self.model, self.tokenizer, transcripts,
+                                             steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
+                                             seed=cfg.trainer.seed)
+            self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+                     f"in {time.perf_counter() - t:.1f} s")
+        if cfg.loss.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.store = SQLiteStore(self.run_dir / "traces.db")
+        engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
+                             seed=cfg.trainer.seed)
+        admin_key = secrets.token_urlsafe(24)
+        app = create_app(self.store, {"default": engine}, admin_key=admin_key)
+        try:
+            async with serve_in_loop(app) as url:
+                gateway = GatewayClient(url, admin_key)
+                try:
+                    bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
+                               dynamic_ncols=True)
+                    while self.step < cfg.trainer.steps:
+                        m = await self.train_step(gateway, engine)
+                        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+                            m["eval/reward_mean"] = await self.evaluate(gateway)
+                        self.history.append(m)
+                        with self.metrics_path.open("a") as f:
+                            f.write(json.dumps(m) + "\n")
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
+                        bar.write(format_step(m))
+                        if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
+                            self.save_checkpoint()
+                    bar.close()
+                finally:
+                    await gateway.aclose()
+        finally:
+            await engine.aclose()
+            self.store.close()
+        self.save_checkpoint()
+        return self.history
+
+
+def format_step(m: dict) -> str:
+    """One line per step: what a person watching a run wants to see."""
+    drift = "/".join(str(int(m.get(f"aggregate/breaks/{k}", 0)))
+                     for k in ("retokenization", "assistant_rewrite", "context_rewrite"))
+    parts = [
+        f"step {m['step']:4d}",
+        f"reward {m['reward_mean']:.3f}",
+        f"rollouts/s {m['rollouts_per_s']:.1f}",
+        f"tok/s {m['trained_tokens_per_s']:.0f}",
+        f"rows/rollout {m['rows_per_rollout']:.2f}",
+        f"drift r/a/c {drift}",
+        f"fail {m['n_failed']}+{m['n_timed_out']}",
+    ]
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:+.4f}")
+    if "eval/reward_mean" in m:
+        parts.append(f"eval {m['eval/reward_mean']:.3f}")
+    return " | ".join(parts)
+
+
+def load_task(spec: str, base_dir: Path | None = None):
+    """A task module: a path to a .py file (relative to the config file, then the cwd) or a module
+    name. It defines `tasks(n, seed=..., **task_args)` and `agent(task, client)`, and optionally
+    `warm_start_transcripts(n, seed=..., **task_args)`."""
+    import importlib
+    import importlib.util
+
+    from tracetrain.config import ConfigError
+
+    if spec.endswith(".py"):
+        candidates = [Path(spec)] if Path(spec).is_absolute() else [
+            *([base_dir / spec] if base_dir else []), Path.cwd() / spec]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise ConfigError(f"config key 'task': no file {spec!r} (looked in {[str(c) for c in candidates]})")
+        mod_spec = importlib.util.spec_from_file_location(f"tracetrain_task_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            raise ConfigError(f"config key 'task': cannot import {spec!r}: {e}") from None
+    for name in ("tasks", "agent"):
+        if not callable(getattr(module, name, None)):
+            raise ConfigError(f"config key 'task': {spec!r} defines no function {name!r}")
+    return module
+
+
+def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
+    """Run the whole job; writes metrics.jsonl, checkpoint.pt, curve.png and summary.json."""
+    from tracetrain.report import plot_curves, summary
+
+    task = load_task(cfg.task, base_dir)
+    trainer = Trainer(cfg, task, log=log)
+    (trainer.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    t = time.perf_counter()
+    history = asyncio.run(trainer.run())
+    out = summary(history)
+    out["wall_s"] = time.perf_counter() - t
+    png = plot_curves(history, trainer.run_dir / "curve.png", title=f"{cfg.task} ({cfg.trainer.run_dir})")
+    out["curve"] = str(png)
+    (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
+    log("summary: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
+    return out
