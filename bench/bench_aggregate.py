@@ -9,13 +9,17 @@ Peer: Agent Lightning 1.0.2 `RolloutAdapter.get_train_data_batch` (agentlightnin
 rollout_adapter.py), fed the same token ids as `CompletedRollout`/`Triplet`s, run with the
 interpreter of the peers env (bench/.venv-peers, see bench/setup_peers.sh) when it exists.
 
-Each (case, implementation) runs in a fresh child process: build inputs, one tiny warm-up call,
+Each (case, implementation) runs in a fresh child process: build inputs, a warm-up call on 16 rollouts,
 gc, then baseline = current RSS and the peak counter is reset (/proc/self/clear_refs); the first
-timed call gives the peak RSS above baseline; wall time is the best of --repeat calls. Limits are
-the exact maxima of each case's rows, so nothing is dropped or truncated and both sides build
-tensors of the same shape.
+timed call gives the peak RSS above baseline; wall time is the best of --repeat calls (the best,
+because the machine is shared and other work only ever adds time).
 
-    .venv/bin/python bench/bench_aggregate.py [--repeat 3] [--only trajectory-clean ...]
+Limits (--limits): `exact` = the exact maxima of each case's rows, so both sides build tensors of
+the same shape (the strict like-for-like comparison); `2048` = max_prompt_length =
+max_response_length = 2048, a typical config: the peer always pads to the limits, tracetrain pads to
+the batch maxima (its default). Nothing is dropped or truncated in either.
+
+    .venv/bin/python bench/bench_aggregate.py [--repeat 5] [--limits exact 2048] [--only CASE ...]
 """
 
 from __future__ import annotations
@@ -65,7 +69,11 @@ def make_traces(breaks: bool, seed: int = 0, n_rollouts: int = N_ROLLOUTS):
             context = prompt + response
             if (i, k + 1) in broken:  # one token of the context changes: a response or a prompt
                 a, b = rng.choice(resp_spans)
-                p = rng.randrange(a, b) if rng.random() < 0.5 else rng.randrange(0, resp_spans[0][0])
+                p = (
+                    rng.randrange(a, b)
+                    if rng.random() < 0.5
+                    else rng.randrange(0, resp_spans[0][0])
+                )
                 context = context[:p] + [(context[p] + 1) % VOCAB] + context[p + 1 :]
             prompt = context + [rng.randrange(VOCAB) for _ in range(OBS)]
         traces.append((f"rollout-{i}", float(rng.random() < 0.5), turns))
@@ -76,7 +84,9 @@ def to_tracetrain(traces):
     from tracetrain.types import Rollout, Turn
 
     return [
-        Rollout(rid, f"group-{n // 8}", [Turn(p, r, lp, model_version=1) for p, r, lp in turns], reward)
+        Rollout(
+            rid, f"group-{n // 8}", [Turn(p, r, lp, model_version=1) for p, r, lp in turns], reward
+        )
         for n, (rid, reward, turns) in enumerate(traces)
     ]
 
@@ -103,18 +113,28 @@ def to_agentlightning(traces):
 
 
 def limits(traces, level):
-    """Exact prompt/response widths of the rows of `level` (what both sides must fit)."""
-    from tracetrain.aggregate import aggregate
-
-    batch, _ = aggregate(to_tracetrain(traces), level=level, max_prompt_length=10**6, max_response_length=10**6)
-    return batch.prompt_length, batch.response_length
+    """Exact prompt/response widths of the rows of `level`, worked out from the traces alone."""
+    if level == "transition":
+        return max(len(p) for _, _, ts in traces for p, _, _ in ts), RESPONSE
+    max_p = max_r = 0
+    for _, _, turns in traces:
+        first = 0  # a row starts at turn 0 and at every turn whose prompt breaks the prefix
+        for k, (p, r, _) in enumerate(turns):
+            prev = turns[k - 1][0] + turns[k - 1][1] if k else None
+            if k and p[: len(prev)] != prev:
+                first = k
+            max_p = max(max_p, len(turns[first][0]))
+            max_r = max(max_r, len(p) + len(r) - len(turns[first][0]))
+    return max_p, max_r
 
 
 # ---------------------------------------------------------------- one measured run (child)
 
 
 def _status(key: str) -> int:
-    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    return (
+        int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+    )
 
 
 def _tensor_bytes(obj) -> int:
@@ -127,12 +147,14 @@ def _tensor_bytes(obj) -> int:
     return sum(_tensor_bytes(v) for v in vars(obj).values() if isinstance(v, torch.Tensor))
 
 
-def child(case: str, impl: str, repeat: int) -> dict:
+def child(case: str, impl: str, limit_mode: str, repeat: int) -> dict:
     import torch
 
     level, breaks = CASES[case]
     traces = make_traces(breaks)
-    max_p, max_r = limits(traces, level)
+    max_p, max_r = (
+        limits(traces, level) if limit_mode == "exact" else (int(limit_mode), int(limit_mode))
+    )
     if impl == "tracetrain":
         from tracetrain.aggregate import aggregate
 
@@ -140,11 +162,13 @@ def child(case: str, impl: str, repeat: int) -> dict:
             return to_tracetrain(traces)
 
         def call(inputs):
-            batch, m = aggregate(inputs, level=level, max_prompt_length=max_p, max_response_length=max_r)
-            assert m["dropped_rollouts/overlong_prompt"] + m["dropped_rollouts/overlong_response"] == 0
+            batch, m = aggregate(
+                inputs, level=level, max_prompt_length=max_p, max_response_length=max_r
+            )
+            assert m["n_rollouts"] == len(inputs) and m["truncated/rows"] == 0
             return batch, batch.n_rows, int(batch.response_mask.sum())
 
-        tiny = to_tracetrain(make_traces(breaks, seed=1, n_rollouts=2))
+        tiny = to_tracetrain(traces[:16])
     else:
         from agentlightning.verl.rollout_adapter import RolloutAdapter
 
@@ -162,12 +186,19 @@ def child(case: str, impl: str, repeat: int) -> dict:
         def call(inputs):
             out, _ = adapter.get_train_data_batch(inputs)
             b = out.batch
-            mask = b["response_mask"] if "response_mask" in b.keys() else b["attention_mask"][:, max_p:]
+            mask = (
+                b["response_mask"]
+                if "response_mask" in b.keys()
+                else b["attention_mask"][:, max_p:]
+            )
             return out, len(b["input_ids"]), int(mask.sum())
 
-        tiny = to_agentlightning(make_traces(breaks, seed=1, n_rollouts=2))
+        tiny = to_agentlightning(traces[:16])
 
-    call(tiny)  # warm-up: first-call library work is not the aggregation's
+    call(
+        tiny
+    )  # warm-up (16 rollouts): thread pools and first-call library work are not the aggregation's
+    del tiny
     times, first = [], None
     for _ in range(repeat):
         inputs = prepare()
@@ -178,20 +209,32 @@ def child(case: str, impl: str, repeat: int) -> dict:
         out, n_rows, n_trained = call(inputs)
         times.append(time.perf_counter() - t0)
         if first is None:
-            first = dict(peak_above=_status("VmHWM") - base, out_bytes=_tensor_bytes(out), rows=n_rows, trained=n_trained)
+            first = dict(
+                peak_above=_status("VmHWM") - base,
+                out_bytes=_tensor_bytes(out),
+                rows=n_rows,
+                trained=n_trained,
+            )
         del out, inputs
-    return dict(case=case, impl=impl, wall=min(times), walls=times, limits=[max_p, max_r], **first)
+    return dict(
+        case=case, impl=impl, wall=min(times), walls=times, limits=f"{max_p}/{max_r}", **first
+    )
 
 
 # ---------------------------------------------------------------- driver (parent)
 
 
-def run_child(python: Path | str, case: str, impl: str, repeat: int) -> dict | None:
-    cmd = [str(python), __file__, "--child", case, impl, "--repeat", str(repeat)]
+def run_child(
+    python: Path | str, case: str, impl: str, limit_mode: str, repeat: int
+) -> dict | None:
+    cmd = [str(python), __file__, "--child", case, impl, limit_mode, "--repeat", str(repeat)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        print(f"  {impl} on {case} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+        print(
+            f"  {impl} on {case} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}",
+            file=sys.stderr,
+        )
         return None
     return json.loads(lines[-1][len("RESULT ") :])
 
@@ -205,38 +248,53 @@ def peer_available() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3, help="timed calls per case (best is reported)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed calls per case (best is reported)")
     ap.add_argument("--only", nargs="*", choices=list(CASES), default=list(CASES))
+    ap.add_argument("--limits", nargs="*", choices=["exact", "2048"], default=["exact", "2048"])
     ap.add_argument("--no-peer", action="store_true")
-    ap.add_argument("--child", nargs=2, metavar=("CASE", "IMPL"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, metavar=("CASE", "IMPL", "LIMITS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(*args.child, args.repeat)), flush=True)
         return
 
     peer = not args.no_peer and peer_available()
-    print(f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens, {RESPONSE} response tokens;")
-    print(f"breaks: {BREAK_FRACTION:.0%} of turns change one context token. Best of {args.repeat} calls; peak RSS above")
-    print("baseline measured on the first call in a fresh process; 'out' = bytes of the output tensors.")
+    print(
+        f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens, {RESPONSE} response tokens;"
+    )
+    print(
+        f"breaks: {BREAK_FRACTION:.0%} of turns change one context token. Best of {args.repeat} calls; peak RSS above"
+    )
+    print(
+        "baseline measured on the first call in a fresh process; 'out' = bytes of the output tensors."
+    )
     if not peer:
-        print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken; bench/setup_peers.sh builds it)")
-    head = f"{'case':<18} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>9} {'peak MB':>8} {'out MB':>7} {'peak/out':>8}"
-    print("\n" + head + f" {'speed-up':>9}")
-    for case in args.only:
-        ours = run_child(sys.executable, case, "tracetrain", args.repeat)
-        theirs = run_child(PEER_PYTHON, case, "agentlightning", args.repeat) if peer else None
-        for r in (ours, theirs):
-            if r is None:
-                continue
-            line = (
-                f"{case:<18} {r['impl']:<14} {r['rows']:>5} {r['wall']:>7.3f} {r['rows'] / r['wall']:>9.0f} "
-                f"{r['peak_above'] / 2**20:>8.1f} {r['out_bytes'] / 2**20:>7.1f} {r['peak_above'] / r['out_bytes']:>8.2f}"
+        print(
+            f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken; bench/setup_peers.sh builds it)"
+        )
+    head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>8}"
+    head += f" {'peak MB':>8} {'out MB':>7} {'peak/out':>8} {'speed-up':>9}"
+    print("\n" + head)
+    for mode in args.limits:
+        for case in args.only:
+            ours = run_child(sys.executable, case, "tracetrain", mode, args.repeat)
+            theirs = (
+                run_child(PEER_PYTHON, case, "agentlightning", mode, args.repeat) if peer else None
             )
-            if r is ours and theirs is not None:
-                line += f" {theirs['wall'] / ours['wall']:>8.1f}x"
-                if (ours["rows"], ours["trained"]) != (theirs["rows"], theirs["trained"]):
-                    line += f"  (MISMATCH: peer rows {theirs['rows']}, trained {theirs['trained']})"
-            print(line, flush=True)
+            for r in (ours, theirs):
+                if r is None:
+                    continue
+                line = (
+                    f"{case:<18} {r['limits']:<10} {r['impl']:<14} {r['rows']:>5} {r['wall']:>7.3f} {r['rows'] / r['wall']:>8.0f} "
+                    f"{r['peak_above'] / 2**20:>8.1f} {r['out_bytes'] / 2**20:>7.1f} {r['peak_above'] / r['out_bytes']:>8.2f}"
+                )
+                if r is ours and theirs is not None:
+                    line += f" {theirs['wall'] / ours['wall']:>8.1f}x"
+                    if (ours["rows"], ours["trained"]) != (theirs["rows"], theirs["trained"]):
+                        line += (
+                            f"  (MISMATCH: peer rows {theirs['rows']}, trained {theirs['trained']})"
+                        )
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

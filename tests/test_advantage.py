@@ -90,7 +90,10 @@ def test_missing_reward_unfinished_rollout_and_bad_options_are_errors():
         rollout_advantages([1.0], ["g"], ["running"])
     with pytest.raises(ValueError, match="states\\[0\\] is 'crashed'; known states"):
         rollout_advantages([1.0], ["g"], ["crashed"])
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; known: grpo, dr-grpo, rloo, reinforce\\+\\+"):
+    with pytest.raises(
+        ValueError,
+        match="unknown advantage estimator 'ppo'; known: grpo, dr-grpo, rloo, reinforce\\+\\+",
+    ):
         compute_advantages([1.0], ["g"], estimator="ppo")
     with pytest.raises(ValueError, match="failed_rollouts must be one of"):
         rollout_advantages([1.0], ["g"], failed_rollouts="drop")
@@ -108,11 +111,15 @@ def test_per_rollout_collapses_rows_and_rejects_disagreement():
     assert index.tolist() == [0, 0, 1, 2]
     assert groups == ["g", "g", "h"]
     assert rewards[:2].tolist() == [1.0, 0.0] and math.isnan(rewards[2].item())
-    with pytest.raises(ValueError, match=r"rollout 'r1': its rows carry different rewards: \[0.0, 1.0\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout 'r1': its rows carry different rewards: \[0.0, 1.0\]"
+    ):
         per_rollout(["r1", "r1"], ["g", "g"], [1.0, 0.0])
     with pytest.raises(ValueError, match="rollout 'r1': its rows carry different rewards"):
         per_rollout(["r1", "r1"], ["g", "g"], [1.0, None])
-    with pytest.raises(ValueError, match=r"rollout 'r1': its rows carry different group ids: \['g', 'h'\]"):
+    with pytest.raises(
+        ValueError, match=r"rollout 'r1': its rows carry different group ids: \['g', 'h'\]"
+    ):
         per_rollout(["r0", "r1", "r1"], ["g", "g", "h"])
 
 
@@ -155,7 +162,9 @@ def test_batch_advantages_drops_failed_rollouts_whole():
 
 
 def test_batch_advantages_rejects_a_rollout_in_two_groups():
-    batch = make_batch([("r0", "g"), ("r0", "h"), ("r1", "g")], ["r0", "r1"], [1.0, 0.0], ["succeeded"] * 2)
+    batch = make_batch(
+        [("r0", "g"), ("r0", "h"), ("r1", "g")], ["r0", "r1"], [1.0, 0.0], ["succeeded"] * 2
+    )
     with pytest.raises(ValueError, match="rollout 'r0': its rows carry different group ids"):
         batch_advantages(batch)
 

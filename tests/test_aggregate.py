@@ -35,35 +35,38 @@ def starts_with(ids, prefix):
     return True
 
 
-def reference_rows(rollouts, level):
-    """[(rollout_id, first_turn, prompt, region, mask, logprobs or None)], token by token."""
+def reference_rows(rollouts, level, max_p=BIG, max_r=BIG, overlong="truncate"):
+    """[(rollout_id, first_turn, prompt, region, mask, logprobs)], token by token.
+
+    Trajectory rows grow while the prefix holds and the region fits in max_r; a row's prompt
+    keeps its last max_p tokens, a row-starting response its first max_r (or, with
+    overlong="drop_rollout", the rollout is left out).
+    """
     rows = []
     for r in rollouts:
-        cur, context = None, None
+        mine, cur, context = [], None, None
         for k, t in enumerate(r.turns):
             lps = t.response_logprobs
+            lps = list(lps) if lps is not None else [None] * len(t.response_ids)
             if level == "trajectory" and cur is not None and starts_with(t.prompt_ids, context):
-                for tok in t.prompt_ids[len(context) :]:
-                    cur[3].append(tok)
-                    cur[4].append(0)
-                    if cur[5] is not None:
-                        cur[5].append(0.0)
-                for j, tok in enumerate(t.response_ids):
-                    cur[3].append(tok)
-                    cur[4].append(1)
-                    if cur[5] is not None:
-                        cur[5].append(None if lps is None else lps[j])
-            else:
-                cur = [
-                    r.rollout_id,
-                    k,
-                    list(t.prompt_ids),
-                    list(t.response_ids),
-                    [1] * len(t.response_ids),
-                ]
-                cur.append(list(lps) if lps is not None else [None] * len(t.response_ids))
-                rows.append(cur)
+                obs = t.prompt_ids[len(context) :]
+                if len(cur[3]) + len(obs) + len(t.response_ids) <= max_r:
+                    cur[3] += obs + list(t.response_ids)
+                    cur[4] += [0] * len(obs) + [1] * len(t.response_ids)
+                    cur[5] += [0.0] * len(obs) + lps
+                    context = list(t.prompt_ids) + list(t.response_ids)
+                    continue
+            prompt, resp = list(t.prompt_ids), list(t.response_ids)
+            if len(prompt) > max_p or len(resp) > max_r:
+                if overlong == "drop_rollout":
+                    mine = []
+                    break
+                prompt = prompt[len(prompt) - min(len(prompt), max_p) :]
+                resp, lps = resp[:max_r], lps[:max_r]
+            cur = [r.rollout_id, k, prompt, resp, [1] * len(resp), lps]
+            mine.append(cur)
             context = list(t.prompt_ids) + list(t.response_ids)
+        rows += mine
     return rows
 
 
@@ -183,15 +186,7 @@ def test_trajectory_merge_invariants(rollouts):
     assert m["n_rows"] == batch.n_rows
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    rollouts=rollout_lists(),
-    level=st.sampled_from(["transition", "trajectory"]),
-    pad=st.integers(0, 3),
-)
-def test_layout_matches_slow_reference(rollouts, level, pad):
-    batch, _ = agg(rollouts, level=level, pad_token_id=pad)
-    rows = reference_rows(rollouts, level)
+def assert_layout(batch, rows, pad, rollouts):
     P, R, ids, att, pos, mask, lp = reference_layout(rows, pad)
     assert (batch.prompt_length, batch.response_length) == (P, R)
     assert batch.input_ids.tolist() == ids
@@ -205,7 +200,8 @@ def test_layout_matches_slow_reference(rollouts, level, pad):
         == torch.int64
     )
     assert batch.response_mask.dtype == torch.bool
-    if any(t.response_logprobs is None for r in rollouts for t in r.turns):
+    kept = set(batch.rollouts)
+    if any(t.response_logprobs is None for r in rollouts if r.rollout_id in kept for t in r.turns):
         assert batch.rollout_logprobs is None
     else:
         assert batch.rollout_logprobs.dtype == torch.float32
@@ -215,6 +211,46 @@ def test_layout_matches_slow_reference(rollouts, level, pad):
     by_id = {r.rollout_id: r for r in rollouts}
     assert batch.group_ids == [by_id[row[0]].group_id for row in rows]
     assert batch.rollout_index.tolist() == [batch.rollouts.index(row[0]) for row in rows]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rollouts=rollout_lists(),
+    level=st.sampled_from(["transition", "trajectory"]),
+    pad=st.integers(0, 3),
+)
+def test_layout_matches_slow_reference(rollouts, level, pad):
+    batch, _ = agg(rollouts, level=level, pad_token_id=pad)
+    assert_layout(batch, reference_rows(rollouts, level), pad, rollouts)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rollouts=rollout_lists(),
+    level=st.sampled_from(["transition", "trajectory"]),
+    overlong=st.sampled_from(["truncate", "drop_rollout"]),
+    max_p=st.integers(1, 12),
+    max_r=st.integers(1, 12),
+)
+def test_layout_with_small_limits_matches_slow_reference(rollouts, level, overlong, max_p, max_r):
+    """Rows cut by length inside a chain, truncated prompts and responses, dropped rollouts."""
+    batch, m = aggregate(
+        rollouts, level=level, max_prompt_length=max_p, max_response_length=max_r, overlong=overlong
+    )
+    rows = reference_rows(rollouts, level, max_p, max_r, overlong)
+    if not rows:
+        assert batch.n_rows == 0 and batch.rollouts == []
+        return
+    assert_layout(batch, rows, 0, rollouts)
+    assert m["tokens/trained"] == sum(sum(row[4]) for row in rows)
+    dropped = len(rollouts) - len({row[0] for row in rows})
+    assert (
+        m["dropped_rollouts/overlong_prompt"] + m["dropped_rollouts/overlong_response"] == dropped
+    )
+    if overlong == "truncate":
+        full = {(r.rollout_id, k): t for r in rollouts for k, t in enumerate(r.turns)}
+        cut = sum(len(full[row[0], row[1]].prompt_ids) - len(row[2]) for row in rows)
+        assert m["truncated/prompt_tokens"] == cut
 
 
 @settings(max_examples=100, deadline=None)
@@ -450,8 +486,6 @@ def mutate(field, value, turn=1):
         (mutate("prompt_ids", []), ["rollout 'a', turn 1: prompt_ids is empty"]),
         (mutate("prompt_ids", [1, 2, 3, -4]), ["rollout 'a', turn 1: prompt_ids[3] is -4"]),
         (mutate("response_ids", [-5], turn=0), ["rollout 'a', turn 0: response_ids[0] is -5"]),
-        (mutate("prompt_ids", [1, 2, 3, 4.0]), ["rollout 'a', turn 1: prompt_ids[3] is 4.0"]),
-        (mutate("response_ids", ["x"]), ["rollout 'a', turn 1: response_ids[0] is 'x'"]),
         (
             mutate("response_logprobs", [-0.1, -0.2]),
             ["rollout 'a', turn 1: response_logprobs has 2 values"],
@@ -469,6 +503,7 @@ def mutate(field, value, turn=1):
 )
 @pytest.mark.parametrize("level", ["transition", "trajectory"])
 def test_bad_turn_changed_after_validation_is_caught_by_aggregate(rollouts, words, level):
+    # What is cheap to re-check is re-checked; element types are trusted to Turn validation.
     with pytest.raises(TraceError) as e:
         agg(rollouts, level=level)
     for w in words:

@@ -75,6 +75,26 @@ def test_logprobs_match_teacher_forcing(model, tok, prompts, temperature, top_p)
         assert max(gen.response_logprobs) <= 0
 
 
+def test_shared_prefix_is_computed_once_and_changes_nothing(model, tok):
+    system = [{"role": "system", "content": "You are playing a game. Reply with the number only."}]
+    msgs = [
+        system + [{"role": "user", "content": f"Guess a number between 1 and {n}."}]
+        for n in (8, 16, 100)
+    ]
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True)["input_ids"] for m in msgs]
+    prompts += [prompts[0]] * 3  # a group: identical prompts
+    params = SamplingParams(max_tokens=6, seed=3)
+    eng = LocalEngine(model, tok)
+    gens = eng.generate_batch(prompts, params)
+    shared = len(prompts[0]) - 8  # the three prompts differ only near their end
+    assert eng.stats["prefill_tokens"] <= shared + len(prompts) * (max(map(len, prompts)) - shared)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        expected = teacher_forced_logprobs(model, prompt, gen.response_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(gen.response_logprobs), expected, atol=1e-4, rtol=0)
+    alone = [eng.generate_batch([p], params)[0] for p in prompts]
+    assert [g.response_ids for g in gens] == [g.response_ids for g in alone]
+
+
 def test_greedy_equals_transformers_generate(model, tok, prompts):
     eng = LocalEngine(model, tok)
     params = SamplingParams(max_tokens=10, temperature=0.0)

@@ -333,3 +333,14 @@ def test_fake_speaks_the_openai_sdk_protocol(clean):
         == chat.choices[0].message.content
     )
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_make_engine_builds_by_kind(clean):
+    from tracetrain.engines import make_engine
+
+    eng = make_engine("upstream", base_url=clean.url, model="fake", tokenizer=None, max_context=64)
+    assert isinstance(eng, UpstreamEngine) and eng.max_context == 64
+    with pytest.raises(ValueError, match="'vllm' is unknown; known kinds: local, upstream"):
+        make_engine("vllm")
+    with pytest.raises(ValueError, match="base_url"):
+        make_engine("upstream", base_url="localhost:1", model="m", tokenizer=None, max_context=8)

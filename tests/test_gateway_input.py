@@ -47,7 +47,7 @@ def msgs(text="hi"):
 # (description, client, method, path, raw body or json, expected status, words the message names)
 CASES = [
     ("malformed json", "agent", "POST", "/chat/completions", b'{"messages": [', 400, ["JSON"]),
-    ("not an object", "agent", "POST", "/chat/completions", b"[1, 2]", 422, ["dictionary"]),
+    ("not an object", "agent", "POST", "/chat/completions", b"[1, 2]", 422, ["object"]),
     ("messages not a list", "agent", "POST", "/chat/completions", {"messages": "hi"}, 422, ["messages"]),
     ("empty messages", "agent", "POST", "/chat/completions", {"messages": []}, 422, ["messages"]),
     ("bad role", "agent", "POST", "/chat/completions",

@@ -117,7 +117,9 @@ REGRESSION = [
 
 
 @pytest.mark.parametrize("k_a,k_b,rollout_mean,seq_mean,token_mean", REGRESSION)
-def test_regression_table_one_to_three_rows_per_rollout(k_a, k_b, rollout_mean, seq_mean, token_mean):
+def test_regression_table_one_to_three_rows_per_rollout(
+    k_a, k_b, rollout_mean, seq_mean, token_mean
+):
     lens = A_LENS[:k_a] + B_LENS[:k_b]
     ids = ["A"] * k_a + ["B"] * k_b
     mask = torch.tensor([[t < n for t in range(4)] for n in lens])
@@ -198,7 +200,9 @@ def test_alias_and_errors():
     mask = torch.ones(3, 2, dtype=torch.bool)
     ids = ["A", "A", "B"]
     assert torch.equal(row_scales(mask, ids, mode="per_rollout_mean"), row_scales(mask, ids))
-    with pytest.raises(ValueError, match="unknown loss aggregation mode 'mean'.*rollout-mean.*token-mean"):
+    with pytest.raises(
+        ValueError, match="unknown loss aggregation mode 'mean'.*rollout-mean.*token-mean"
+    ):
         row_scales(mask, ids, mode="mean")
     with pytest.raises(ValueError, match="norm_length"):
         row_scales(mask, ids, mode="seq-mean-token-sum-norm")
@@ -234,8 +238,22 @@ def test_row_token_counts_all_ones_does_not_carry():
 # --- policy loss against a slow reference and hand-computed numbers ----------------------------
 
 
-def reference_loss(lp, old, adv, w, *, isw=None, ref=None, kl_coef=0.0, kl="k3", ent=None,
-                   ent_coef=0.0, clip_low=0.2, clip_high=0.2, dual_clip=3.0):
+def reference_loss(
+    lp,
+    old,
+    adv,
+    w,
+    *,
+    isw=None,
+    ref=None,
+    kl_coef=0.0,
+    kl="k3",
+    ent=None,
+    ent_coef=0.0,
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=3.0,
+):
     """verl's formulation, written term by term with autograd."""
     ratio = torch.exp(torch.clamp(lp - old, -20, 20))
     pg1 = -adv * ratio
@@ -292,17 +310,37 @@ def test_policy_loss_matches_reference(seed, kl, dual_clip):
     for isw in (None, x["isw"]):
         lp0 = x["lp"].clone().requires_grad_()
         ent0 = x["ent"].clone().requires_grad_()
-        ref_loss = reference_loss(lp0, x["old"], adv_tok, w, isw=isw, ref=x["ref"], kl_coef=0.3,
-                                  kl=kl, ent=ent0, ent_coef=0.05, **opts)
+        ref_loss = reference_loss(
+            lp0,
+            x["old"],
+            adv_tok,
+            w,
+            isw=isw,
+            ref=x["ref"],
+            kl_coef=0.3,
+            kl=kl,
+            ent=ent0,
+            ent_coef=0.05,
+            **opts,
+        )
         g_lp, g_ent = torch.autograd.grad(ref_loss, [lp0, ent0])
         for weights in (w, RowWeights(x["mask"], s)):
             for adv in (x["adv_row"], adv_tok):
                 lp1 = x["lp"].clone().requires_grad_()
                 ent1 = x["ent"].clone().requires_grad_()
                 loss, metrics = policy_loss(
-                    lp1, x["old"], adv, weights, is_weights=isw, ref_logprobs=x["ref"],
-                    kl_coef=0.3, kl_estimator=kl, entropy=ent1, entropy_coef=0.05,
-                    chunk_tokens=64, **opts,  # several blocks of a few rows
+                    lp1,
+                    x["old"],
+                    adv,
+                    weights,
+                    is_weights=isw,
+                    ref_logprobs=x["ref"],
+                    kl_coef=0.3,
+                    kl_estimator=kl,
+                    entropy=ent1,
+                    entropy_coef=0.05,
+                    chunk_tokens=64,
+                    **opts,  # several blocks of a few rows
                 )
                 h_lp, h_ent = torch.autograd.grad(loss, [lp1, ent1])
                 assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
@@ -340,11 +378,22 @@ def test_policy_loss_by_hand():
 def test_kl_estimators_by_hand():
     # logprob -1, reference -2: k1 = 1, k2 = 1/2, k3 = e^-1 - (-1) - 1 = e^-1
     # d/dlogprob: k1 1, k2 (lp - ref) = 1, k3 1 - e^-1
-    for kl, value, grad in [("k1", 1.0, 1.0), ("k2", 0.5, 1.0), ("k3", math.exp(-1), 1 - math.exp(-1))]:
+    for kl, value, grad in [
+        ("k1", 1.0, 1.0),
+        ("k2", 0.5, 1.0),
+        ("k3", math.exp(-1), 1 - math.exp(-1)),
+    ]:
         lp = torch.full((1, 1), -1.0, requires_grad=True)
         old = lp.detach().clone()
-        loss, m = policy_loss(lp, old, torch.zeros(1), torch.ones(1, 1), ref_logprobs=torch.full((1, 1), -2.0),
-                              kl_coef=0.5, kl_estimator=kl)
+        loss, m = policy_loss(
+            lp,
+            old,
+            torch.zeros(1),
+            torch.ones(1, 1),
+            ref_logprobs=torch.full((1, 1), -2.0),
+            kl_coef=0.5,
+            kl_estimator=kl,
+        )
         loss.backward()
         assert loss.item() == pytest.approx(0.5 * value, rel=1e-6), kl
         assert m["kl_ref"].item() == pytest.approx(value, rel=1e-6), kl
@@ -367,7 +416,9 @@ def test_entropy_bonus_and_weighted_metrics():
 def test_zero_weight_and_empty_inputs_give_zero_loss_no_nan():
     lp = torch.randn(3, 4).requires_grad_()
     mask = torch.zeros(3, 4, dtype=torch.bool)
-    loss, m = policy_loss(lp, lp.detach() + 1, torch.ones(3), RowWeights(mask, row_scales(mask, ["a", "b", "b"])))
+    loss, m = policy_loss(
+        lp, lp.detach() + 1, torch.ones(3), RowWeights(mask, row_scales(mask, ["a", "b", "b"]))
+    )
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(lp.grad, torch.zeros(3, 4))
     assert all(math.isfinite(v.item()) for v in m.values())
@@ -391,7 +442,12 @@ def test_policy_loss_errors():
     with pytest.raises(ValueError, match="old_logprobs must have the shape of logprobs"):
         policy_loss(lp, torch.zeros(2, 4), torch.zeros(2), w)
     with pytest.raises(ValueError, match="weights row scales must have shape"):
-        policy_loss(lp, lp.detach(), torch.zeros(2), RowWeights(torch.ones(2, 3, dtype=torch.bool), torch.ones(3)))
+        policy_loss(
+            lp,
+            lp.detach(),
+            torch.zeros(2),
+            RowWeights(torch.ones(2, 3, dtype=torch.bool), torch.ones(3)),
+        )
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         policy_loss(lp, lp.detach(), torch.zeros(2), w, dual_clip=0.5)
     with pytest.raises(ValueError, match="clip_low must be < 1"):
@@ -438,7 +494,7 @@ def rollouts_and_cuts(draw):
 def layout(rollouts, cut: bool):
     """Rows [rows, W] of (prev token, token, mask, token id) for each rollout, whole or cut."""
     pieces = []  # (rollout k, [positions])
-    for k, (tokens, mask, cuts, _, _) in enumerate(rollouts):
+    for k, (_tokens, mask, cuts, _, _) in enumerate(rollouts):
         bounds = [0, *(cuts if cut else []), len(mask)]
         for a, b in zip(bounds, bounds[1:], strict=False):
             pieces.append((k, list(range(a, b))))
@@ -449,7 +505,7 @@ def layout(rollouts, cut: bool):
     mask = torch.zeros(n, width, dtype=torch.bool)
     where = torch.full((n, width), -1, dtype=torch.int64)  # global token id, -1 on padding
     offsets, o = [], 0
-    for tokens, m, *_ in rollouts:
+    for _tokens, m, *_ in rollouts:
         offsets.append(o)
         o += len(m)
     for i, (k, pos) in enumerate(pieces):
@@ -467,7 +523,11 @@ def per_token(values_by_id, where):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rollouts_and_cuts(), st.sampled_from(["rollout-mean", "token-mean"]), st.sampled_from(["k1", "k2", "k3"]))
+@given(
+    rollouts_and_cuts(),
+    st.sampled_from(["rollout-mean", "token-mean"]),
+    st.sampled_from(["k1", "k2", "k3"]),
+)
 def test_split_invariance_of_loss_and_gradient(rollouts, mode, kl):
     results = []
     for cut in (False, True):
@@ -480,9 +540,15 @@ def test_split_invariance_of_loss_and_gradient(rollouts, mode, kl):
         lp.retain_grad()
         adv = torch.tensor([rollouts[k][3] for k in rollout_of_row])
         loss, metrics = policy_loss(
-            lp, per_token(old_by_id, where), adv, RowWeights(mask, row_scales(mask, ids, mode=mode)),
-            ref_logprobs=per_token(ref_by_id, where), kl_coef=0.2, kl_estimator=kl,
-            entropy=ent, entropy_coef=0.03,
+            lp,
+            per_token(old_by_id, where),
+            adv,
+            RowWeights(mask, row_scales(mask, ids, mode=mode)),
+            ref_logprobs=per_token(ref_by_id, where),
+            kl_coef=0.2,
+            kl_estimator=kl,
+            entropy=ent,
+            entropy_coef=0.03,
         )
         loss.backward()
         token_grad = torch.zeros(n_tokens).index_put_((where[where >= 0],), lp.grad[where >= 0])
@@ -498,7 +564,10 @@ def test_split_invariance_of_loss_and_gradient(rollouts, mode, kl):
 
 def test_seq_mean_token_mean_is_not_split_invariant():
     """Documented: under seq-mean-token-mean a rollout cut into k rows weighs k/B."""
-    whole = masses(token_weights(torch.ones(2, 2, dtype=torch.bool), ["A", "B"], mode="seq-mean-token-mean"), "AB")
+    whole = masses(
+        token_weights(torch.ones(2, 2, dtype=torch.bool), ["A", "B"], mode="seq-mean-token-mean"),
+        "AB",
+    )
     cut_mask = torch.tensor([[1, 1], [1, 0], [1, 0]], dtype=torch.bool)
     cut = masses(token_weights(cut_mask, ["A", "B", "B"], mode="seq-mean-token-mean"), "ABB")
     assert whole == pytest.approx({"A": 1 / 2, "B": 1 / 2})

@@ -12,7 +12,13 @@ from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
 from tracetrain.loss import RowWeights, policy_loss, token_weights
 from tracetrain.minibatch import balanced_bins, micro_batches, plan_step
 
-ALL_MODES = ["rollout-mean", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+ALL_MODES = [
+    "rollout-mean",
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+]
 
 
 def kw(mode):
@@ -24,18 +30,29 @@ def step_layout(draw):
     rows_per_rollout = draw(st.lists(st.integers(1, 3), min_size=2, max_size=12))
     width = 8
     n = sum(rows_per_rollout)
-    mask = draw(st.lists(st.lists(st.booleans(), min_size=width, max_size=width), min_size=n, max_size=n))
-    rollout_index = torch.repeat_interleave(torch.arange(len(rows_per_rollout)), torch.tensor(rows_per_rollout))
+    mask = draw(
+        st.lists(st.lists(st.booleans(), min_size=width, max_size=width), min_size=n, max_size=n)
+    )
+    rollout_index = torch.repeat_interleave(
+        torch.arange(len(rows_per_rollout)), torch.tensor(rows_per_rollout)
+    )
     return torch.tensor(mask, dtype=torch.bool), rollout_index
 
 
 @settings(max_examples=60, deadline=None)
-@given(step_layout(), st.integers(1, 4), st.one_of(st.none(), st.integers(1, 20)), st.sampled_from(ALL_MODES))
+@given(
+    step_layout(),
+    st.integers(1, 4),
+    st.one_of(st.none(), st.integers(1, 20)),
+    st.sampled_from(ALL_MODES),
+)
 def test_plan_keeps_rollouts_whole_and_scales_per_mini_batch(layout, k, budget, mode):
     mask, rollout_index = layout
     n_rollouts = int(rollout_index.max()) + 1
     k = min(k, n_rollouts)
-    plan = plan_step(mask, rollout_index, n_mini_batches=k, micro_batch_tokens=budget, mode=mode, **kw(mode))
+    plan = plan_step(
+        mask, rollout_index, n_mini_batches=k, micro_batch_tokens=budget, mode=mode, **kw(mode)
+    )
     assert len(plan) == k
     seen = torch.cat([mb.rows for mb in plan])
     assert sorted(seen.tolist()) == list(range(mask.shape[0]))  # every row exactly once
@@ -87,7 +104,9 @@ def test_whole_groups_when_asked_and_errors():
             assert all(i in mb.rows.tolist() for i, x in enumerate(groups) if x == g)
     with pytest.raises(ValueError, match="lie in two groups"):
         plan_step(mask, rollout_index, groups=["g", "h", "h", "h", "h", "k"])
-    with pytest.raises(ValueError, match="cannot make 4 mini-batches of whole groups from 3 groups"):
+    with pytest.raises(
+        ValueError, match="cannot make 4 mini-batches of whole groups from 3 groups"
+    ):
         plan_step(mask, rollout_index, n_mini_batches=4, groups=groups)
     with pytest.raises(ValueError, match="fewer than world_size=8"):
         plan_step(mask, rollout_index, world_size=8, rank=0)
@@ -124,8 +143,16 @@ def test_micro_batch_losses_sum_to_the_mini_batch_loss():
         for budget in (1, 5, 17, 40):
             (mb_b,) = plan_step(mask, ri, micro_batch_tokens=budget, mode=mode, **kw(mode))
             total = sum(
-                policy_loss(lp[m.rows], old[m.rows], adv[m.rows], RowWeights(mask[m.rows], m.row_scales),
-                            ref_logprobs=ref[m.rows], kl_coef=0.1, entropy=ent[m.rows], entropy_coef=0.01)[0]
+                policy_loss(
+                    lp[m.rows],
+                    old[m.rows],
+                    adv[m.rows],
+                    RowWeights(mask[m.rows], m.row_scales),
+                    ref_logprobs=ref[m.rows],
+                    kl_coef=0.1,
+                    entropy=ent[m.rows],
+                    entropy_coef=0.01,
+                )[0]
                 for m in mb_b.micro_batches
             )
             assert len(mb_b.micro_batches) > 1
@@ -142,8 +169,14 @@ def run_micro_batches(model, rows, micro, adv, old, ref):
     for m in micro:
         lp, ent = logprobs_and_entropy(model, rows, m.rows)
         loss, _ = policy_loss(
-            lp, old[m.rows], adv[m.rows], RowWeights(rows["response_mask"][m.rows], m.row_scales),
-            ref_logprobs=ref[m.rows], kl_coef=0.05, entropy=ent, entropy_coef=0.01,
+            lp,
+            old[m.rows],
+            adv[m.rows],
+            RowWeights(rows["response_mask"][m.rows], m.row_scales),
+            ref_logprobs=ref[m.rows],
+            kl_coef=0.05,
+            entropy=ent,
+            entropy_coef=0.01,
         )
         loss.backward()
     return grads_of(model)

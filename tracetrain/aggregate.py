@@ -1,12 +1,12 @@
 """aggregate: the turns of finished rollouts -> training rows (`TrainingBatch`) + metrics.
 
-Levels (registered by name in LEVELS):
+Levels (LEVELS):
 
     transition : one row per turn; row = (prompt_k | response_k).
     trajectory : turn k joins the open row when prompt_k starts with the running context
                  c = prompt_{k-1} + response_{k-1}; the row's response region grows by
                  obs_k = prompt_k[len(c):] (mask 0) and response_k (mask 1). Otherwise the row is
-                 closed, the break is classified (see drift.py), and a new row starts at turn k.
+                 closed, the break is classified (drift.py), and a new row starts at turn k.
                  A turn whose obs + response would push the region past max_response_length also
                  starts a new row (a length split, counted; not drift).
 
@@ -27,19 +27,27 @@ closed (a continued row would only have added the new observation tokens). The b
 Returns (batch, metrics), or (batch, metrics, breaks: list[DriftBreak]) with return_breaks=True.
 metrics is a flat dict of numbers (ready for a logger); keys are listed in `aggregate`.
 
-Speed: rows are planned per turn in Python (list slices, C-speed compares); the token ids are
-written once into a flat int64 buffer, and the padded tensors are filled with `masked_scatter_`
-from a boolean layout mask, so there is no per-token Python work and no int64 index tensor.
+How it is fast. A chain is a maximal run of turns of one rollout in which every prompt starts
+with the previous context; every turn's context (prompt + response) is then a prefix of the
+chain's last context, and every row, at either level, is one contiguous slice [lo, hi) of it.
+So each chain's last context is converted to int64 once (numpy), all chains go into one flat
+buffer with P zeros before and R zeros after, and the padded [rows, P+R] tensors are gathered
+with a row index from a sliding-window view of that buffer (`as_strided` + `index_select`):
+row i's window starts at chain_start + hi_prompt_i, where hi_prompt_i is the end of its prompt.
+Trained-token mask and logprobs use the same windows over chain-long buffers. No per-token
+Python work, no per-row torch op, no index tensor larger than one int64 per row.
 """
 
 from __future__ import annotations
 
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain as chained
+from itertools import repeat
 from typing import Any
 
+import numpy as np
 import torch
 
 from tracetrain.batch import TrainingBatch
@@ -52,25 +60,24 @@ LENGTH_SPLIT = "length_split"
 
 
 @dataclass
-class _Part:
-    """Turn `turn` inside a row: obs = prompt[obs_start:] (None: the row's first turn, no obs)."""
+class _Row:
+    """One row: chain coordinates [lo, lo + n_prompt) are its prompt, the next n_region its region."""
 
-    turn: int
-    obs_start: int | None
-    response_len: int
+    chain: int  # index into the rollout's chains, later into the batch's chains
+    lo: int  # left-truncated prompt tokens
+    n_prompt: int
+    n_region: int
+    n_trained: int
+    turns: list[int] = field(default_factory=list)
 
 
 @dataclass
-class _Row:
-    """Plan of one row; tokens are copied only when the batch is written."""
+class _Plan:
+    """Rows of one rollout, its chains (turn indices of each), and its prefix breaks."""
 
-    rollout: int  # index into the input `rollouts`
-    prompt_cut: int  # left-truncated prompt tokens
-    parts: list[_Part] = field(default_factory=list)
-
-    @property
-    def first_turn(self) -> int:
-        return self.parts[0].turn
+    chains: list[list[int]] = field(default_factory=list)
+    rows: list[_Row] = field(default_factory=list)
+    breaks: list[tuple[int, str, int, int, str]] = field(default_factory=list)
 
 
 class _Drop(Exception):
@@ -89,114 +96,106 @@ class _Counts:
     length_split_recomputed: int = 0
 
 
-def _limit_prompt(r: Rollout, k: int, n: int, max_len: int, overlong: str, counts: _Counts) -> int:
-    """Left cut for a row that starts at turn k with an n-token prompt."""
-    if n <= max_len:
-        return 0
-    if overlong == "drop_rollout":
-        raise _Drop("overlong_prompt")
-    if overlong == "error":
-        raise TraceError(
-            f"rollout {r.rollout_id!r}, turn {k}: prompt_ids has {n} tokens, over "
-            f"max_prompt_length={max_len} (overlong='error')"
-        )
-    counts.truncated_prompt_tokens += n - max_len
-    return n - max_len
+@dataclass
+class _Limits:
+    max_prompt: int
+    max_response: int
+    overlong: str
 
 
-def _limit_response(
-    r: Rollout, k: int, n: int, max_len: int, overlong: str, counts: _Counts
-) -> int:
-    """Kept length of turn k's n-token response."""
-    if n <= max_len:
-        return n
-    if overlong == "drop_rollout":
-        raise _Drop("overlong_response")
-    if overlong == "error":
-        raise TraceError(
-            f"rollout {r.rollout_id!r}, turn {k}: response_ids has {n} tokens, over "
-            f"max_response_length={max_len} (overlong='error')"
-        )
-    counts.truncated_response_tokens += n - max_len
-    return max_len
+def _extends(prev, prompt: list[int]) -> bool:
+    """Whether `prompt` starts with prev.prompt_ids + prev.response_ids (C-speed slice compares)."""
+    lp, lr = len(prev.prompt_ids), len(prev.response_ids)
+    return (
+        len(prompt) >= lp + lr
+        and prompt[lp : lp + lr] == prev.response_ids
+        and prompt[:lp] == prev.prompt_ids
+    )
 
 
-def _check_turn_shapes(r: Rollout) -> None:
-    """O(1) guards against turns mutated after validation; the full check runs on failure."""
-    for k, t in enumerate(r.turns):
-        lp = t.response_logprobs
-        if not t.prompt_ids or (lp is not None and len(lp) != len(t.response_ids)):
-            t.validate(r.rollout_id, k)  # raises the precise TraceError
-
-
-def _new_row(r, ri, k, max_p, max_r, overlong, counts) -> _Row:
+def _start_row(r: Rollout, k: int, chain: int, lim: _Limits, counts: _Counts) -> _Row:
+    """A row that starts at turn k, with the overlong policy applied to its prompt and response."""
     t = r.turns[k]
-    cut = _limit_prompt(r, k, len(t.prompt_ids), max_p, overlong, counts)
-    keep = _limit_response(r, k, len(t.response_ids), max_r, overlong, counts)
-    counts.truncated_rows += int(cut > 0 or keep < len(t.response_ids))
-    return _Row(ri, cut, [_Part(k, None, keep)])
+    n_p, n_r = len(t.prompt_ids), len(t.response_ids)
+    cut, keep = 0, n_r
+    if n_p > lim.max_prompt or n_r > lim.max_response:
+        field_, n, limit = (
+            ("prompt", n_p, lim.max_prompt)
+            if n_p > lim.max_prompt
+            else ("response", n_r, lim.max_response)
+        )
+        if lim.overlong == "drop_rollout":
+            raise _Drop(f"overlong_{field_}")
+        if lim.overlong == "error":
+            raise TraceError(
+                f"rollout {r.rollout_id!r}, turn {k}: {field_}_ids has {n} tokens, over "
+                f"max_{field_}_length={limit} (overlong='error')"
+            )
+        cut, keep = max(0, n_p - lim.max_prompt), min(n_r, lim.max_response)
+        counts.truncated_prompt_tokens += cut
+        counts.truncated_response_tokens += n_r - keep
+        counts.truncated_rows += 1
+    return _Row(chain, cut, n_p - cut, keep, keep, [k])
 
 
-def plan_transition(
-    r: Rollout, ri: int, max_p: int, max_r: int, overlong: str, counts: _Counts, **_
-):
-    """One row per turn."""
-    rows = [_new_row(r, ri, k, max_p, max_r, overlong, counts) for k in range(len(r.turns))]
-    return rows, []
-
-
-def plan_trajectory(
+def plan_rollout(
     r: Rollout,
-    ri: int,
-    max_p: int,
-    max_r: int,
-    overlong: str,
+    level: str,
+    lim: _Limits,
     counts: _Counts,
-    tokenizer,
-    want_records,
-):
-    """Merge turns while the prefix holds and the region fits; classify every break."""
+    tokenizer: Any = None,
+    want_records: bool = False,
+) -> _Plan:
+    """Chains, rows and breaks of one rollout (Python per turn; no token is copied)."""
     turns = r.turns
-    rows = [_new_row(r, ri, 0, max_p, max_r, overlong, counts)]
-    region = rows[0].parts[0].response_len
-    breaks: list[tuple[int, str, int, int, str]] = []  # turn, kind, position, recomputed, snippet
-    carried: list[tuple[int, int]] = []  # response spans inherited through the new row's prompt
-    for k in range(1, len(turns)):
-        prev, t = turns[k - 1], turns[k]
-        lp, lr = len(prev.prompt_ids), len(prev.response_ids)
-        ctx_len = lp + lr
+    plan = _Plan()
+    carried: list[tuple[int, int]] = []  # response spans inherited by the chain's first prompt
+    for k, t in enumerate(turns):
         p = t.prompt_ids
-        if len(p) >= ctx_len and p[:lp] == prev.prompt_ids and p[lp:ctx_len] == prev.response_ids:
-            grow = len(p) - ctx_len + len(t.response_ids)
-            if region + grow <= max_r:
-                rows[-1].parts.append(_Part(k, ctx_len, len(t.response_ids)))
-                region += grow
+        if k > 0 and _extends(turns[k - 1], p):
+            plan.chains[-1].append(k)
+            row = plan.rows[-1]
+            grow = (
+                len(p)
+                - len(turns[k - 1].prompt_ids)
+                - len(turns[k - 1].response_ids)
+                + len(t.response_ids)
+            )
+            if level == "trajectory" and row.n_region + grow <= lim.max_response:
+                row.n_region += grow
+                row.n_trained += len(t.response_ids)
+                row.turns.append(k)
                 continue
-            row = _new_row(r, ri, k, max_p, max_r, overlong, counts)
-            counts.length_splits += 1
-            counts.length_split_recomputed += len(p) - row.prompt_cut
-        else:
+            row = _start_row(r, k, len(plan.chains) - 1, lim, counts)
+            if level == "trajectory":
+                counts.length_splits += 1
+                counts.length_split_recomputed += row.n_prompt
+            plan.rows.append(row)
+            continue
+        # A new chain: turn 0, or the prefix broke (classified at the trajectory level).
+        brk = None
+        if k > 0 and level == "trajectory":
+            prev = turns[k - 1]
             context = prev.prompt_ids + prev.response_ids
             spans = carried + [
                 (len(turns[j].prompt_ids), len(turns[j].prompt_ids) + len(turns[j].response_ids))
-                for j in (part.turn for part in rows[-1].parts)
+                for j in plan.chains[-1]
             ]
             kind, position = classify_break(context, p, spans, tokenizer)
-            row = _new_row(r, ri, k, max_p, max_r, overlong, counts)
-            text = snippet(context, p, position, tokenizer) if want_records else ""
-            breaks.append((k, kind, position, len(p) - row.prompt_cut, text))
             # Tokens before `position` are the same in the new prompt: their spans carry over.
             carried = [(a, min(b, position)) for a, b in spans if a < position]
-        rows.append(row)
-        region = row.parts[0].response_len
-    return rows, breaks
-
-
-LEVEL_PLANNERS = {"transition": plan_transition, "trajectory": plan_trajectory}
+            brk = (kind, position, snippet(context, p, position, tokenizer) if want_records else "")
+        plan.chains.append([k])
+        row = _start_row(r, k, len(plan.chains) - 1, lim, counts)
+        plan.rows.append(row)
+        if brk is not None:
+            kind, position, text = brk
+            plan.breaks.append((k, kind, position, row.n_prompt, text))
+    return plan
 
 
 def _check_args(level, max_prompt_length, max_response_length, pad_token_id, overlong):
-    if level not in LEVEL_PLANNERS:
+    if level not in LEVELS:
         raise ValueError(f"level {level!r} is unknown; choose one of {LEVELS}")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong {overlong!r} is unknown; choose one of {OVERLONG_POLICIES}")
@@ -209,13 +208,28 @@ def _check_args(level, max_prompt_length, max_response_length, pad_token_id, ove
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
 
 
-def _find_bad_input(rollouts: Sequence[Rollout], kept: Sequence[int]) -> None:
+def _check_rollout(r: Rollout) -> None:
+    """O(1) re-checks of a rollout that may have been changed after its validation."""
+    if r.reward is not None and (isinstance(r.reward, bool) or not math.isfinite(r.reward)):
+        raise TraceError(f"rollout {r.rollout_id!r}: reward is {r.reward!r}; it must be finite")
+    for k, t in enumerate(r.turns):
+        lp = t.response_logprobs
+        if not t.prompt_ids or (lp is not None and len(lp) != len(t.response_ids)):
+            t.validate(r.rollout_id, k)  # raises the precise TraceError
+
+
+def _find_bad_input(rollouts: Sequence[Rollout]) -> None:
     """Slow path after a cheap vectorized check failed: full validation raises the clear error."""
-    for ri in kept:
-        r = rollouts[ri]
+    for r in rollouts:
         for k, t in enumerate(r.turns):
             t.validate(r.rollout_id, k)
     raise TraceError("bad token id or logprob in the batch, but no turn fails validation")
+
+
+def _windows(buf: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    """[len(start), width] copy of buf[start_i : start_i + width] for every i (no per-cell index)."""
+    view = buf.as_strided((buf.numel() - width + 1, width), (1, 1))
+    return view.index_select(0, start)
 
 
 def aggregate(
@@ -233,9 +247,12 @@ def aggregate(
     """Build the rows of `rollouts` (never modified) and count what happened.
 
     P, R (prompt/response widths) are the batch maxima, or the limits with pad_to_limits=True.
+    position_ids are 0 on the left padding and keep counting over the right padding.
     Per row: model_version = oldest model_version of its turns, -1 if any is unknown;
     rollout_logprobs is None when any kept turn lacks logprobs. Per rollout: reward (NaN if None)
     and state. Rollouts with no turns, and rows with zero trained tokens, are dropped and counted.
+    Turn contents are trusted to have passed Turn validation; what is cheap is checked again
+    (lengths, negative ids, non-finite or positive logprobs, rewards, duplicate rollout ids).
 
     metrics: n_rollouts_in, n_rollouts, n_rows, n_multi_row_rollouts, max_rows_per_rollout,
     dropped_rollouts/{no_turns, overlong_prompt, overlong_response, no_trained_tokens},
@@ -248,140 +265,141 @@ def aggregate(
     if not isinstance(rollouts, Sequence):
         raise TypeError(f"rollouts must be a sequence of Rollout, got {type(rollouts).__name__}")
     check_rollouts(rollouts)
+    lim = _Limits(max_prompt_length, max_response_length, overlong)
 
-    # 1. Plan rows per rollout (Python per turn; no token copied yet).
-    planner = LEVEL_PLANNERS[level]
+    # 1. Plan every rollout: chains, rows, breaks.
     counts = _Counts()
     dropped = dict.fromkeys(
         ("no_turns", "overlong_prompt", "overlong_response", "no_trained_tokens"), 0
     )
     n_zero_rows = 0
-    rows: list[_Row] = []
+    kept: list[int] = []  # rollout indices in batch order
+    plans: list[_Plan] = []
     records: list[DriftBreak] = []
     for ri, r in enumerate(rollouts):
-        if r.reward is not None and (isinstance(r.reward, bool) or not math.isfinite(r.reward)):
-            raise TraceError(f"rollout {r.rollout_id!r}: reward is {r.reward!r}; it must be finite")
+        _check_rollout(r)
         if not r.turns:
             dropped["no_turns"] += 1
             continue
-        _check_turn_shapes(r)
         before = _Counts(**vars(counts))
         try:
-            r_rows, r_breaks = planner(
-                r, ri, max_prompt_length, max_response_length, overlong, counts,
-                tokenizer=tokenizer, want_records=return_breaks,
-            )  # fmt: skip
+            plan = plan_rollout(r, level, lim, counts, tokenizer, return_breaks)
         except _Drop as drop:
             dropped[drop.cause] += 1
             counts = before  # a dropped rollout leaves no trace in the counts
             continue
-        n_planned = len(r_rows)
-        r_rows = [row for row in r_rows if any(part.response_len for part in row.parts)]
-        n_zero_rows += n_planned - len(r_rows)
-        if not r_rows:
+        rows = [row for row in plan.rows if row.n_trained > 0]
+        n_zero_rows += len(plan.rows) - len(rows)
+        if not rows:
             dropped["no_trained_tokens"] += 1
             continue
-        rows.extend(r_rows)
-        records.extend(DriftBreak(r.rollout_id, k, *rest) for k, *rest in r_breaks)
+        plan.rows = rows
+        kept.append(ri)
+        plans.append(plan)
+        records.extend(DriftBreak(r.rollout_id, k, *rest) for k, *rest in plan.breaks)
 
-    # 2. Write every row's tokens once into flat buffers; collect per-row lengths and mask runs.
-    ids, lps = array("q"), array("f")
-    have_logprobs = True
-    lp_len, region_len, row_version, run_len, run_trained = [], [], [], [], []
-    kept: list[int] = []  # rollout indices in batch order
-    rows_per_rollout: list[int] = []
-    turn_index: list[int] = []
-    try:
-        for row in rows:
-            r = rollouts[row.rollout]
-            if not kept or kept[-1] != row.rollout:
-                kept.append(row.rollout)
-                rows_per_rollout.append(0)
-            rows_per_rollout[-1] += 1
-            turn_index.append(row.first_turn)
-            first = r.turns[row.first_turn]
-            prompt = first.prompt_ids
-            ids.extend(prompt[row.prompt_cut :] if row.prompt_cut else prompt)
-            lp_len.append(len(prompt) - row.prompt_cut)
-            region = 0
-            for part in row.parts:
-                t = r.turns[part.turn]
-                if part.obs_start is not None:
-                    n_obs = len(t.prompt_ids) - part.obs_start
-                    ids.extend(t.prompt_ids[part.obs_start :])
-                    run_len.append(n_obs)
-                    run_trained.append(False)
-                    region += n_obs
-                n = part.response_len
-                full = n == len(t.response_ids)
-                ids.extend(t.response_ids if full else t.response_ids[:n])
-                run_len.append(n)
-                run_trained.append(True)
-                region += n
-                if have_logprobs and t.response_logprobs is not None:
-                    lps.extend(t.response_logprobs if full else t.response_logprobs[:n])
-                else:
-                    have_logprobs = False
-            region_len.append(region)
-            versions = [r.turns[part.turn].model_version for part in row.parts]
-            row_version.append(-1 if None in versions else min(versions))
-    except (TypeError, OverflowError):  # a non-int id slipped in after validation
-        _find_bad_input(rollouts, [row.rollout for row in rows])
-
-    # 3. Vectorized layout: left-padded prompt | right-padded response region.
+    # 2. Per-row numbers and the chains the rows use, in batch order (Python per row / turn).
+    rows = [row for plan in plans for row in plan.rows]
     n_rows = len(rows)
-    lp_t = torch.tensor(lp_len, dtype=torch.int64)
-    lr_t = torch.tensor(region_len, dtype=torch.int64)
+    n_prompt = [row.n_prompt for row in rows]
+    n_region = [row.n_region for row in rows]
     if pad_to_limits:
         P, R = max_prompt_length, max_response_length
     else:
-        P = int(lp_t.max()) if n_rows else 0
-        R = int(lr_t.max()) if n_rows else 0
-    flat = (
-        torch.frombuffer(ids, dtype=torch.int64) if len(ids) else torch.zeros(0, dtype=torch.int64)
-    )
-    if flat.numel() and int(flat.min()) < 0:
-        _find_bad_input(rollouts, kept)
+        P, R = max(n_prompt, default=0), max(n_region, default=0)
+    ids_lists: list[list[int]] = []  # per chain: its last turn's prompt ids, response ids
+    lp_lists: list[list[float] | None] = []  # per chain turn: its logprobs
+    run_len, run_trained = [P], [False]  # trained-token runs over the whole buffer
+    row_start: list[int] = []  # window start of each row: chain start + end of its prompt
+    row_version: list[int] = []
+    n_lp = 0  # response tokens of the emitted chains
+    offset = P  # the buffer starts with P zeros
+    for ri, plan in zip(kept, plans, strict=True):
+        turns = rollouts[ri].turns
+        chain_start: dict[int, int] = {}
+        for row in plan.rows:
+            if row.chain not in chain_start:  # emit the chain once, at its first row
+                chain_start[row.chain] = offset
+                pos = 0
+                for j in plan.chains[row.chain]:
+                    t = turns[j]
+                    run_len += (len(t.prompt_ids) - pos, len(t.response_ids))
+                    run_trained += (False, True)
+                    pos = len(t.prompt_ids) + len(t.response_ids)
+                    lp_lists.append(t.response_logprobs)
+                    n_lp += len(t.response_ids)
+                ids_lists += (turns[j].prompt_ids, turns[j].response_ids)
+                offset += pos
+            row_start.append(chain_start[row.chain] - P + row.lo + row.n_prompt)
+            versions = [turns[j].model_version for j in row.turns]
+            row_version.append(-1 if None in versions else min(versions))
+    n_buf = offset + R  # and R zeros at the end
+    run_len.append(R)
+    run_trained.append(False)
+    have_logprobs = None not in lp_lists
 
+    # 3. Vectorized layout: left-padded prompt | right-padded response region.
+    start = torch.tensor(row_start, dtype=torch.int64) + P  # window start of the response block
+    lp_t = torch.tensor(n_prompt, dtype=torch.int64)
+    lr_t = torch.tensor(n_region, dtype=torch.int64)
     col = torch.arange(P + R)
-    start = (P - lp_t).unsqueeze(1)  # first real column of each row
-    valid = col >= start
-    valid &= col < (P + lr_t).unsqueeze(1)
-    input_ids = torch.full((n_rows, P + R), pad_token_id, dtype=torch.int64)
-    input_ids.masked_scatter_(valid, flat)
-    del flat, ids
-    attention_mask = valid.to(torch.int64)
-    position_ids = (col - start).clamp_(min=0)  # 0 on left pad; keeps counting over right pad
-    trained = torch.repeat_interleave(
+    region_valid = torch.arange(R) < lr_t.unsqueeze(1)
+    trained_buf = torch.repeat_interleave(
         torch.tensor(run_trained, dtype=torch.bool), torch.tensor(run_len, dtype=torch.int64)
     )
-    response_mask = torch.zeros((n_rows, R), dtype=torch.bool)
-    response_mask.masked_scatter_(valid[:, P:], trained)
-    del valid, trained
+    response_mask = _windows(trained_buf, start, R)
+    response_mask &= region_valid
+    del region_valid
 
     rollout_logprobs = None
     if have_logprobs:
-        rollout_logprobs = torch.zeros((n_rows, R), dtype=torch.float32)
-        if len(lps):
-            flat_lp = torch.frombuffer(lps, dtype=torch.float32)
-            if not bool(torch.isfinite(flat_lp).all()) or float(flat_lp.max()) > LOGPROB_TOLERANCE:
-                _find_bad_input(rollouts, kept)
-            rollout_logprobs.masked_scatter_(response_mask, flat_lp)
-            del flat_lp
+        flat_lp = torch.from_numpy(np.fromiter(chained.from_iterable(lp_lists), np.float32, n_lp))
+        if n_lp and (
+            not bool(torch.isfinite(flat_lp).all()) or float(flat_lp.max()) > LOGPROB_TOLERANCE
+        ):
+            _find_bad_input([rollouts[ri] for ri in kept])
+        lp_buf = torch.zeros(n_buf, dtype=torch.float32).masked_scatter_(trained_buf, flat_lp)
+        del flat_lp
+        rollout_logprobs = _windows(lp_buf, start, R)
+        rollout_logprobs.mul_(response_mask)
+        del lp_buf
+    del trained_buf
 
-    rollout_index = torch.repeat_interleave(
-        torch.arange(len(kept)), torch.tensor(rows_per_rollout, dtype=torch.int64)
-    )
+    ids_iter = chained(repeat(0, P), chained.from_iterable(ids_lists), repeat(0, R))
+    ids_buf = torch.from_numpy(np.fromiter(ids_iter, np.int64, n_buf))
+    if n_rows and int(ids_buf.min()) < 0:
+        _find_bad_input([rollouts[ri] for ri in kept])
+    input_ids = _windows(ids_buf, start - P, P + R)
+    del ids_buf
+    first = (P - lp_t).unsqueeze(1)  # first real column of each row
+    valid = col >= first
+    valid &= col < (P + lr_t).unsqueeze(1)
+    input_ids.masked_fill_(valid.logical_not(), pad_token_id)
+    attention_mask = valid.to(torch.int64)
+    del valid
+    position_ids = (col - first).clamp_(min=0)  # 0 on left pad; keeps counting over right pad
+
+    rows_per_rollout = [len(plan.rows) for plan in plans]
     batch = TrainingBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         response_mask=response_mask,
         rollout_logprobs=rollout_logprobs,
-        rollout_ids=[rollouts[row.rollout].rollout_id for row in rows],
-        group_ids=[rollouts[row.rollout].group_id for row in rows],
-        turn_index=torch.tensor(turn_index, dtype=torch.int64),
-        rollout_index=rollout_index,
+        rollout_ids=[
+            rollouts[ri].rollout_id
+            for ri, c in zip(kept, rows_per_rollout, strict=True)
+            for _ in range(c)
+        ],
+        group_ids=[
+            rollouts[ri].group_id
+            for ri, c in zip(kept, rows_per_rollout, strict=True)
+            for _ in range(c)
+        ],
+        turn_index=torch.tensor([row.turns[0] for row in rows], dtype=torch.int64),
+        rollout_index=torch.repeat_interleave(
+            torch.arange(len(kept)), torch.tensor(rows_per_rollout, dtype=torch.int64)
+        ),
         rollouts=[rollouts[ri].rollout_id for ri in kept],
         rewards=torch.tensor(
             [
@@ -395,8 +413,8 @@ def aggregate(
     )
 
     # 4. Metrics.
-    n_prompt, n_region = int(lp_t.sum()), int(lr_t.sum())
-    n_trained = sum(n for n, tr in zip(run_len, run_trained, strict=True) if tr)
+    tokens_prompt, tokens_region = sum(n_prompt), sum(n_region)
+    tokens_trained = sum(row.n_trained for row in rows)
     metrics: dict[str, float] = {
         "n_rollouts_in": len(rollouts),
         "n_rollouts": len(kept),
@@ -408,12 +426,14 @@ def aggregate(
         "truncated/rows": counts.truncated_rows,
         "truncated/prompt_tokens": counts.truncated_prompt_tokens,
         "truncated/response_tokens": counts.truncated_response_tokens,
-        "tokens/prompt": n_prompt,
-        "tokens/observation": n_region - n_trained,
-        "tokens/trained": n_trained,
-        "tokens/non_pad": n_prompt + n_region,
+        "tokens/prompt": tokens_prompt,
+        "tokens/observation": tokens_region - tokens_trained,
+        "tokens/trained": tokens_trained,
+        "tokens/non_pad": tokens_prompt + tokens_region,
         "tokens/cells": n_rows * (P + R),
-        "tokens/trained_fraction": n_trained / (n_prompt + n_region) if n_rows else 0.0,
+        "tokens/trained_fraction": tokens_trained / (tokens_prompt + tokens_region)
+        if n_rows
+        else 0.0,
     }
     if level == "trajectory":
         metrics["breaks/total"] = len(records)

@@ -46,7 +46,11 @@ def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
     counts = torch.zeros(rows, dtype=torch.int64, device=mask.device)
     if n_words and rows:
         head = mask[:, : 8 * n_words]
-        if not (head.is_contiguous() and head.stride(0) == 8 * n_words and head.storage_offset() % 8 == 0):
+        if not (
+            head.is_contiguous()
+            and head.stride(0) == 8 * n_words
+            and head.storage_offset() % 8 == 0
+        ):
             head = torch.empty(rows, 8 * n_words, dtype=torch.bool, device=mask.device).copy_(head)
         words = head.view(torch.int64)  # [rows, n_words]
         full = n_words // 128
@@ -232,7 +236,7 @@ def token_weights(
 ) -> torch.Tensor:
     """w [rows, R] float32 = response_mask * row_scales (materialized; the loss does not need it)."""
     s = row_scales(response_mask, rollout_ids, mode=mode, norm_length=norm_length)
-    return response_mask * s[:, None]
+    return response_mask.view(torch.uint8) * s[:, None]  # (uint8: bool arithmetic is slow on CPU)
 
 
 class RowWeights(NamedTuple):
@@ -278,7 +282,7 @@ def kl_k3(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch
     x = (ref - logprob).clamp_(-20.0, 20.0)
     e = x.exp()
     value = (e - x).sub_(1.0)
-    grad = torch.rsub(e, 1.0).mul_(value <= 10.0)
+    grad = torch.rsub(e, 1.0).mul_(torch.le(value, 10.0, out=torch.empty_like(value)))
     return value.clamp_(max=10.0), grad
 
 
@@ -362,8 +366,8 @@ class _PolicyLoss(torch.autograd.Function):
             b = min(a + step, rows)
             if weights is not None:
                 w = weights[a:b].float()
-            else:
-                w = torch.mul(mask[a:b], scales[a:b, None].float())
+            else:  # a bool tensor in arithmetic is slow on CPU; its uint8 view is not
+                w = torch.mul(mask[a:b].view(torch.uint8), scales[a:b, None].float())
             blk_adv = adv[a:b, None] if per_row_adv else adv[a:b]
             if weights is not None:
                 totals[1] += w.sum()
@@ -395,7 +399,7 @@ class _PolicyLoss(torch.autograd.Function):
         grad_ent = None
         if ctx.needs_input_grad[1] and ctx.entropy_coef != 0.0:
             c = -ctx.entropy_coef * grad_loss
-            w = weights * c if weights is not None else mask * (scales[:, None] * c)
+            w = weights * c if weights is not None else mask.view(torch.uint8) * (scales[:, None] * c)
             grad_ent = w.to(ctx.ent_dtype)
         return grad_lp, grad_ent, *([None] * 9)
 

@@ -31,7 +31,9 @@ from tracetrain.loss import rollout_inverse, row_token_counts, scales_from_count
 @dataclass
 class MicroBatch:
     rows: torch.Tensor  # [n] int64: row indices into the step's batch, ascending
-    row_scales: torch.Tensor  # [n] float32: the mini-batch's scales for these rows, times loss_scale
+    row_scales: (
+        torch.Tensor
+    )  # [n] float32: the mini-batch's scales for these rows, times loss_scale
     n_tokens: int  # cost of these rows (see plan_step's row_tokens)
 
 
@@ -101,10 +103,21 @@ def plan_step(
     """
     if not isinstance(n_mini_batches, int) or n_mini_batches < 1:
         raise ValueError(f"n_mini_batches must be an int >= 1, got {n_mini_batches!r}")
-    if micro_batch_tokens is not None and (not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1):
-        raise ValueError(f"micro_batch_tokens must be an int >= 1 or None, got {micro_batch_tokens!r}")
-    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+    if micro_batch_tokens is not None and (
+        not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1
+    ):
+        raise ValueError(
+            f"micro_batch_tokens must be an int >= 1 or None, got {micro_batch_tokens!r}"
+        )
+    if (
+        not isinstance(world_size, int)
+        or world_size < 1
+        or not isinstance(rank, int)
+        or not 0 <= rank < world_size
+    ):
+        raise ValueError(
+            f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}"
+        )
     if response_mask.dim() != 2 or response_mask.dtype != torch.bool:
         raise ValueError("response_mask must be a 2-D bool tensor [rows, R]")
     rows = response_mask.shape[0]
@@ -122,15 +135,21 @@ def plan_step(
         unit, n_units = rollout, n_rollouts
     else:
         unit, n_units = rollout_inverse(groups, rows)
-        hi = torch.full((n_rollouts,), -1, dtype=torch.int64).scatter_reduce_(0, rollout, unit, "amax")
-        lo = torch.full((n_rollouts,), n_units, dtype=torch.int64).scatter_reduce_(0, rollout, unit, "amin")
+        hi = torch.full((n_rollouts,), -1, dtype=torch.int64).scatter_reduce_(
+            0, rollout, unit, "amax"
+        )
+        lo = torch.full((n_rollouts,), n_units, dtype=torch.int64).scatter_reduce_(
+            0, rollout, unit, "amin"
+        )
         if (hi != lo).any():
             k = int((hi != lo).nonzero()[0])
             first = int((rollout == k).nonzero()[0])
             raise ValueError(f"the rows of one rollout (row {first}'s) lie in two groups")
     if n_mini_batches > n_units:
         what = "groups" if groups is not None else "rollouts"
-        raise ValueError(f"cannot make {n_mini_batches} mini-batches of whole {what} from {n_units} {what}")
+        raise ValueError(
+            f"cannot make {n_mini_batches} mini-batches of whole {what} from {n_units} {what}"
+        )
 
     unit_cost = torch.zeros(n_units, dtype=torch.int64).index_add_(0, unit, cost)
     unit_bin = torch.empty(n_units, dtype=torch.int64)
@@ -142,7 +161,9 @@ def plan_step(
     for b in range(n_mini_batches):
         mb_rows = (row_bin == b).nonzero().squeeze(1)
         # Scales once for the whole mini-batch: every rank and micro-batch uses these.
-        scales = scales_from_counts(trained[mb_rows], rollout[mb_rows], mode=mode, norm_length=norm_length)
+        scales = scales_from_counts(
+            trained[mb_rows], rollout[mb_rows], mode=mode, norm_length=norm_length
+        )
         if mb_rows.numel() < world_size:
             raise ValueError(
                 f"mini-batch {b} has {mb_rows.numel()} rows, fewer than world_size={world_size}; "

@@ -1,7 +1,10 @@
 """The runner: launch one agent per rollout against the gateway, with bounded concurrency.
 
 An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
-(`client` = {"base_url", "api_key", "model", "rollout_id", "temperature", "max_tokens", ...}) or a
+(`client` = {"base_url", "api_key", "model", "rollout_id", "temperature", "max_tokens", "seed",
+"http_client"}; `http_client` is an httpx.AsyncClient shared by the call's agents, not to be
+closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't call its `close()`; `seed`,
+when the caller gives one, is made distinct per rollout, see `rollout_seed`) or a
 command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and TRACETRAIN_* variables
 and reports its reward through the gateway (POST $TRACETRAIN_ROLLOUT_URL/rewards).
 
@@ -163,6 +166,12 @@ async def run_one(
                          time.monotonic() - start)
 
 
+def rollout_seed(base: int, position: int) -> int:
+    """The sampling seed handed to the agent of the rollout at `position` (agents add the turn
+    number): distinct per rollout, a function of (base, position) only, so runs repeat."""
+    return (base * 1_000_003 + position) * 1_000 % (2**62)
+
+
 async def run_rollouts(
     gateway: GatewayClient,
     rollouts: list[dict],
@@ -179,12 +188,19 @@ async def run_rollouts(
     """
     created = await gateway.create_rollouts(rollouts)
     sem = asyncio.Semaphore(concurrency)
+    # One HTTP connection pool for all agents of the call (a new client costs ~0.1 s of CPU).
+    async with httpx.AsyncClient(
+        timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    ) as http_client:
+        extra = {**(client_extra or {}), "http_client": http_client}
 
-    async def bounded(c: dict, task: Any) -> RolloutResult:
-        async with sem:
-            return await run_one(gateway, c, task, agent, client_extra or {}, timeout_s)
+        async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
+            mine = extra if extra.get("seed") is None else {**extra, "seed": rollout_seed(extra["seed"], k)}
+            async with sem:
+                return await run_one(gateway, c, task, agent, mine, timeout_s)
 
-    return list(await asyncio.gather(*(bounded(c, r.get("task")) for c, r in zip(created, rollouts, strict=True))))
+        runs = (bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
+        return list(await asyncio.gather(*runs))
 
 
 def load_agent(spec: str | Sequence[str] | AgentFn) -> AgentFn:

@@ -20,14 +20,17 @@ so every number 0..100 is exactly one token: "guess 42" -> ["guess", " ", "42"].
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers (slow to import) is imported where it is used
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
@@ -111,13 +114,13 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
-def build_tokenizer(
+def train_bpe(
     corpus: Iterable[str] | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE
-) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `corpus` (default: `default_corpus()`), plus one token per number.
+) -> Tokenizer:
+    """The raw `tokenizers` BPE of `build_tokenizer` (see the module docstring for its layout).
 
     `vocab_size` bounds everything (3 special + 256 bytes + learned merges + 101 number tokens),
-    so it must be >= 360; a small corpus may run out of merges first. eos = <|im_end|> (the end of a ChatML turn), pad = <|endoftext|>.
+    so it must be >= 360; a small corpus may run out of merges first.
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
@@ -140,19 +143,29 @@ def build_tokenizer(
     )
     bpe.train_from_iterator((re.sub(r"\d", "", t) for t in texts), trainer)
     vocab: dict[str, int] = bpe.get_vocab()
-    merges: list[tuple[str, str]] = [tuple(m) for m in _model_state(bpe)["merges"]]
+    merges = [tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
     # 2. Every 2-digit string, then "100", is one token: merges (d1, d2), then ("1", "00").
     for tok in NUMBER_TOKENS:
         vocab[tok] = len(vocab)
         merges.append((tok[0], tok[1]) if len(tok) == 2 else ("1", "00"))
     assert len(vocab) <= vocab_size, (len(vocab), vocab_size)
-    # 3. Assemble the final fast tokenizer.
+    # 3. The final BPE: byte-level symbols, fixed merges, special tokens matched first.
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tk.pre_tokenizer = _pre_tokenizer()
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(SPECIAL_TOKENS)
+    return tk
+
+
+def build_tokenizer(
+    corpus: Iterable[str] | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
+    """`train_bpe(corpus, vocab_size)` as a transformers tokenizer with the ChatML template;
+    eos = <|im_end|> (the end of a ChatML turn), pad = <|endoftext|>, padding on the left."""
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
+        tokenizer_object=train_bpe(corpus, vocab_size),
         eos_token=IM_END,
         pad_token=PAD,
         padding_side="left",
@@ -161,12 +174,6 @@ def build_tokenizer(
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def _model_state(tk: Tokenizer) -> dict:
-    import json
-
-    return json.loads(tk.to_str())["model"]
 
 
 def build_model(
@@ -187,6 +194,9 @@ def build_model(
     biases): transformers 5 makes `AutoTokenizer` load a qwen2 directory with its own Qwen2
     tokenizer class, which replaces our pre-tokenizer; for llama it loads tokenizer.json as is.
     """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     if intermediate_size is None:
         intermediate_size = -(-(8 * hidden_size // 3) // 32) * 32
     config = LlamaConfig(

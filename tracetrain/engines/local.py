@@ -20,6 +20,9 @@ One decode step for the rows b of the batch, with logits l_b of the next token:
 A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
 request's stop_token_ids; the stop id is kept in the response, finish "stop") or at max_tokens
 ("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
+
+Prefill computes the prompts' common prefix once (a group's samples share their whole first
+prompt; agents of one task share the system and task messages) and each row's rest after it.
 """
 
 from __future__ import annotations
@@ -54,6 +57,19 @@ def _splitmix64(x: int) -> int:
 def uniform(seed: int, step: int) -> float:
     """A uniform in [0, 1) that depends only on (seed, step): 53 bits of splitmix64."""
     return (_splitmix64(_splitmix64(seed & _M64) ^ step) >> 11) * 2.0**-53
+
+
+MIN_SHARED_PREFIX = 8  # a shorter common prefix is not worth a separate forward pass
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        k = 0
+        while k < n and p[k] == first[k]:
+            k += 1
+        n = k
+    return n
 
 
 def sample_tokens(
@@ -151,7 +167,14 @@ class LocalEngine:
         self._wakeup: asyncio.Event | None = None
         self._collector: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats = {"batches": 0, "requests": 0, "forward_calls": 0, "tokens": 0, "max_batch": 0}
+        self.stats = {
+            "batches": 0,
+            "requests": 0,
+            "forward_calls": 0,
+            "prefill_tokens": 0,
+            "tokens": 0,
+            "max_batch": 0,
+        }
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -197,8 +220,17 @@ class LocalEngine:
         reqs = [self._request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         out: list[Generation] = []
         for k in range(0, len(reqs), self.max_batch_size):
-            out += self._run(reqs[k : k + self.max_batch_size])
+            out += self._worker().submit(self._run, reqs[k : k + self.max_batch_size]).result()
         return out
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The one thread that runs the model: batches from `generate` and `generate_batch`
+        take turns on it, and the event loop never runs a forward pass."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"engine-{self.name}"
+            )
+        return self._executor
 
     async def _collect(self) -> None:
         """Forever: wait for requests, gather a batch (see the module docstring), decode it."""
@@ -218,12 +250,8 @@ class LocalEngine:
                 self._wakeup.clear()
             if not batch:
                 continue
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"engine-{self.name}"
-                )
             try:
-                gens = await loop.run_in_executor(self._executor, self._run, batch)
+                gens = await loop.run_in_executor(self._worker(), self._run, batch)
             except asyncio.CancelledError:  # aclose() while decoding: nobody waits forever
                 for r in batch:
                     if not r.future.done():
@@ -262,25 +290,49 @@ class LocalEngine:
         )
         return out.logits[:, -1, :].float(), out.past_key_values
 
+    def _prefill(self, prompts: list[list[int]]):
+        """Forward the prompts, their common prefix once. Row layout of the KV cache:
+
+            [common prefix, L tokens (computed once, repeated per row)] [pad ... pad | suffix_b]
+
+        with positions 0..L-1 then L, L+1, ... over each row's own suffix (every row keeps at
+        least one suffix token). Returns (next-token logits [B, V], cache, attention mask,
+        position of the next token [B])."""
+        dev, B = self.device, len(prompts)
+        L = _common_prefix_len(prompts) if B > 1 else 0
+        L = min(L, min(len(p) for p in prompts) - 1)
+        cache = None
+        if L >= MIN_SHARED_PREFIX:
+            prefix = torch.tensor([prompts[0][:L]], device=dev)
+            _, cache = self._forward(
+                prefix, torch.ones_like(prefix), torch.arange(L, device=dev)[None], None
+            )
+            cache.batch_repeat_interleave(B)
+        else:
+            L = 0
+        S = max(len(p) - L for p in prompts)
+        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L + S), dtype=torch.long)
+        mask[:, :L] = 1
+        for b, p in enumerate(
+            prompts
+        ):  # left padding: the last column is each row's last prompt token
+            ids[b, S - (len(p) - L) :] = torch.tensor(p[L:])
+            mask[b, L + S - (len(p) - L) :] = 1
+        position = L + (mask[:, L:].cumsum(-1) - 1).clamp_(min=0)
+        ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
+        logits, cache = self._forward(ids, mask, position, cache)
+        self.stats["prefill_tokens"] += L + B * S
+        return logits, cache, mask, position[:, -1] + 1
+
     @torch.inference_mode()
     def _decode(self, reqs: list[_Request]) -> None:
         """Fill r.ids, r.logprobs, r.finish for each request; one batched loop."""
         dev, B = self.device, len(reqs)
-        P = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, r in enumerate(
-            reqs
-        ):  # left padding: the last column is every row's last prompt token
-            ids[b, P - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[b, P - len(r.prompt_ids) :] = 1
-        position = torch.arange(P).expand(B, P)
-        ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
+        logits, cache, mask, next_pos = self._prefill([r.prompt_ids for r in reqs])
         temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
         top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
         stops = [self.stop_ids | set(r.params.stop_token_ids) for r in reqs]
-        logits, cache = self._forward(ids, mask, position, None)
-        next_pos = position[:, -1] + 1
         rows = list(range(B))  # request index of each batch row
         alive = [True] * B
         self.stats["batches"] += 1

@@ -118,7 +118,7 @@ def create_app(
     app.state.gateway = gw
     errors.install(app)
     app.include_router(rollout_routes.router)
-    app.include_router(openai_routes.router)
+    openai_routes.install(app)
     app.include_router(engine_routes.router)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
 

@@ -20,8 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, HTTPException, Path, Request, Security
+from fastapi.security import HTTPBearer
 
 from tracetrain.gateway.schemas import ID_PATTERN
 from tracetrain.store import RolloutRecord
@@ -55,13 +55,12 @@ def _unauthorized(message: str) -> HTTPException:
     return HTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
 
 
-def principal(
-    request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)
-) -> Principal:
-    if cred is None:
+def identify(gw, authorization: str | None) -> Principal:
+    """The caller behind an `Authorization: Bearer <key>` header (401 if none or unknown)."""
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
         raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    key = cred.credentials
-    gw = request.app.state.gateway
     if hmac.compare_digest(key.encode(), gw.admin_key.encode()):
         return Principal(admin=True)
     if key.startswith(ROLLOUT_KEY_PREFIX):
@@ -72,7 +71,26 @@ def principal(
     raise _unauthorized("invalid API key")
 
 
-def require_admin(who: Principal = Depends(principal)) -> Principal:
+def rollout_for(gw, who: Principal, rollout_id: str) -> RolloutRecord:
+    """The rollout named in the path, for the admin or for that rollout's own key (else 403/404)."""
+    if not who.admin:
+        if who.rollout.rollout_id != rollout_id:
+            raise HTTPException(403, "this key belongs to another rollout")
+        return who.rollout
+    rollout = gw.store.get_rollout(rollout_id)
+    if rollout is None:
+        raise HTTPException(404, f"rollout {rollout_id!r} does not exist")
+    return rollout
+
+
+# FastAPI dependencies (the Security(_bearer) puts the bearer scheme in the OpenAPI schema).
+
+
+async def principal(request: Request, _: object = Security(_bearer)) -> Principal:
+    return identify(request.app.state.gateway, request.headers.get("authorization"))
+
+
+async def require_admin(who: Principal = Depends(principal)) -> Principal:
     if not who.admin:
         raise HTTPException(403, "this route needs the admin key; a rollout key cannot call it")
     return who
@@ -81,13 +99,7 @@ def require_admin(who: Principal = Depends(principal)) -> Principal:
 RolloutIdPath = Annotated[str, Path(min_length=1, max_length=200, pattern=ID_PATTERN)]
 
 
-def rollout_access(rollout_id: RolloutIdPath, request: Request, who: Principal = Depends(principal)):
-    """The rollout named in the path, for the admin or for that rollout's own key (else 403/404)."""
-    if not who.admin:
-        if who.rollout.rollout_id != rollout_id:
-            raise HTTPException(403, "this key belongs to another rollout")
-        return who.rollout
-    rollout = request.app.state.gateway.store.get_rollout(rollout_id)
-    if rollout is None:
-        raise HTTPException(404, f"rollout {rollout_id!r} does not exist")
-    return rollout
+async def rollout_access(
+    rollout_id: RolloutIdPath, request: Request, who: Principal = Depends(principal)
+) -> RolloutRecord:
+    return rollout_for(request.app.state.gateway, who, rollout_id)

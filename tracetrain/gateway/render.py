@@ -1,7 +1,8 @@
 """OpenAI request -> exact prompt token ids and SamplingParams, on the gateway side.
 
-Chat messages are rendered with the engine tokenizer's chat template
-(`apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)`), so the ids
+Chat messages are rendered with the engine tokenizer's chat template: the ids are those of
+`apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)` (computed as
+transformers does it: render to text, then encode without adding special tokens), so the ids
 recorded for a turn are the ids the model saw. Nothing the engine cannot honour is dropped silently:
 n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop strings are 400s.
 """
@@ -19,13 +20,13 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionIn) -> list[int]:
     messages = [m.model_dump() for m in body.messages]
     kwargs = {"tools": body.tools} if body.tools else {}
     try:
-        out = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
     except Exception as e:  # a template raising on the messages is the client's input at fault
         raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-    ids = out["input_ids"] if hasattr(out, "keys") else out
-    return list(ids)
+    # What apply_chat_template(tokenize=True) does after rendering, minus its BatchEncoding.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:

@@ -1,0 +1,159 @@
+"""Token weights + policy loss on [N, 2048] float32, ~2.5 rows per rollout, N in {1024, 4096, 16384}.
+
+Times, per size (median of --repeat runs after one warm-up):
+  row_scales        tracetrain.loss.row_scales(mask, rollout_index)          -> [N]
+  row_scales(str)   the same with rollout ids as a list of str
+  token_weights     mask * row_scales, materialized [N, 2048]
+  AL normalize      Agent Lightning 1.0.2 normalize_advantages_by_rollout (in bench/.venv-peers,
+                    a subprocess on the same inputs), with AL / row_scales
+  loss              row_scales + policy_loss (PPO dual-clip surrogate, k3 KL to a reference,
+                    entropy term) + backward w.r.t. the logprobs
+  fused             (logprobs * advantages * mask).sum().backward(), with loss / fused
+
+Goals (issue 3): row_scales >= 3x faster than AL at every size; loss within 3x of fused.
+
+    .venv/bin/python bench/bench_loss.py [--sizes 1024 4096 16384] [--repeat 5] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_PY = ROOT / "bench" / ".venv-peers" / "bin" / "python"
+R = 2048
+
+
+def make_inputs(n: int, seed: int = 0) -> dict:
+    """Rows of rollouts with 2 or 3 rows each (2.5 on average); each row's mask covers a random
+    response length with ~10% observation tokens (mask 0) inside it."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [2 if k % 2 == 0 else 3 for k in range(n)]
+    counts, total = [], 0
+    for s in sizes:
+        s = min(s, n - total)
+        counts.append(s)
+        total += s
+        if total == n:
+            break
+    rollout_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    lengths = torch.randint(1, R + 1, (n, 1), generator=g)
+    mask = (torch.arange(R) < lengths) & (torch.rand(n, R, generator=g) > 0.1)
+    adv_rollout = torch.randn(len(counts), generator=g)
+    advantages = adv_rollout[rollout_index][:, None] * mask  # [N, R], as a peer stores them
+    return {
+        "mask": mask,
+        "rollout_index": rollout_index,
+        "rollout_ids": [f"rollout-{k}" for k in rollout_index.tolist()],
+        "advantages": advantages,
+        "adv_row": adv_rollout[rollout_index],
+    }
+
+
+def timeit(fn, repeat: int) -> float:
+    """Median wall time in ms over `repeat` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def peer_main(n: int, repeat: int, threads: int | None) -> None:
+    """Run inside bench/.venv-peers: time Agent Lightning's function on the same inputs."""
+    if threads:
+        torch.set_num_threads(threads)
+    from agentlightning.verl.per_rollout_loss import normalize_advantages_by_rollout
+
+    x = make_inputs(n)
+
+    def al():
+        normalize_advantages_by_rollout(x["advantages"], x["mask"], x["rollout_ids"], num_trained_rows=n)
+
+    print(json.dumps({"al_ms": timeit(al, repeat)}))
+
+
+def time_peer(n: int, repeat: int, threads: int | None) -> float | None:
+    if not PEERS_PY.exists():
+        return None
+    cmd = [str(PEERS_PY), __file__, "--peer", str(n), "--repeat", str(repeat)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    for line in out.stdout.splitlines()[::-1]:
+        if line.startswith("{"):
+            return json.loads(line)["al_ms"]
+    print(f"  (peer run failed: {out.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+    return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.peer is not None:
+        return peer_main(a.peer, a.repeat, a.threads)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from tracetrain.loss import RowWeights, policy_loss, row_scales, token_weights
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, R = {R}, float32, "
+          f"median of {a.repeat} runs (ms)")
+    have_peer = PEERS_PY.exists() and not a.no_peer
+    if not have_peer:
+        print("Agent Lightning peer: unavailable (no bench/.venv-peers); tracetrain figures only")
+    head = (f"{'N':>6} {'rollouts':>8} | {'row_scales':>10} {'(str ids)':>9} {'token_w':>8} | "
+            f"{'AL norm':>8} {'AL/rs':>6} | {'loss':>8} {'fused':>8} {'loss/fused':>10}")
+    print(head)
+    print("-" * len(head))
+    for n in a.sizes:
+        x = make_inputs(n)
+        g = torch.Generator().manual_seed(1)
+        mask, ri = x["mask"], x["rollout_index"]
+        logprobs = (-3 * torch.rand(n, R, generator=g)).requires_grad_()
+        old = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
+        ref = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
+        entropy = 2 * torch.rand(n, R, generator=g)
+        advantages = x["advantages"]
+
+        t_rs = timeit(lambda: row_scales(mask, ri), a.repeat)
+        t_rs_str = timeit(lambda: row_scales(mask, x["rollout_ids"]), a.repeat)
+        t_tw = timeit(lambda: token_weights(mask, ri), a.repeat)
+
+        def loss_pass():
+            logprobs.grad = None
+            loss, _ = policy_loss(
+                logprobs, old, advantages, RowWeights(mask, row_scales(mask, ri)),
+                ref_logprobs=ref, kl_coef=0.01, entropy=entropy, entropy_coef=0.01,
+            )
+            loss.backward()
+
+        def fused_pass():
+            logprobs.grad = None
+            (logprobs * advantages * mask).sum().backward()
+
+        t_loss = timeit(loss_pass, a.repeat)
+        t_fused = timeit(fused_pass, a.repeat)
+        del old, ref, entropy, logprobs
+        t_al = time_peer(n, a.repeat, a.threads) if have_peer else None
+        al = f"{t_al:8.1f} {t_al / t_rs:5.1f}x" if t_al is not None else f"{'n/a':>8} {'':>6}"
+        print(f"{n:>6} {int(ri[-1]) + 1:>8} | {t_rs:10.2f} {t_rs_str:9.2f} {t_tw:8.1f} | {al} | "
+              f"{t_loss:8.1f} {t_fused:8.1f} {t_loss / t_fused:9.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

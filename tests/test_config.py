@@ -1,0 +1,65 @@
+"""Config errors name the bad key; values are typed, never coerced from the wrong type."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tracetrain.config import ConfigError, TrainConfig, build_config, load_config, parse_overrides
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lrr=1e-3", "optim.lrr"),
+        ("trainer.steps=abc", "trainer.steps"),
+        ("trainer.steps=true", "trainer.steps"),
+        ("trainer.steps=0", "trainer.steps"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("loss.mode=sum-of-everything", "loss.mode"),
+        ("aggregate.level=episode", "aggregate.level"),
+        ("nonsense=1", "nonsense"),
+        ("rollout=3", "rollout"),
+    ],
+)
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        build_config({}, [override])
+    assert f"'{key}'" in str(e.value)
+
+
+def test_cross_field_rules_name_the_keys():
+    with pytest.raises(ConfigError, match="loss.norm_length"):
+        build_config({"loss": {"mode": "seq-mean-token-sum-norm"}})
+    with pytest.raises(ConfigError, match="model.path"):
+        build_config({"model": {"kind": "gguf"}})
+
+
+def test_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim: {lr: 0.01}\ntrainer: {steps: 7}\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "rollout.n_per_task=4"])
+    assert (cfg.optim.lr, cfg.trainer.steps, cfg.rollout.n_per_task) == (1e-3, 7, 4)
+    path.write_text("optim: {lr: 0.01, betas: [0.9, 0.99]}\n")
+    with pytest.raises(ConfigError, match="'optim.betas'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["optim.lr"])
+    with pytest.raises(ConfigError, match="section"):
+        parse_overrides(["optim=1", "optim.lr=2"])
+
+
+@given(st.integers(min_value=1, max_value=10**6), st.floats(min_value=1e-9, max_value=10.0))
+def test_overrides_round_trip(steps, lr):
+    cfg = build_config({}, [f"trainer.steps={steps}", f"optim.lr={lr!r}"])
+    assert cfg.trainer.steps == steps and cfg.optim.lr == lr
+    assert TrainConfig.model_validate(cfg.model_dump()) == cfg

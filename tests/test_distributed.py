@@ -1,0 +1,122 @@
+"""Two real processes, torch.distributed on gloo over loopback, DDP: the gradient of a mini-batch
+sharded over 2 ranks (weights computed before sharding, per-rank loss times world_size, DDP's
+gradient average) equals the single-process gradient of the same mini-batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
+
+from tracetrain.loss import RowWeights, policy_loss
+from tracetrain.minibatch import plan_step
+
+MODES = ["rollout-mean", "seq-mean-token-mean"]
+WORLD = 2
+DEADLINE_S = 180
+
+
+def step_data():
+    """The same step on every process: rows, old / reference logprobs, per-row advantages."""
+    rows = make_rows([1, 3, 2, 1, 2, 3, 1, 2], seed=11)
+    model = tiny_causal_lm(seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        lp0, _ = logprobs_and_entropy(model, rows)
+    old = lp0 + 0.2 * torch.randn(lp0.shape, generator=g)
+    ref = lp0 + 0.2 * torch.randn(lp0.shape, generator=g)
+    ri = rows["rollout_index"]
+    adv = torch.randn(int(ri.max()) + 1, generator=g)[ri]
+    return rows, old, ref, adv
+
+
+def gradient(model, rows, old, ref, adv, mode, *, world_size=1, rank=0, budget=None):
+    """One mini-batch: this rank's micro-batches, accumulated; DDP syncs on the last backward."""
+    model.zero_grad()
+    (mb,) = plan_step(
+        rows["response_mask"],
+        rows["rollout_index"],
+        mode=mode,
+        micro_batch_tokens=budget,
+        world_size=world_size,
+        rank=rank,
+    )
+    micro = mb.micro_batches
+    for j, m in enumerate(micro):
+        sync = nullcontext() if j == len(micro) - 1 or world_size == 1 else model.no_sync()
+        with sync:
+            lp, ent = logprobs_and_entropy(model, rows, m.rows)
+            loss, _ = policy_loss(
+                lp,
+                old[m.rows],
+                adv[m.rows],
+                RowWeights(rows["response_mask"][m.rows], m.row_scales),
+                ref_logprobs=ref[m.rows],
+                kl_coef=0.05,
+                entropy=ent,
+                entropy_coef=0.01,
+            )
+            loss.backward()
+    params = model.module.parameters() if world_size > 1 else model.parameters()
+    return [p.grad.detach().clone() for p in params], len(micro)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        rows, old, ref, adv = step_data()
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_causal_lm(seed=0))
+        result = {}
+        for mode in MODES:
+            result[mode] = gradient(
+                ddp, rows, old, ref, adv, mode, world_size=WORLD, rank=rank, budget=6
+            )
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_give_the_single_process_gradient(tmp_path):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ctx = mp.start_processes(
+        _worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the 2-process gloo run did not finish in {DEADLINE_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(WORLD)]
+    rows, old, ref, adv = step_data()
+    model = tiny_causal_lm(seed=0)
+    for mode in MODES:
+        expected, n_micro = gradient(model, rows, old, ref, adv, mode)
+        assert n_micro == 1
+        assert any(e.abs().sum() > 0 for e in expected)
+        for rank in ranks:
+            got, n = rank[mode]
+            assert n > 1  # each rank accumulated several micro-batches
+            for e, a in zip(expected, got, strict=True):
+                assert torch.allclose(a, e, rtol=1e-4, atol=1e-6), mode

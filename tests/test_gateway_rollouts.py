@@ -1,0 +1,126 @@
+"""Rollout routes over HTTP: batch create (idempotent), get with turns, list by state with paging,
+patch (legal transitions, reward override), delete; rewards and events; keys after an admin key
+change; the serve command's arguments."""
+
+from __future__ import annotations
+
+import secrets
+
+import httpx
+import pytest
+from gateway_fixtures import FakeEngine, gateway  # noqa: F401
+
+from tracetrain.gateway import create_app
+from tracetrain.gateway.serve import ThreadedServer, parse_args
+from tracetrain.store import SQLiteStore
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def test_create_defaults_and_idempotency(gateway):  # noqa: F811
+    made = gateway.create(2)
+    a, b = made
+    assert a["rollout_id"] != b["rollout_id"] and a["group_id"] == a["rollout_id"]
+    assert a["state"] == "queued" and a["created"] and a["n_turns"] == 0 and a["reward"] is None
+    assert a["api_key"] != b["api_key"]
+    spec = {"rollouts": [{"rollout_id": "x1", "group_id": "G", "task": {"n": [1, 2]}},
+                         {"rollout_id": a["rollout_id"]}]}
+    first = gateway.admin.post("/rollouts", json=spec).json()["rollouts"]
+    assert [r["created"] for r in first] == [True, False]
+    assert first[1]["api_key"] == a["api_key"]  # the existing rollout keeps its key
+    assert first[0]["task"] == {"n": [1, 2]} and first[0]["group_id"] == "G"
+
+
+def test_get_list_patch_delete(gateway):  # noqa: F811
+    ids = [r["rollout_id"] for r in gateway.create(5, group_id="grp")]
+    admin = gateway.admin
+    for rid in ids[:3]:
+        assert admin.patch(f"/rollouts/{rid}", json={"state": "running"}).status_code == 200
+    pages, cursor = [], 0
+    while True:
+        page = admin.get("/rollouts", params={"state": "running", "limit": 2, "cursor": cursor}).json()
+        pages.append([r["rollout_id"] for r in page["rollouts"]])
+        if page["next_cursor"] is None:
+            break
+        cursor = page["next_cursor"]
+    assert sum(pages, []) == ids[:3] and all(len(p) <= 2 for p in pages)
+    assert [r["rollout_id"] for r in admin.get("/rollouts?state=queued").json()["rollouts"]] == ids[3:]
+    assert len(admin.get("/rollouts?group_id=grp").json()["rollouts"]) == 5
+
+    # Legal transitions only; a terminal state is final.
+    rid = ids[0]
+    done = admin.patch(f"/rollouts/{rid}", json={"state": "succeeded"}).json()
+    assert done["state"] == "succeeded"
+    back = admin.patch(f"/rollouts/{rid}", json={"state": "running"})
+    assert back.status_code == 409 and "succeeded" in back.json()["error"]["message"]
+    skip = admin.patch(f"/rollouts/{ids[3]}", json={"state": "succeeded"})
+    assert skip.status_code == 409  # queued -> succeeded skips running
+    failed = admin.patch(f"/rollouts/{ids[4]}", json={"state": "timed_out", "error": "30 s"}).json()
+    assert (failed["state"], failed["error"]) == ("timed_out", "30 s")
+
+    # Reward: last reward event, unless overridden.
+    admin.post(f"/rollouts/{rid}/rewards", json={"reward": 0.25, "info": {"found": False}})
+    admin.post(f"/rollouts/{rid}/rewards", json={"reward": 0.5})
+    assert admin.get(f"/rollouts/{rid}?turns=false").json()["reward"] == 0.5
+    assert admin.patch(f"/rollouts/{rid}", json={"reward": 1.0}).json()["reward"] == 1.0
+    assert admin.patch(f"/rollouts/{rid}", json={"reward": None}).json()["reward"] == 0.5
+    events = admin.get(f"/rollouts/{rid}/events?kind=reward").json()["events"]
+    assert [(e["reward"], e["payload"]) for e in events] == [(0.25, {"found": False}), (0.5, None)]
+
+    # Delete: gone, its key too.
+    (r,) = gateway.create()
+    assert admin.delete(f"/rollouts/{r['rollout_id']}").status_code == 204
+    assert admin.get(f"/rollouts/{r['rollout_id']}").status_code == 404
+    assert admin.delete(f"/rollouts/{r['rollout_id']}").status_code == 404
+    gone = httpx.post(r["base_url"] + "/chat/completions", json=CHAT,
+                      headers={"Authorization": f"Bearer {r['api_key']}"})
+    assert gone.status_code == 401
+
+
+def test_agent_events_and_turns_in_detail(gateway):  # noqa: F811
+    (r,) = gateway.create()
+    auth = {"Authorization": f"Bearer {r['api_key']}"}
+    base = gateway.url + f"/rollouts/{r['rollout_id']}"
+    assert httpx.post(base + "/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+    ev = httpx.post(base + "/events", json={"kind": "tool", "payload": {"name": "calc"}}, headers=auth)
+    assert ev.status_code == 200 and ev.json()["kind"] == "tool"
+    reserved = httpx.post(base + "/events", json={"kind": "reward", "payload": 1}, headers=auth)
+    assert reserved.status_code == 400
+    detail = gateway.admin.get(f"/rollouts/{r['rollout_id']}").json()
+    (turn,) = detail["turns"]
+    prompt, gen = gateway.engine.calls[0]
+    assert turn["prompt_ids"] == prompt and turn["response_logprobs"] == gen.response_logprobs
+    assert detail["state"] == "running"
+
+
+def test_keys_after_admin_key_change(tmp_path):
+    store = SQLiteStore(tmp_path / "k.db")
+    old_key, new_key = "old-" + secrets.token_hex(8), "new-" + secrets.token_hex(8)
+    with ThreadedServer(create_app(store, FakeEngine(), admin_key=old_key)) as server:
+        made = httpx.post(server.url + "/rollouts", json={"rollouts": [{"rollout_id": "k1"}]},
+                          headers={"Authorization": f"Bearer {old_key}"}).json()["rollouts"][0]
+    with ThreadedServer(create_app(store, FakeEngine(), admin_key=new_key)) as server:
+        url = server.url + "/rollouts/k1/v1/chat/completions"
+        old_agent = {"Authorization": f"Bearer {made['api_key']}"}
+        assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 200  # still valid
+        assert httpx.get(server.url + "/rollouts", headers={"Authorization": f"Bearer {old_key}"}).status_code == 401
+        again = httpx.post(server.url + "/rollouts", json={"rollouts": [{"rollout_id": "k1"}]},
+                           headers={"Authorization": f"Bearer {new_key}"}).json()["rollouts"][0]
+        assert not again["created"] and again["api_key"] != made["api_key"]  # re-issued
+        assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 401
+        new_agent = {"Authorization": f"Bearer {again['api_key']}"}
+        assert httpx.post(url, json=CHAT, headers=new_agent).status_code == 200
+    store.close()
+
+
+def test_serve_arguments_are_checked(monkeypatch, capsys):
+    monkeypatch.delenv("TRACETRAIN_ADMIN_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--db", "x.db", "--engine", "local", "--model-path", "m"])
+    assert "admin key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--db", "x.db", "--admin-key", "k", "--engine", "upstream", "--model", "m"])
+    assert "--upstream-url" in capsys.readouterr().err
+    monkeypatch.setenv("TRACETRAIN_ADMIN_KEY", "from-env")
+    args = parse_args(["--db", "x.db", "--engine", "local", "--model-path", "m"])
+    assert (args.admin_key, args.host, args.durability) == ("from-env", "127.0.0.1", "process")

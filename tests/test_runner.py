@@ -1,0 +1,161 @@
+"""The runner against a live gateway on loopback: states, rewards, failures kept apart, hung agents
+killed at their timeout (coroutines and subprocesses), nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import time
+
+from gateway_fixtures import live_gateway
+from openai import AsyncOpenAI
+
+from tracetrain.advantage import batch_advantages
+from tracetrain.aggregate import aggregate
+from tracetrain.runner import CommandAgent, GatewayClient, load_agent, run_rollouts
+
+
+async def one_call(client: dict) -> str:
+    ai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
+                     http_client=client["http_client"])
+    out = await ai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=8)
+    return out.choices[0].message.content
+
+
+async def good(task, client):
+    await one_call(client)
+    return task["reward"]
+
+
+async def crash_after_call(task, client):
+    await one_call(client)
+    raise RuntimeError("tool exploded")
+
+
+async def hang_after_call(task, client):
+    await one_call(client)
+    await asyncio.sleep(3600)
+
+
+async def bad_reward(task, client):
+    return "lots"
+
+
+def by_kind(task, client):
+    return {"good": good, "crash": crash_after_call, "hang": hang_after_call, "bad": bad_reward}[
+        task["kind"]](task, client)
+
+
+def test_states_rewards_and_failures(tmp_path):
+    kinds = ["good"] * 6 + ["crash", "hang", "bad"]
+    specs = [
+        {"rollout_id": f"r{k}", "group_id": f"g{k % 2}", "task": {"kind": kind, "reward": float(k % 3)}}
+        for k, kind in enumerate(kinds)
+    ]
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                t = time.monotonic()
+                res = await run_rollouts(client, specs, by_kind, concurrency=16, timeout_s=2.0)
+                return res, time.monotonic() - t
+            finally:
+                await client.aclose()
+
+        results, wall = asyncio.run(main())
+        assert wall < 10, "a hung agent held the step past its timeout"
+        assert [r.rollout_id for r in results] == [s["rollout_id"] for s in specs]
+        states = {r.rollout_id: r.state for r in results}
+        assert states == {**{f"r{k}": "succeeded" for k in range(6)}, "r6": "failed",
+                          "r7": "timed_out", "r8": "failed"}
+        assert "tool exploded" in results[6].error
+        assert "lots" in results[8].error
+        for r in results:
+            stored = gw.store.get_rollout(r.rollout_id)
+            assert stored.state.value == r.state
+            if r.state == "succeeded":
+                assert r.reward == stored.reward == float(int(r.rollout_id[1:]) % 3)
+            else:
+                assert r.reward is None  # never a silent 0
+
+        # Down the data path: failed and timed-out rollouts have turns, but do not train.
+        rollouts = gw.store.load_rollouts(rollout_ids=[s["rollout_id"] for s in specs])
+        assert len(rollouts) == 9 and all(len(r.turns) == 1 for r in rollouts[:8])
+        batch, agg = aggregate(rollouts, max_prompt_length=256, max_response_length=64,
+                             pad_token_id=gw.engine.tokenizer.pad_token_id)
+        kept, adv, metrics = batch_advantages(batch)
+        assert metrics["n_excluded_failed"] == 2  # r6 crashed, r7 timed out
+        assert agg["dropped_rollouts/no_turns"] == 1  # r8 never called the model
+        assert sorted(kept.rollouts) == [f"r{k}" for k in range(6)]
+        assert adv.shape == (6,)
+
+
+AGENT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import httpx
+    from openai import OpenAI
+    task = json.loads(os.environ["TRACETRAIN_TASK"])
+    if task["kind"] == "hang":
+        open(task["pidfile"], "w").write(str(os.getpid()))
+        time.sleep(3600)
+    client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the runner
+    out = client.chat.completions.create(model=os.environ["TRACETRAIN_MODEL"],
+                                         messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    if task["kind"] == "exit":
+        print("the environment broke", file=sys.stderr)
+        sys.exit(3)
+    r = httpx.post(os.environ["TRACETRAIN_ROLLOUT_URL"] + "/rewards", json={"reward": task["reward"]},
+                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    r.raise_for_status()
+    """
+)
+
+
+def test_command_agents(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT_SCRIPT)
+    pidfile = str(tmp_path / "hung.pid")
+    specs = [
+        {"rollout_id": "ok", "group_id": "g", "task": {"kind": "ok", "reward": 0.75}},
+        {"rollout_id": "exit", "group_id": "g", "task": {"kind": "exit", "reward": 1.0}},
+        {"rollout_id": "hang", "group_id": "g", "task": {"kind": "hang", "pidfile": pidfile}},
+    ]
+    agent = load_agent([sys.executable, str(script)])
+    assert isinstance(agent, CommandAgent)
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                return await run_rollouts(client, specs, agent, concurrency=3, timeout_s=8.0,
+                                          client_extra={"model": "policy"})
+            finally:
+                await client.aclose()
+
+        ok, exited, hung = asyncio.run(main())
+        assert (ok.state, ok.reward) == ("succeeded", 0.75)
+        assert exited.state == "failed" and "status 3" in exited.error
+        assert "the environment broke" in exited.error
+        assert hung.state == "timed_out"
+        pid = int(open(pidfile).read())
+        for _ in range(50):  # the process group was killed
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"hung agent process {pid} is still alive")
+        assert len(gw.store.get_turns("ok")) == 1 and len(gw.store.get_turns("exit")) == 1
+        assert gw.store.get_rollout("exit").state.value == "failed"
+
+
+def test_load_agent_forms():
+    assert load_agent(good) is good
+    assert load_agent("os.path:join") is os.path.join
+    assert load_agent("python agent.py").argv == [sys.executable, "agent.py"]
