@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jinja2.exceptions import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tracetrain.tiny import MIN_VOCAB_SIZE, build_model, build_tokenizer, save_tiny
+from tracetrain.tiny import MIN_VOCAB_SIZE, build_model, build_tokenizer, save_tiny, train_bpe
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,9 @@ def test_next_turn_prompt_extends_previous_context(tok, reply, observation):
 def test_build_is_deterministic_across_processes(tok):
     code = "from tracetrain.tiny import train_bpe; print(train_bpe().to_str())"  # no transformers import
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == tok.backend_tokenizer.to_str()
+    assert out.stdout.strip() == train_bpe().to_str()
     assert build_tokenizer().backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert tok.get_vocab() == train_bpe().get_vocab()
 
 
 def test_custom_corpus_changes_merges_and_small_vocab_is_refused():

@@ -223,7 +223,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         tasks = step_tasks(self.task, cfg, self.step)
-        results = await self.collect(gateway, tasks, f"s{self.step}", cfg.rollout.n_per_task,
+        results = await self.collect(gateway, tasks, f"{self.nonce}-s{self.step}", cfg.rollout.n_per_task,
                                      cfg.rollout.temperature)
         t_collect = time.perf_counter() - t0
         ids = [r.rollout_id for r in results]

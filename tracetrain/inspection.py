@@ -1,0 +1,127 @@
+"""`tracetrain inspect`: one rollout from a run, down the path of the data.
+
+Shows its turns (decoded), the rows it became (trained tokens marked), the drift breaks that cut
+it (with decoded snippets), its advantage within its group, and its loss weight: the share of one
+optimizer update's mass that it carries when its step's rollouts form one mini-batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tracetrain.advantage import batch_advantages
+from tracetrain.aggregate import aggregate
+from tracetrain.config import ConfigError, TrainConfig
+from tracetrain.loss import row_scales
+from tracetrain.store import SQLiteStore
+
+
+def _open(run: Path) -> tuple[SQLiteStore, TrainConfig | None]:
+    if run.is_dir():
+        db, cfg_path = run / "traces.db", run / "config.json"
+    else:
+        db, cfg_path = run, run.parent / "config.json"
+    if not db.is_file():
+        raise ConfigError(f"no trace store at {str(db)!r}")
+    cfg = TrainConfig.model_validate_json(cfg_path.read_text()) if cfg_path.is_file() else None
+    return SQLiteStore(db), cfg
+
+
+def _tokenizer(cfg: TrainConfig | None):
+    if cfg is None:
+        return None
+    if cfg.model.kind == "tiny":
+        from tracetrain import tiny
+
+        return tiny.build_tokenizer()
+    from transformers import AutoTokenizer
+
+    if cfg.model.kind == "gguf":
+        return AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
+    return AutoTokenizer.from_pretrained(cfg.model.path)
+
+
+def _text(tok, ids) -> str:
+    if tok is None:
+        return " ".join(map(str, ids))
+    return tok.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _step_prefix(group_id: str) -> str:
+    """Group ids are `<run>-s<step>-t<task>`: the step's rollouts share what precedes `-t`."""
+    return group_id.rsplit("-t", 1)[0]
+
+
+def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print) -> dict:
+    """Print one rollout (default: the last finished one) and return the figures shown."""
+    store, cfg = _open(Path(run))
+    try:
+        if rollout_id is None:
+            done = [r for r in store.list_rollouts(limit=1_000_000) if r.state.terminal]
+            if not done:
+                raise ConfigError(f"{run}: no finished rollout to inspect")
+            rollout_id = done[-1].rollout_id
+        rec = store.get_rollout(rollout_id)
+        if rec is None:
+            raise ConfigError(f"{run}: no rollout {rollout_id!r}")
+        prefix = _step_prefix(rec.group_id)
+        step_ids = [r.rollout_id for r in store.list_rollouts(limit=1_000_000)
+                    if r.state.terminal and _step_prefix(r.group_id) == prefix]
+        rollouts = store.load_rollouts(rollout_ids=step_ids)
+    finally:
+        store.close()
+    tok = _tokenizer(cfg)
+    ac = cfg.aggregate if cfg is not None else None
+    mine = next(r for r in rollouts if r.rollout_id == rollout_id)
+    out(f"rollout {rollout_id}  group {mine.group_id}  state {mine.state.value}  reward {mine.reward}")
+    for k, t in enumerate(mine.turns):
+        out(f"  turn {k} (model_version {t.model_version}): prompt {len(t.prompt_ids)} tokens, "
+            f"response {len(t.response_ids)} tokens")
+        out(f"    response: {_text(tok, t.response_ids)!r}")
+    batch, agg, breaks = aggregate(
+        rollouts,
+        level=ac.level if ac else "trajectory",
+        max_prompt_length=ac.max_prompt_length if ac else 1 << 20,
+        max_response_length=ac.max_response_length if ac else 1 << 20,
+        pad_token_id=(tok.pad_token_id or 0) if tok is not None else 0,
+        tokenizer=tok,
+        overlong=ac.overlong if ac else "drop_rollout",
+        return_breaks=True,
+    )
+    shown: dict = {"rollout_id": rollout_id, "rows": 0, "breaks": [], "advantage": None, "loss_mass": None}
+    mine_breaks = [b for b in breaks if b.rollout_id == rollout_id]
+    for b in mine_breaks:
+        out(f"  break at turn {b.turn_index}: {b.kind}, position {b.position}, "
+            f"{b.recomputed_tokens} tokens recomputed\n    {b.snippet}")
+        shown["breaks"].append(b.kind)
+    if rollout_id not in batch.rollouts:
+        out("  not in the training batch (dropped or excluded; see the metrics)")
+        return shown
+    est = cfg.advantage if cfg is not None else None
+    kept, adv, _ = batch_advantages(batch, estimator=est.estimator if est else "grpo",
+                                    failed_rollouts=est.failed_rollouts if est else "exclude")
+    if rollout_id not in kept.rollouts:
+        out("  excluded from training (failed or timed out)")
+        return shown
+    k = kept.rollouts.index(rollout_id)
+    mode = cfg.loss.mode if cfg is not None else "rollout-mean"
+    scales = row_scales(kept.response_mask, kept.rollout_index, mode=mode,
+                        norm_length=cfg.loss.norm_length if cfg is not None else None)
+    rows = (kept.rollout_index == k).nonzero().squeeze(1)
+    mass = float((kept.response_mask[rows].sum(1) * scales[rows]).sum())
+    P = kept.prompt_length
+    for i in rows.tolist():
+        ids = kept.input_ids[i][kept.attention_mask[i].bool()].tolist()
+        n_prompt = int(kept.attention_mask[i, :P].sum())
+        resp = kept.input_ids[i, P:]
+        trained = resp[kept.response_mask[i]].tolist()
+        out(f"  row {i} (from turn {int(kept.turn_index[i])}): {len(ids)} tokens, prompt {n_prompt}, "
+            f"trained {len(trained)}")
+        out(f"    trained text: {_text(tok, trained)!r}")
+    out(f"  advantage {float(adv[k]):+.4f} ({est.estimator if est else 'grpo'} within its group)")
+    out(f"  loss mass {mass:.4f} of 1 in a mini-batch of its step's {kept.n_rollouts} rollouts "
+        f"(mode {mode})")
+    shown.update(rows=len(rows), advantage=float(adv[k]), loss_mass=mass,
+                 n_rollouts_in_step=kept.n_rollouts, metrics=json.loads(json.dumps(agg, default=str)))
+    return shown
