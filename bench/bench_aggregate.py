@@ -12,7 +12,9 @@ interpreter of the peers env (bench/.venv-peers, see bench/setup_peers.sh) when 
 Each (case, implementation) runs in a fresh child process: build inputs, a warm-up call on 16 rollouts,
 gc, then baseline = current RSS and the peak counter is reset (/proc/self/clear_refs); the first
 timed call gives the peak RSS above baseline; wall time is the best of --repeat calls (the best,
-because the machine is shared and other work only ever adds time).
+because the machine is shared and other work only ever adds time). Both sides run with the same
+number of torch/OpenMP threads (--threads, default 1: on a small shared machine, idle-waiting
+OpenMP workers make multi-threaded timings erratic).
 
 Limits (--limits): `exact` = the exact maxima of each case's rows, so both sides build tensors of
 the same shape (the strict like-for-like comparison); `2048` = max_prompt_length =
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import re
 import subprocess
@@ -147,9 +150,10 @@ def _tensor_bytes(obj) -> int:
     return sum(_tensor_bytes(v) for v in vars(obj).values() if isinstance(v, torch.Tensor))
 
 
-def child(case: str, impl: str, limit_mode: str, repeat: int) -> dict:
+def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> dict:
     import torch
 
+    torch.set_num_threads(threads)
     level, breaks = CASES[case]
     traces = make_traces(breaks)
     max_p, max_r = (
@@ -225,10 +229,12 @@ def child(case: str, impl: str, limit_mode: str, repeat: int) -> dict:
 
 
 def run_child(
-    python: Path | str, case: str, impl: str, limit_mode: str, repeat: int
+    python, case: str, impl: str, limit_mode: str, repeat: int, threads: int
 ) -> dict | None:
-    cmd = [str(python), __file__, "--child", case, impl, limit_mode, "--repeat", str(repeat)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    cmd = [str(python), __file__, "--child", case, impl, limit_mode]
+    cmd += ["--repeat", str(repeat), "--threads", str(threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         print(
@@ -251,11 +257,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per case (best is reported)")
     ap.add_argument("--only", nargs="*", choices=list(CASES), default=list(CASES))
     ap.add_argument("--limits", nargs="*", choices=["exact", "2048"], default=["exact", "2048"])
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch/OpenMP threads, same for both sides"
+    )
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--child", nargs=3, metavar=("CASE", "IMPL", "LIMITS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(*args.child, args.repeat)), flush=True)
+        print("RESULT " + json.dumps(child(*args.child, args.repeat, args.threads)), flush=True)
         return
 
     peer = not args.no_peer and peer_available()
@@ -277,9 +286,11 @@ def main() -> None:
     print("\n" + head)
     for mode in args.limits:
         for case in args.only:
-            ours = run_child(sys.executable, case, "tracetrain", mode, args.repeat)
+            ours = run_child(sys.executable, case, "tracetrain", mode, args.repeat, args.threads)
             theirs = (
-                run_child(PEER_PYTHON, case, "agentlightning", mode, args.repeat) if peer else None
+                run_child(PEER_PYTHON, case, "agentlightning", mode, args.repeat, args.threads)
+                if peer
+                else None
             )
             for r in (ours, theirs):
                 if r is None:

@@ -76,7 +76,9 @@ async def load(targets: list[tuple[str, dict]], n_requests: int) -> tuple[float,
                 left -= 1
                 t0 = time.perf_counter()
                 try:
-                    async with s.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+                    async with s.post(
+                        url, data=payload, headers={"Content-Type": "application/json"}
+                    ) as r:
                         await r.read()
                         ok = r.status == 200
                 except aiohttp.ClientError:
@@ -154,11 +156,27 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout} s")
 
 
-def start_tracetrain(db: Path, fake_url: str, tokdir: str, key: str) -> tuple[subprocess.Popen, str]:
+def start_tracetrain(
+    db: Path, fake_url: str, tokdir: str, key: str
+) -> tuple[subprocess.Popen, str]:
     cmd = [
-        sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(db), "--port", "0",
-        "--engine", "upstream", "--upstream-url", fake_url, "--model", "fake",
-        "--tokenizer", tokdir, "--max-context", "4096",
+        sys.executable,
+        "-m",
+        "tracetrain.gateway.serve",
+        "--db",
+        str(db),
+        "--port",
+        "0",
+        "--engine",
+        "upstream",
+        "--upstream-url",
+        fake_url,
+        "--model",
+        "fake",
+        "--tokenizer",
+        tokdir,
+        "--max-context",
+        "4096",
     ]
     env = {**os.environ, "TRACETRAIN_ADMIN_KEY": key}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -181,7 +199,9 @@ def free_port() -> int:
 
 def start_al(key: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([str(PEERS_PYTHON), "-c", AL_LAUNCHER, str(port), key], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(PEERS_PYTHON), "-c", AL_LAUNCHER, str(port), key], stdout=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc)
     return proc, url
@@ -213,7 +233,9 @@ def run_tracetrain(args, fake_url: str, tmp: Path) -> dict:
     db = tmp / "gateway.db"
     proc, url = start_tracetrain(db, fake_url, tokdir, key)
     try:
-        status, made = http_json("POST", url + "/rollouts", key, {"rollouts": [{}] * args.concurrency})
+        status, made = http_json(
+            "POST", url + "/rollouts", key, {"rollouts": [{}] * args.concurrency}
+        )
         assert status == 200, made
         targets = [
             (r["base_url"] + "/chat/completions", {"Authorization": f"Bearer {r['api_key']}"})
@@ -223,14 +245,21 @@ def run_tracetrain(args, fake_url: str, tmp: Path) -> dict:
         out = measure("tracetrain", targets, args, proc.pid)
         out["rss_growth_mb"] = rss_mb(proc.pid) - rss0
         ids = [r["rollout_id"] for r in made["rollouts"]]
-        before = sum(http_json("GET", f"{url}/rollouts/{i}?turns=false", key)[1]["n_turns"] for i in ids)
+        before = sum(
+            http_json("GET", f"{url}/rollouts/{i}?turns=false", key)[1]["n_turns"] for i in ids
+        )
         kill9(proc)
         proc, url = start_tracetrain(db, fake_url, tokdir, key)
-        after = sum(http_json("GET", f"{url}/rollouts/{i}?turns=false", key)[1]["n_turns"] for i in ids)
+        after = sum(
+            http_json("GET", f"{url}/rollouts/{i}?turns=false", key)[1]["n_turns"] for i in ids
+        )
         acked = out["ok"] + min(200, args.requests)  # warm-up requests were answered 200 too
         out["recorded"], out["acked"], out["after_restart"] = before, acked, after
-        print(f"  tracetrain turns recorded {before} for {acked} answered requests; after kill -9 "
-              f"+ restart: {after}; gateway RSS growth {out['rss_growth_mb']:.0f} MB", flush=True)
+        print(
+            f"  tracetrain turns recorded {before} for {acked} answered requests; after kill -9 "
+            f"+ restart: {after}; gateway RSS growth {out['rss_growth_mb']:.0f} MB",
+            flush=True,
+        )
         return out
     finally:
         proc.kill()
@@ -241,22 +270,35 @@ def run_al(args, fake_url: str) -> dict | None:
     if not PEERS_PYTHON.exists():
         print("  agentlightning   unavailable (no bench/.venv-peers; run bench/setup_peers.sh)")
         return None
-    check = subprocess.run([str(PEERS_PYTHON), "-c", "import agentlightning.server.app"], capture_output=True)
+    check = subprocess.run(
+        [str(PEERS_PYTHON), "-c", "import agentlightning.server.app"], capture_output=True
+    )
     if check.returncode != 0:
         print("  agentlightning   unavailable: " + check.stderr.decode().strip().splitlines()[-1])
         return None
     key = secrets.token_hex(16)
     proc, url = start_al(key)
     try:
-        status, _ = http_json("POST", url + "/api/models", key,
-                              [{"model": "fake", "endpoint": fake_url + "/v1", "version": 0}])
+        status, _ = http_json(
+            "POST",
+            url + "/api/models",
+            key,
+            [{"model": "fake", "endpoint": fake_url + "/v1", "version": 0}],
+        )
         assert status == 201, status
-        status, made = http_json("POST", url + "/api/rollouts", key,
-                                 [{"input": {"q": i}} for i in range(args.concurrency)])
+        status, made = http_json(
+            "POST",
+            url + "/api/rollouts",
+            key,
+            [{"input": {"q": i}} for i in range(args.concurrency)],
+        )
         assert status == 201, made
         ids = [r["rollout_id"] for r in made]
         auth = {"Authorization": f"Bearer {key}"}
-        targets = [(f"{url}/proxy/rollout/{i}/attempt/0/mode/train/openai/v1/chat/completions", auth) for i in ids]
+        targets = [
+            (f"{url}/proxy/rollout/{i}/attempt/0/mode/train/openai/v1/chat/completions", auth)
+            for i in ids
+        ]
         rss0 = rss_mb(proc.pid)
         out = measure("agentlightning", targets, args, proc.pid)
         out["rss_growth_mb"] = rss_mb(proc.pid) - rss0
@@ -264,8 +306,11 @@ def run_al(args, fake_url: str) -> dict | None:
         proc, url = start_al(key)
         survived = sum(http_json("GET", f"{url}/api/rollouts/{i}", key)[0] == 200 for i in ids)
         out["rollouts_after_restart"] = survived
-        print(f"  agentlightning rollouts after kill -9 + restart: {survived} of {len(ids)}; "
-              f"gateway RSS growth {out['rss_growth_mb']:.0f} MB", flush=True)
+        print(
+            f"  agentlightning rollouts after kill -9 + restart: {survived} of {len(ids)}; "
+            f"gateway RSS growth {out['rss_growth_mb']:.0f} MB",
+            flush=True,
+        )
         return out
     finally:
         proc.kill()
@@ -280,12 +325,20 @@ def main(argv=None) -> None:
     p.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
-    print(f"{args.concurrency} clients x {args.requests} requests, then 1 client x {args.single}; "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{args.concurrency} clients x {args.requests} requests, then 1 client x {args.single}; "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
     fake, fake_url = spawn_fake_upstream()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            direct = measure("direct (fake)", [(fake_url + "/v1/chat/completions", {})] * args.concurrency, args, fake.pid)
+            direct = measure(
+                "direct (fake)",
+                [(fake_url + "/v1/chat/completions", {})] * args.concurrency,
+                args,
+                fake.pid,
+            )
             tt = run_tracetrain(args, fake_url, Path(tmp))
             al = None if args.no_peer else run_al(args, fake_url)
     finally:
@@ -295,15 +348,21 @@ def main(argv=None) -> None:
     print("\nadded latency vs direct:")
     rows = [tt] + ([al] if al else [])
     for r in rows:
-        print(f"  {r['name']:<15} p50 +{(r['p50'] - direct['p50']) * 1e3:6.2f} ms   "
-              f"p99 +{(r['p99'] - direct['p99']) * 1e3:6.2f} ms   "
-              f"1 client p50 +{(r['p50_1'] - direct['p50_1']) * 1e3:5.2f} ms")
+        print(
+            f"  {r['name']:<15} p50 +{(r['p50'] - direct['p50']) * 1e3:6.2f} ms   "
+            f"p99 +{(r['p99'] - direct['p99']) * 1e3:6.2f} ms   "
+            f"1 client p50 +{(r['p50_1'] - direct['p50_1']) * 1e3:5.2f} ms"
+        )
     if al:
-        print(f"\nthroughput ratio tracetrain / agentlightning: {tt['rps'] / al['rps']:.1f}x "
-              f"(p50 {al['p50'] / tt['p50']:.1f}x lower)")
+        print(
+            f"\nthroughput ratio tracetrain / agentlightning: {tt['rps'] / al['rps']:.1f}x "
+            f"(p50 {al['p50'] / tt['p50']:.1f}x lower)"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"direct": direct, "tracetrain": tt, "agentlightning": al}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"direct": direct, "tracetrain": tt, "agentlightning": al}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Token weights + policy loss on [N, 2048] float32, ~2.5 rows per rollout, N in {1024, 4096, 16384}.
 
-Times, per size (median of --repeat runs after one warm-up):
+Times, per size (min, or --stat median, of --repeat runs after one warm-up; min is the least
+disturbed run, which matters on a shared machine):
   row_scales        tracetrain.loss.row_scales(mask, rollout_index)          -> [N]
   row_scales(str)   the same with rollout ids as a list of str
   token_weights     mask * row_scales, materialized [N, 2048]
@@ -9,10 +10,12 @@ Times, per size (median of --repeat runs after one warm-up):
   loss              row_scales + policy_loss (PPO dual-clip surrogate, k3 KL to a reference,
                     entropy term) + backward w.r.t. the logprobs
   fused             (logprobs * advantages * mask).sum().backward(), with loss / fused
+  ... (row adv)     the same two with advantages given per row ([N], broadcast) instead of [N, 2048]
 
 Goals (issue 3): row_scales >= 3x faster than AL at every size; loss within 3x of fused.
 
     .venv/bin/python bench/bench_loss.py [--sizes 1024 4096 16384] [--repeat 5] [--threads N]
+                                         [--stat min|median] [--no-peer]
 """
 
 from __future__ import annotations
@@ -58,15 +61,19 @@ def make_inputs(n: int, seed: int = 0) -> dict:
     }
 
 
+STAT = {"min": min, "median": statistics.median}
+stat, STAT_NAME = min, "min"
+
+
 def timeit(fn, repeat: int) -> float:
-    """Median wall time in ms over `repeat` runs, after one warm-up run."""
+    """Wall time in ms over `repeat` runs (min or median), after one warm-up run."""
     fn()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * stat(times)
 
 
 def peer_main(n: int, repeat: int, threads: int | None) -> None:
@@ -78,7 +85,9 @@ def peer_main(n: int, repeat: int, threads: int | None) -> None:
     x = make_inputs(n)
 
     def al():
-        normalize_advantages_by_rollout(x["advantages"], x["mask"], x["rollout_ids"], num_trained_rows=n)
+        normalize_advantages_by_rollout(
+            x["advantages"], x["mask"], x["rollout_ids"], num_trained_rows=n
+        )
 
     print(json.dumps({"al_ms": timeit(al, repeat)}))
 
@@ -86,7 +95,7 @@ def peer_main(n: int, repeat: int, threads: int | None) -> None:
 def time_peer(n: int, repeat: int, threads: int | None) -> float | None:
     if not PEERS_PY.exists():
         return None
-    cmd = [str(PEERS_PY), __file__, "--peer", str(n), "--repeat", str(repeat)]
+    cmd = [str(PEERS_PY), __file__, "--peer", str(n), "--repeat", str(repeat), "--stat", STAT_NAME]
     if threads:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -97,62 +106,89 @@ def time_peer(n: int, repeat: int, threads: int | None) -> float | None:
     return None
 
 
+def bench_size(n: int, repeat: int) -> dict:
+    """tracetrain's timings at one size (ms)."""
+    from tracetrain.loss import RowWeights, policy_loss, row_scales, token_weights
+
+    x = make_inputs(n)
+    g = torch.Generator().manual_seed(1)
+    mask, ri, adv_tok, adv_row = x["mask"], x["rollout_index"], x["advantages"], x["adv_row"]
+    logprobs = (-3 * torch.rand(n, R, generator=g)).requires_grad_()
+    old = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
+    ref = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
+    entropy = 2 * torch.rand(n, R, generator=g)
+
+    def loss_pass(adv):
+        logprobs.grad = None
+        loss, _ = policy_loss(
+            logprobs,
+            old,
+            adv,
+            RowWeights(mask, row_scales(mask, ri)),
+            ref_logprobs=ref,
+            kl_coef=0.01,
+            entropy=entropy,
+            entropy_coef=0.01,
+        )
+        loss.backward()
+
+    def fused_pass(adv):
+        logprobs.grad = None
+        (logprobs * adv * mask).sum().backward()
+
+    return {
+        "rollouts": int(ri[-1]) + 1,
+        "row_scales": timeit(lambda: row_scales(mask, ri), repeat),
+        "row_scales_str": timeit(lambda: row_scales(mask, x["rollout_ids"]), repeat),
+        "token_weights": timeit(lambda: token_weights(mask, ri), repeat),
+        "loss": timeit(lambda: loss_pass(adv_tok), repeat),
+        "fused": timeit(lambda: fused_pass(adv_tok), repeat),
+        "loss_row": timeit(lambda: loss_pass(adv_row), repeat),
+        "fused_row": timeit(lambda: fused_pass(adv_row[:, None]), repeat),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--stat", choices=sorted(STAT), default="min")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    global stat, STAT_NAME
+    stat, STAT_NAME = STAT[a.stat], a.stat
     if a.peer is not None:
         return peer_main(a.peer, a.repeat, a.threads)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from tracetrain.loss import RowWeights, policy_loss, row_scales, token_weights
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, R = {R}, float32, "
-          f"median of {a.repeat} runs (ms)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, R = {R}, float32, "
+        f"{a.stat} of {a.repeat} runs (ms)"
+    )
     have_peer = PEERS_PY.exists() and not a.no_peer
     if not have_peer:
         print("Agent Lightning peer: unavailable (no bench/.venv-peers); tracetrain figures only")
-    head = (f"{'N':>6} {'rollouts':>8} | {'row_scales':>10} {'(str ids)':>9} {'token_w':>8} | "
-            f"{'AL norm':>8} {'AL/rs':>6} | {'loss':>8} {'fused':>8} {'loss/fused':>10}")
+    head = (
+        f"{'N':>6} {'rollouts':>8} | {'row_scales':>10} {'(str ids)':>9} {'token_w':>8} | "
+        f"{'AL norm':>8} {'AL/rs':>6} | {'loss':>8} {'fused':>8} {'ratio':>6} | "
+        f"{'loss':>8} {'fused':>8} {'ratio':>6} (row adv)"
+    )
     print(head)
     print("-" * len(head))
     for n in a.sizes:
-        x = make_inputs(n)
-        g = torch.Generator().manual_seed(1)
-        mask, ri = x["mask"], x["rollout_index"]
-        logprobs = (-3 * torch.rand(n, R, generator=g)).requires_grad_()
-        old = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
-        ref = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
-        entropy = 2 * torch.rand(n, R, generator=g)
-        advantages = x["advantages"]
-
-        t_rs = timeit(lambda: row_scales(mask, ri), a.repeat)
-        t_rs_str = timeit(lambda: row_scales(mask, x["rollout_ids"]), a.repeat)
-        t_tw = timeit(lambda: token_weights(mask, ri), a.repeat)
-
-        def loss_pass():
-            logprobs.grad = None
-            loss, _ = policy_loss(
-                logprobs, old, advantages, RowWeights(mask, row_scales(mask, ri)),
-                ref_logprobs=ref, kl_coef=0.01, entropy=entropy, entropy_coef=0.01,
-            )
-            loss.backward()
-
-        def fused_pass():
-            logprobs.grad = None
-            (logprobs * advantages * mask).sum().backward()
-
-        t_loss = timeit(loss_pass, a.repeat)
-        t_fused = timeit(fused_pass, a.repeat)
-        del old, ref, entropy, logprobs
+        t = bench_size(n, a.repeat)
         t_al = time_peer(n, a.repeat, a.threads) if have_peer else None
-        al = f"{t_al:8.1f} {t_al / t_rs:5.1f}x" if t_al is not None else f"{'n/a':>8} {'':>6}"
-        print(f"{n:>6} {int(ri[-1]) + 1:>8} | {t_rs:10.2f} {t_rs_str:9.2f} {t_tw:8.1f} | {al} | "
-              f"{t_loss:8.1f} {t_fused:8.1f} {t_loss / t_fused:9.2f}x", flush=True)
+        rs = t["row_scales"]
+        al = f"{t_al:8.1f} {t_al / rs:5.1f}x" if t_al is not None else f"{'n/a':>8} {'':>6}"
+        print(
+            f"{n:>6} {t['rollouts']:>8} | {rs:10.2f} {t['row_scales_str']:9.2f} "
+            f"{t['token_weights']:8.1f} | {al} | "
+            f"{t['loss']:8.1f} {t['fused']:8.1f} {t['loss'] / t['fused']:5.2f}x | "
+            f"{t['loss_row']:8.1f} {t['fused_row']:8.1f} {t['loss_row'] / t['fused_row']:5.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A fake vLLM OpenAI-compatible server, for tests and benchmarks (it stands in for a GPU server).
 
-It speaks vLLM's wire protocol (>= 0.10.2) for `/v1/completions` and `/v1/chat/completions`,
+It speaks vLLM's wire protocol (>= 0.10.2) for `/v1/completions` and `/v1/chat/completions`
+(and SGLang's native `/generate`: input_ids, meta_info.output_token_logprobs),
 non-streaming and SSE: token-id prompts, `return_token_ids` (choices[0].token_ids and
 prompt_token_ids), completions logprobs (`logprobs.token_logprobs`) and chat logprobs
 (`logprobs.content[].logprob`), `finish_reason`, `usage`, and vLLM's 400 for a prompt over the
@@ -190,7 +191,14 @@ def _sse(chunks: list[dict]):
 
 def make_app(config: FakeConfig | None = None) -> FastAPI:
     cfg = config or FakeConfig()
-    stats = {"requests": 0, "completions": 0, "chat": 0, "failed": 0, "bad_requests": 0}
+    stats = {
+        "requests": 0,
+        "completions": 0,
+        "chat": 0,
+        "generate": 0,
+        "failed": 0,
+        "bad_requests": 0,
+    }
     app = FastAPI(title="fake vLLM upstream", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.config, app.state.stats = cfg, stats
     counter = iter(range(1 << 62))
@@ -360,6 +368,54 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
         out = dict(head, object="chat.completion", choices=[choice], usage=_usage(prompt_ids, ids))
         out["prompt_token_ids"] = prompt_ids if want_ids else None
         return _json(out)
+
+    @app.post("/generate")
+    async def sglang_generate(request: Request):
+        """SGLang's native endpoint: input_ids in, meta_info.output_token_logprobs out."""
+        body = await read_body(request)
+        if (failed := await gate("generate")) is not None:
+            return failed
+        prompt_ids, sp = body.get("input_ids"), body.get("sampling_params") or {}
+        if (
+            not isinstance(prompt_ids, list)
+            or not prompt_ids
+            or not all(type(i) is int for i in prompt_ids)
+        ):
+            raise BadRequest("input_ids must be a non-empty list of token ids", param="input_ids")
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params must be an object", param="sampling_params")
+        max_new = _int(sp, "max_new_tokens", 128, 1)
+        if len(prompt_ids) + max_new > cfg.max_model_len:
+            raise BadRequest(
+                f"The input ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new}) is longer "
+                f"than the model's context length ({cfg.max_model_len} tokens)."
+            )
+        _, seed, stops = _params(
+            {
+                "max_tokens": max_new,
+                "seed": sp.get("sampling_seed"),
+                "stop_token_ids": sp.get("stop_token_ids"),
+            },
+            cfg,
+            prompt_ids,
+        )
+        ids, lps, finish = fake_generation(
+            prompt_ids, max_new, seed=seed, stop_token_ids=stops, config=cfg
+        )
+        reason = (
+            {"type": "stop", "matched": ids[-1]}
+            if finish == "stop"
+            else {"type": "length", "length": len(ids)}
+        )
+        meta: dict[str, Any] = {
+            "id": f"gen-{next(counter)}",
+            "finish_reason": reason,
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(ids),
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(lps, ids, strict=True)]
+        return _json({"text": fake_detokenize(ids), "output_ids": ids, "meta_info": meta})
 
     @app.get("/v1/models")
     async def models():

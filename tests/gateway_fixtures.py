@@ -131,16 +131,33 @@ def save_tiny_tokenizer(path) -> str:
     return str(path)
 
 
-def spawn_gateway(db, upstream_url: str, tokenizer_dir: str, admin_key: str, *extra: str, timeout=60.0):
+def spawn_gateway(
+    db, upstream_url: str, tokenizer_dir: str, admin_key: str, *extra: str, timeout=60.0
+):
     """`python -m tracetrain.gateway.serve` (upstream mode) as a subprocess -> (process, url)."""
     import subprocess
     import sys
     import time
 
     args = [
-        sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(db), "--port", "0",
-        "--engine", "upstream", "--upstream-url", upstream_url, "--model", "fake",
-        "--tokenizer", tokenizer_dir, "--max-context", "4096", *extra,
+        sys.executable,
+        "-m",
+        "tracetrain.gateway.serve",
+        "--db",
+        str(db),
+        "--port",
+        "0",
+        "--engine",
+        "upstream",
+        "--upstream-url",
+        upstream_url,
+        "--model",
+        "fake",
+        "--tokenizer",
+        tokenizer_dir,
+        "--max-context",
+        "4096",
+        *extra,
     ]
     env = {**__import__("os").environ, "TRACETRAIN_ADMIN_KEY": admin_key}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)

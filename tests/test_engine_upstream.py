@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tracetrain.engines.base import Engine, EngineError, PromptTooLong, SamplingParams
-from tracetrain.engines.upstream import UpstreamEngine, parse_choice, request_body
+from tracetrain.engines.upstream import UpstreamEngine, parse_choice, parse_sglang, request_body
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_upstream import FakeConfig, FakeUpstream, fake_generation  # noqa: E402
@@ -45,8 +45,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_ids_and_logprobs_pass_through_exactly(clean):
-    eng = engine(clean.url)
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_ids_and_logprobs_pass_through_exactly(clean, api):
+    eng = engine(clean.url, api=api)
     assert isinstance(eng, Engine)
     cases = [
         ([5, 6, 7], SamplingParams(max_tokens=20)),
@@ -80,7 +81,7 @@ def test_ids_and_logprobs_pass_through_exactly(clean):
     assert gens[2].response_ids != gens[3].response_ids  # the seed reaches the server
     assert len(gens[4].response_ids) < 8  # so do stop ids: the first generated id is a stop
     assert [g.model_version for g in gens] == [0] * 5 + [7]
-    assert clean.stats["completions"] == 6
+    assert clean.stats["completions" if api == "vllm" else "generate"] == 6
 
 
 def test_request_body_is_vllm_shaped():
@@ -97,10 +98,12 @@ def test_request_body_is_vllm_shaped():
     assert body["n"] == 1 and body["stream"] is False
 
 
-@pytest.mark.parametrize("fail_status", [500, 503, 0])  # 0: the connection drops mid-answer
-def test_retries_after_injected_failures(clean, fail_status):
+@pytest.mark.parametrize(
+    "fail_status,api", [(500, "vllm"), (503, "vllm"), (0, "vllm"), (500, "sglang"), (0, "sglang")]
+)  # 0: the connection drops mid-answer
+def test_retries_after_injected_failures(clean, fail_status, api):
     clean.config.fail_first, clean.config.fail_status = 2, fail_status
-    eng = engine(clean.url, max_retries=3)
+    eng = engine(clean.url, max_retries=3, api=api)
 
     async def go():
         try:
@@ -111,7 +114,7 @@ def test_retries_after_injected_failures(clean, fail_status):
     gen = run(go())
     assert gen.response_ids == fake_generation([5, 6, 7], 20, config=clean.config)[0]
     assert gen.extra["attempts"] == 3
-    assert clean.stats["completions"] == 3 and clean.stats["failed"] == 2
+    assert clean.stats["requests"] == 3 and clean.stats["failed"] == 2
     assert eng.stats["retries"] == 2
 
 
@@ -164,13 +167,14 @@ def test_timeouts_are_bounded_and_504(clean):
     assert 0.4 <= elapsed < 1.5, elapsed  # 2 attempts x 0.2 s + backoff, not the 2 s delay
 
 
-def test_prompt_too_long_locally_and_from_upstream(clean):
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_prompt_too_long_locally_and_from_upstream(clean, api):
     local = engine(clean.url)
     with pytest.raises(PromptTooLong, match="max_context 256"):
         run(local.generate([5] * 250, SamplingParams(max_tokens=10)))
     assert clean.stats["requests"] == 0  # refused before any call
     # an engine that believes in a larger context learns it from the server's 400, without retries
-    optimist = engine(clean.url, max_context=10_000, max_retries=3)
+    optimist = engine(clean.url, max_context=10_000, max_retries=3, api=api)
 
     async def go():
         try:
@@ -178,9 +182,9 @@ def test_prompt_too_long_locally_and_from_upstream(clean):
         finally:
             await optimist.aclose()
 
-    with pytest.raises(PromptTooLong, match="maximum context length is 256"):
+    with pytest.raises(PromptTooLong, match=r"context length \(256 tokens\)|context length is 256"):
         run(go())
-    assert clean.stats["completions"] == 1
+    assert clean.stats["requests"] == 1
 
 
 def test_other_client_errors_are_not_retried(clean):
@@ -282,6 +286,52 @@ def test_malformed_answers_are_named(payload, err):
         parse_choice(payload)
 
 
+@pytest.mark.parametrize(
+    "payload,err",
+    [
+        ({"text": "x"}, "no meta_info"),
+        ({"meta_info": {"finish_reason": {"type": "stop"}}}, "output_token_logprobs is missing"),
+        (
+            {
+                "meta_info": {
+                    "output_token_logprobs": [[-1.0, "a"]],
+                    "finish_reason": {"type": "stop"},
+                }
+            },
+            "not a token id",
+        ),
+        (
+            {
+                "meta_info": {
+                    "output_token_logprobs": [[None, 3]],
+                    "finish_reason": {"type": "stop"},
+                }
+            },
+            "not a number",
+        ),
+        (
+            {
+                "meta_info": {
+                    "output_token_logprobs": [[-1.0, 3]],
+                    "finish_reason": {"type": "abort"},
+                }
+            },
+            "finish_reason",
+        ),
+    ],
+)
+def test_malformed_sglang_answers_are_named(payload, err):
+    with pytest.raises(ValueError, match=err):
+        parse_sglang(payload)
+    ok = {
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, 3, None], [-1, 2, "x"]],
+            "finish_reason": {"type": "stop"},
+        }
+    }
+    assert parse_sglang(ok) == ([3, 2], [-0.5, -1.0], "stop")
+
+
 def test_concurrent_requests_share_the_pool(clean):
     eng = engine(clean.url, max_connections=8)
     prompts = [[3 + i, 7] for i in range(64)]
@@ -342,5 +392,18 @@ def test_make_engine_builds_by_kind(clean):
     assert isinstance(eng, UpstreamEngine) and eng.max_context == 64
     with pytest.raises(ValueError, match="'vllm' is unknown; known kinds: local, upstream"):
         make_engine("vllm")
+    with pytest.raises(ValueError, match="api 'tgi' is unknown; known: vllm, sglang"):
+        make_engine(
+            "upstream", base_url=clean.url, model="m", tokenizer=None, max_context=8, api="tgi"
+        )
+    with pytest.raises(ValueError, match="timeout must be a number > 0, got nan"):
+        make_engine(
+            "upstream",
+            base_url=clean.url,
+            model="m",
+            tokenizer=None,
+            max_context=8,
+            timeout=float("nan"),
+        )
     with pytest.raises(ValueError, match="base_url"):
         make_engine("upstream", base_url="localhost:1", model="m", tokenizer=None, max_context=8)

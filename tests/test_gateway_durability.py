@@ -34,23 +34,33 @@ async def traffic(url: str, admin_key: str, acked: dict, stop_after: int, proc) 
                 try:
                     resp = await http.post(
                         r["base_url"] + "/chat/completions",
-                        json={"messages": [{"role": "user", "content": f"turn {k}"}],
-                              "max_tokens": 6, "return_token_ids": True},
+                        json={
+                            "messages": [{"role": "user", "content": f"turn {k}"}],
+                            "max_tokens": 6,
+                            "return_token_ids": True,
+                        },
                         headers=auth,
                     )
                     if resp.status_code == 200:
                         body = resp.json()
                         acked["turns"].append(
-                            (r["rollout_id"], body["tracetrain"]["turn_index"],
-                             body["prompt_token_ids"], body["choices"][0]["token_ids"])
+                            (
+                                r["rollout_id"],
+                                body["tracetrain"]["turn_index"],
+                                body["prompt_token_ids"],
+                                body["choices"][0]["token_ids"],
+                            )
                         )
                     if k % 3 == 0:
                         rew = await http.post(
                             url + f"/rollouts/{r['rollout_id']}/rewards",
-                            json={"reward": k / 100}, headers=auth,
+                            json={"reward": k / 100},
+                            headers=auth,
                         )
                         if rew.status_code == 200:
-                            acked["rewards"].append((r["rollout_id"], rew.json()["event_id"], k / 100))
+                            acked["rewards"].append(
+                                (r["rollout_id"], rew.json()["event_id"], k / 100)
+                            )
                 except httpx.TransportError:
                     return  # the gateway is gone; this request was never acknowledged
                 if len(acked["turns"]) >= stop_after and not killed.is_set():
@@ -83,8 +93,11 @@ def test_acknowledged_records_survive_kill_9(tmp_path):
             for rid, index, prompt, response in acked["turns"]:
                 turns = detail[rid]["turns"]
                 assert index < len(turns), (rid, index)
-                assert (turns[index]["prompt_ids"], turns[index]["response_ids"]) == (prompt, response)
-            for rid, d in detail.items():  # indices stay dense after the crash
+                assert (turns[index]["prompt_ids"], turns[index]["response_ids"]) == (
+                    prompt,
+                    response,
+                )
+            for d in detail.values():  # indices stay dense after the crash
                 assert [t["index"] for t in d["turns"]] == list(range(d["n_turns"]))
             for rid, event_id, value in acked["rewards"]:
                 events = admin.get(f"/rollouts/{rid}/events").json()["events"]

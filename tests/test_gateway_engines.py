@@ -20,7 +20,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
 def agent(r: dict) -> httpx.Client:
-    return httpx.Client(base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=30)
+    return httpx.Client(
+        base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=30
+    )
 
 
 def in_thread(fn):
@@ -110,28 +112,36 @@ def test_register_upstream_is_used_persisted_and_rebuilt(tmp_path):
         spec["base_url"] = fake.url
         store = SQLiteStore(tmp_path / "g.db")
         app = create_app(store, FakeEngine(), admin_key=key, engine_factory=upstream_factory)
-        with ThreadedServer(app) as server, httpx.Client(
-            base_url=server.url, headers={"Authorization": f"Bearer {key}"}
-        ) as admin:
+        with (
+            ThreadedServer(app) as server,
+            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}) as admin,
+        ):
             out = admin.post("/engines", json=spec)
             assert out.status_code == 200 and out.json()["max_context"] == 512
             assert admin.post("/engines", json=spec).status_code == 409
-            bad = admin.post("/engines", json={**spec, "name": "x", "tokenizer": str(tmp_path / "none")})
+            bad = admin.post(
+                "/engines", json={**spec, "name": "x", "tokenizer": str(tmp_path / "none")}
+            )
             assert bad.status_code == 400 and "none" in bad.json()["error"]["message"]
-            (r,) = admin.post("/rollouts", json={"rollouts": [{"engine": "vllm-2"}]}).json()["rollouts"]
+            (r,) = admin.post("/rollouts", json={"rollouts": [{"engine": "vllm-2"}]}).json()[
+                "rollouts"
+            ]
             with agent(r) as a:
                 resp = a.post("/chat/completions", json=CHAT)
             assert resp.status_code == 200
             (turn,) = store.get_turns(r["rollout_id"])
             ids, _, finish = fake_generation(turn.prompt_ids, 8, config=FakeConfig())
-            assert turn.response_ids == ids and turn.finish_reason == finish  # the upstream's answer
+            assert (
+                turn.response_ids == ids and turn.finish_reason == finish
+            )  # the upstream's answer
             assert fake.stats["completions"] == 1
         assert store.list_engines()["vllm-2"]["base_url"] == fake.url
         # A new gateway on the same store rebuilds the registered engine at startup.
         app2 = create_app(store, FakeEngine(), admin_key=key, engine_factory=upstream_factory)
-        with ThreadedServer(app2) as server, httpx.Client(
-            base_url=server.url, headers={"Authorization": f"Bearer {key}"}
-        ) as admin:
+        with (
+            ThreadedServer(app2) as server,
+            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}) as admin,
+        ):
             names = [e["name"] for e in admin.get("/engines").json()["engines"]]
             assert names == ["default", "vllm-2"]
             url = f"/rollouts/{r['rollout_id']}/v1/chat/completions"
@@ -142,7 +152,9 @@ def test_register_upstream_is_used_persisted_and_rebuilt(tmp_path):
 
 def test_registration_needs_a_factory(tmp_path):
     with live_gateway(tmp_path) as gw:
-        resp = gw.admin.post("/engines", json={"name": "x", "base_url": "http://127.0.0.1:1", "model": "m"})
+        resp = gw.admin.post(
+            "/engines", json={"name": "x", "base_url": "http://127.0.0.1:1", "model": "m"}
+        )
         assert resp.status_code == 400 and "factory" in resp.json()["error"]["message"]
         gw.admin.close()
 

@@ -33,7 +33,9 @@ def gw(tmp_path_factory):
         g.agent = httpx.Client(
             base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=30
         )
-        ok = g.agent.post("/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
+        ok = g.agent.post(
+            "/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}
+        )
         assert ok.status_code == 200
         yield g
         g.agent.close()
@@ -48,46 +50,177 @@ def msgs(text="hi"):
 CASES = [
     ("malformed json", "agent", "POST", "/chat/completions", b'{"messages": [', 400, ["JSON"]),
     ("not an object", "agent", "POST", "/chat/completions", b"[1, 2]", 422, ["object"]),
-    ("messages not a list", "agent", "POST", "/chat/completions", {"messages": "hi"}, 422, ["messages"]),
+    (
+        "messages not a list",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": "hi"},
+        422,
+        ["messages"],
+    ),
     ("empty messages", "agent", "POST", "/chat/completions", {"messages": []}, 422, ["messages"]),
-    ("bad role", "agent", "POST", "/chat/completions",
-     {"messages": [{"role": "robot", "content": "x"}]}, 422, ["messages.0", "role"]),
-    ("image part", "agent", "POST", "/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 422,
-     ["messages.0.content"]),
-    ("temperature as string", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "temperature": "0.5"}, 422, ["temperature"]),
-    ("max_tokens zero", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "max_tokens": 0}, 422, ["max_tokens"]),
-    ("max_tokens bool", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "max_tokens": True}, 422, ["max_tokens"]),
+    (
+        "bad role",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": [{"role": "robot", "content": "x"}]},
+        422,
+        ["messages.0", "role"],
+    ),
+    (
+        "image part",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        422,
+        ["messages.0.content"],
+    ),
+    (
+        "temperature as string",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "temperature": "0.5"},
+        422,
+        ["temperature"],
+    ),
+    (
+        "max_tokens zero",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "max_tokens": 0},
+        422,
+        ["max_tokens"],
+    ),
+    (
+        "max_tokens bool",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "max_tokens": True},
+        422,
+        ["max_tokens"],
+    ),
     ("n=2", "agent", "POST", "/chat/completions", {"messages": msgs(), "n": 2}, 400, ["n=1"]),
-    ("penalty", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "presence_penalty": 0.5}, 400, ["presence_penalty"]),
-    ("multi-token stop", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "stop": ["the end of it"]}, 400, ["stop"]),
-    ("prompt over context", "agent", "POST", "/chat/completions",
-     {"messages": msgs("word " * 300)}, 400, ["context"]),
-    ("max_tokens over context", "agent", "POST", "/chat/completions",
-     {"messages": msgs(), "max_tokens": 500}, 400, ["max_tokens", "context"]),
+    (
+        "penalty",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "presence_penalty": 0.5},
+        400,
+        ["presence_penalty"],
+    ),
+    (
+        "multi-token stop",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "stop": ["the end of it"]},
+        400,
+        ["stop"],
+    ),
+    (
+        "prompt over context",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs("word " * 300)},
+        400,
+        ["context"],
+    ),
+    (
+        "max_tokens over context",
+        "agent",
+        "POST",
+        "/chat/completions",
+        {"messages": msgs(), "max_tokens": 500},
+        400,
+        ["max_tokens", "context"],
+    ),
     ("two prompts", "agent", "POST", "/completions", {"prompt": ["a", "b"]}, 400, ["prompt"]),
-    ("token id out of vocab", "agent", "POST", "/completions", {"prompt": [1, 10**6]}, 400, ["vocabulary"]),
+    (
+        "token id out of vocab",
+        "agent",
+        "POST",
+        "/completions",
+        {"prompt": [1, 10**6]},
+        400,
+        ["vocabulary"],
+    ),
     ("echo", "agent", "POST", "/completions", {"prompt": "a", "echo": True}, 400, ["echo"]),
     ("deep nesting", "agent", "POST", "/chat/completions", b"[" * 20_000, 400, ["body"]),
     ("reward as string", "agent", "POST", "/../rewards", {"reward": "1"}, 422, ["reward"]),
     ("reward NaN", "agent", "POST", "/../rewards", b'{"reward": NaN}', 422, ["reward"]),
-    ("task NaN", "admin", "POST", "/rollouts", b'{"rollouts": [{"task": [1, NaN]}]}', 422, ["task"]),
+    (
+        "task NaN",
+        "admin",
+        "POST",
+        "/rollouts",
+        b'{"rollouts": [{"task": [1, NaN]}]}',
+        422,
+        ["task"],
+    ),
     ("unknown field", "admin", "POST", "/rollouts", {"rollouts": [{"nope": 1}]}, 422, ["nope"]),
-    ("bad id", "admin", "POST", "/rollouts", {"rollouts": [{"rollout_id": "a/b"}]}, 422, ["rollout_id"]),
-    ("duplicate ids", "admin", "POST", "/rollouts",
-     {"rollouts": [{"rollout_id": "d"}, {"rollout_id": "d"}]}, 400, ["twice"]),
-    ("unknown engine", "admin", "POST", "/rollouts", {"rollouts": [{"engine": "gpt9"}]}, 400, ["gpt9"]),
-    ("conflicting re-create", "admin", "POST", "/rollouts",
-     {"rollouts": [{"rollout_id": "r1", "task": {"q": "other"}}]}, 409, ["r1"]),
+    (
+        "bad id",
+        "admin",
+        "POST",
+        "/rollouts",
+        {"rollouts": [{"rollout_id": "a/b"}]},
+        422,
+        ["rollout_id"],
+    ),
+    (
+        "duplicate ids",
+        "admin",
+        "POST",
+        "/rollouts",
+        {"rollouts": [{"rollout_id": "d"}, {"rollout_id": "d"}]},
+        400,
+        ["twice"],
+    ),
+    (
+        "unknown engine",
+        "admin",
+        "POST",
+        "/rollouts",
+        {"rollouts": [{"engine": "gpt9"}]},
+        400,
+        ["gpt9"],
+    ),
+    (
+        "conflicting re-create",
+        "admin",
+        "POST",
+        "/rollouts",
+        {"rollouts": [{"rollout_id": "r1", "task": {"q": "other"}}]},
+        409,
+        ["r1"],
+    ),
     ("unknown rollout", "admin", "GET", "/rollouts/nope", None, 404, ["nope"]),
-    ("unknown rollout chat", "admin", "POST", "/rollouts/nope/v1/chat/completions",
-     {"messages": msgs()}, 404, ["nope"]),
-    ("illegal transition", "admin", "PATCH", "/rollouts/r1", {"state": "queued"}, 409, ["running", "queued"]),
+    (
+        "unknown rollout chat",
+        "admin",
+        "POST",
+        "/rollouts/nope/v1/chat/completions",
+        {"messages": msgs()},
+        404,
+        ["nope"],
+    ),
+    (
+        "illegal transition",
+        "admin",
+        "PATCH",
+        "/rollouts/r1",
+        {"state": "queued"},
+        409,
+        ["running", "queued"],
+    ),
     ("unknown state", "admin", "PATCH", "/rollouts/r1", {"state": "done"}, 422, ["state"]),
     ("empty patch", "admin", "PATCH", "/rollouts/r1", {}, 400, ["nothing"]),
     ("bad paging", "admin", "GET", "/rollouts?limit=0", None, 422, ["limit"]),
@@ -105,7 +238,11 @@ def test_bad_input(gw, case):
     if path.startswith("/.."):
         path = gw.url + f"/rollouts/{gw.rollout['rollout_id']}" + path[3:]
     before = snapshot(gw.store)
-    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    kw = (
+        {"content": body, "headers": {"Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     r = client.request(method, path, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -114,7 +251,10 @@ def test_bad_input(gw, case):
         assert word in err["message"], (word, err["message"])
     assert snapshot(gw.store) == before
     # still serving
-    assert gw.agent.post("/chat/completions", json={"messages": msgs(), "max_tokens": 3}).status_code == 200
+    assert (
+        gw.agent.post("/chat/completions", json={"messages": msgs(), "max_tokens": 3}).status_code
+        == 200
+    )
 
 
 def test_oversize_body_declared_is_refused_unread(gw):
@@ -153,14 +293,23 @@ def test_oversize_body_chunked_is_cut_off(gw):
 def test_requests_after_the_end_are_409(tmp_path):
     with live_gateway(tmp_path) as g:
         (r,) = g.create()
-        agent = httpx.Client(base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"})
-        assert g.admin.patch(f"/rollouts/{r['rollout_id']}", json={"state": "failed", "error": "boom"}).status_code == 200
+        agent = httpx.Client(
+            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}
+        )
+        assert (
+            g.admin.patch(
+                f"/rollouts/{r['rollout_id']}", json={"state": "failed", "error": "boom"}
+            ).status_code
+            == 200
+        )
         before = snapshot(g.store)
         chat = agent.post("/chat/completions", json={"messages": msgs()})
         assert chat.status_code == 409 and "failed" in chat.json()["error"]["message"]
         # The agent's reward after the end is refused; the trainer's is taken.
         rurl = g.url + f"/rollouts/{r['rollout_id']}/rewards"
-        late = httpx.post(rurl, json={"reward": 1.0}, headers={"Authorization": f"Bearer {r['api_key']}"})
+        late = httpx.post(
+            rurl, json={"reward": 1.0}, headers={"Authorization": f"Bearer {r['api_key']}"}
+        )
         assert late.status_code == 409
         assert snapshot(g.store) == before
         assert g.engine.calls == []  # the engine was never asked
@@ -184,7 +333,9 @@ def test_engine_failures_are_5xx_with_reason_and_record_nothing(tmp_path, failur
     engine.fail_with = failure
     with live_gateway(tmp_path, engine) as g:
         (r,) = g.create()
-        agent = httpx.Client(base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"})
+        agent = httpx.Client(
+            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}
+        )
         resp = agent.post("/chat/completions", json={"messages": msgs()})
         assert resp.status_code == status
         for word in words:

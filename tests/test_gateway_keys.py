@@ -29,7 +29,12 @@ TABLE = [
     ("POST", "/rollouts/{A}/rewards", {"reward": 1.0}, (401, 403, 200, 200)),
     ("POST", "/rollouts/{A}/events", {"kind": "log", "payload": {"x": 1}}, (401, 403, 200, 200)),
     ("POST", "/rollouts/{A}/v1/chat/completions", CHAT, (401, 403, 200, 200)),
-    ("POST", "/rollouts/{A}/v1/completions", {"prompt": "hi", "max_tokens": 4}, (401, 403, 200, 200)),
+    (
+        "POST",
+        "/rollouts/{A}/v1/completions",
+        {"prompt": "hi", "max_tokens": 4},
+        (401, 403, 200, 200),
+    ),
     ("GET", "/rollouts/{A}/v1/models", None, (401, 403, 200, 200)),
     ("GET", "/rollouts/ghost/v1/models", None, (401, 403, 403, 404)),
     ("GET", "/engines", None, (401, 403, 403, 200)),
@@ -57,7 +62,9 @@ def _headers(key: str | None) -> dict:
     return {} if key is None else {"Authorization": f"Bearer {key}"}
 
 
-@pytest.mark.parametrize(("method", "path", "body", "expected"), TABLE, ids=[f"{m} {p}" for m, p, *_ in TABLE])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "expected"), TABLE, ids=[f"{m} {p}" for m, p, *_ in TABLE]
+)
 def test_route_access(live, method, path, body, expected):
     http, admin_key, _ = live
     made = http.post("/rollouts", json={"rollouts": [{}, {}]}, headers=_headers(admin_key)).json()
@@ -79,7 +86,9 @@ def test_route_access(live, method, path, body, expected):
 
 def test_bad_keys_are_401_and_not_echoed(live):
     http, admin_key, _ = live
-    (r,) = http.post("/rollouts", json={"rollouts": [{}]}, headers=_headers(admin_key)).json()["rollouts"]
+    (r,) = http.post("/rollouts", json={"rollouts": [{}]}, headers=_headers(admin_key)).json()[
+        "rollouts"
+    ]
     url = f"/rollouts/{r['rollout_id']}/v1/chat/completions"
     forged = r["api_key"][:-4] + "AAAA"
     for headers in (

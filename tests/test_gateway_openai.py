@@ -55,12 +55,17 @@ def test_three_turn_chat_records_exact_ids(gateway, stream):  # noqa: F811
     # The store holds exactly the ids the engine saw and produced.
     detail = gateway.admin.get(f"/rollouts/{r['rollout_id']}").json()
     assert detail["state"] == "running" and detail["n_turns"] == 3
-    for k, (turn, (prompt, gen)) in enumerate(zip(detail["turns"], gateway.engine.calls, strict=True)):
+    for k, (turn, (prompt, gen)) in enumerate(
+        zip(detail["turns"], gateway.engine.calls, strict=True)
+    ):
         assert turn["index"] == k
         assert turn["prompt_ids"] == prompt
         assert turn["response_ids"] == gen.response_ids
         assert turn["response_logprobs"] == gen.response_logprobs  # exact: multiples of 1/8
-        assert (turn["model_version"], turn["finish_reason"]) == (gen.model_version, gen.finish_reason)
+        assert (turn["model_version"], turn["finish_reason"]) == (
+            gen.model_version,
+            gen.finish_reason,
+        )
     # The prompt the engine saw is the chat template rendering of the messages.
     first = tok.apply_chat_template(
         [SYSTEM, {"role": "user", "content": USER[0]}], add_generation_prompt=True, tokenize=True
@@ -94,7 +99,11 @@ def test_async_client_and_token_id_extension(gateway):  # noqa: F811
     extra = out.model_extra
     assert extra["prompt_token_ids"] == prompt
     assert out.choices[0].model_extra["token_ids"] == gen.response_ids
-    assert extra["tracetrain"] == {"rollout_id": r["rollout_id"], "turn_index": 0, "model_version": 0}
+    assert extra["tracetrain"] == {
+        "rollout_id": r["rollout_id"],
+        "turn_index": 0,
+        "model_version": 0,
+    }
     assert [c.logprob for c in out.choices[0].logprobs.content] == gen.response_logprobs
 
 
@@ -105,7 +114,9 @@ def test_completions_with_text_and_token_prompts(gateway, stream):  # noqa: F811
     tok = gateway.engine.tokenizer
     for prompt in ("The answer is", tok.encode("The answer is")):
         if stream:
-            chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=5, stream=True))
+            chunks = list(
+                client.completions.create(model="m", prompt=prompt, max_tokens=5, stream=True)
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = chunks[-1].choices[0].finish_reason
         else:

@@ -23,8 +23,12 @@ def test_create_defaults_and_idempotency(gateway):  # noqa: F811
     assert a["rollout_id"] != b["rollout_id"] and a["group_id"] == a["rollout_id"]
     assert a["state"] == "queued" and a["created"] and a["n_turns"] == 0 and a["reward"] is None
     assert a["api_key"] != b["api_key"]
-    spec = {"rollouts": [{"rollout_id": "x1", "group_id": "G", "task": {"n": [1, 2]}},
-                         {"rollout_id": a["rollout_id"]}]}
+    spec = {
+        "rollouts": [
+            {"rollout_id": "x1", "group_id": "G", "task": {"n": [1, 2]}},
+            {"rollout_id": a["rollout_id"]},
+        ]
+    }
     first = gateway.admin.post("/rollouts", json=spec).json()["rollouts"]
     assert [r["created"] for r in first] == [True, False]
     assert first[1]["api_key"] == a["api_key"]  # the existing rollout keeps its key
@@ -38,13 +42,17 @@ def test_get_list_patch_delete(gateway):  # noqa: F811
         assert admin.patch(f"/rollouts/{rid}", json={"state": "running"}).status_code == 200
     pages, cursor = [], 0
     while True:
-        page = admin.get("/rollouts", params={"state": "running", "limit": 2, "cursor": cursor}).json()
+        page = admin.get(
+            "/rollouts", params={"state": "running", "limit": 2, "cursor": cursor}
+        ).json()
         pages.append([r["rollout_id"] for r in page["rollouts"]])
         if page["next_cursor"] is None:
             break
         cursor = page["next_cursor"]
     assert sum(pages, []) == ids[:3] and all(len(p) <= 2 for p in pages)
-    assert [r["rollout_id"] for r in admin.get("/rollouts?state=queued").json()["rollouts"]] == ids[3:]
+    assert [r["rollout_id"] for r in admin.get("/rollouts?state=queued").json()["rollouts"]] == ids[
+        3:
+    ]
     assert len(admin.get("/rollouts?group_id=grp").json()["rollouts"]) == 5
 
     # Legal transitions only; a terminal state is final.
@@ -72,8 +80,11 @@ def test_get_list_patch_delete(gateway):  # noqa: F811
     assert admin.delete(f"/rollouts/{r['rollout_id']}").status_code == 204
     assert admin.get(f"/rollouts/{r['rollout_id']}").status_code == 404
     assert admin.delete(f"/rollouts/{r['rollout_id']}").status_code == 404
-    gone = httpx.post(r["base_url"] + "/chat/completions", json=CHAT,
-                      headers={"Authorization": f"Bearer {r['api_key']}"})
+    gone = httpx.post(
+        r["base_url"] + "/chat/completions",
+        json=CHAT,
+        headers={"Authorization": f"Bearer {r['api_key']}"},
+    )
     assert gone.status_code == 401
 
 
@@ -82,7 +93,9 @@ def test_agent_events_and_turns_in_detail(gateway):  # noqa: F811
     auth = {"Authorization": f"Bearer {r['api_key']}"}
     base = gateway.url + f"/rollouts/{r['rollout_id']}"
     assert httpx.post(base + "/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
-    ev = httpx.post(base + "/events", json={"kind": "tool", "payload": {"name": "calc"}}, headers=auth)
+    ev = httpx.post(
+        base + "/events", json={"kind": "tool", "payload": {"name": "calc"}}, headers=auth
+    )
     assert ev.status_code == 200 and ev.json()["kind"] == "tool"
     reserved = httpx.post(base + "/events", json={"kind": "reward", "payload": 1}, headers=auth)
     assert reserved.status_code == 400
@@ -97,15 +110,26 @@ def test_keys_after_admin_key_change(tmp_path):
     store = SQLiteStore(tmp_path / "k.db")
     old_key, new_key = "old-" + secrets.token_hex(8), "new-" + secrets.token_hex(8)
     with ThreadedServer(create_app(store, FakeEngine(), admin_key=old_key)) as server:
-        made = httpx.post(server.url + "/rollouts", json={"rollouts": [{"rollout_id": "k1"}]},
-                          headers={"Authorization": f"Bearer {old_key}"}).json()["rollouts"][0]
+        made = httpx.post(
+            server.url + "/rollouts",
+            json={"rollouts": [{"rollout_id": "k1"}]},
+            headers={"Authorization": f"Bearer {old_key}"},
+        ).json()["rollouts"][0]
     with ThreadedServer(create_app(store, FakeEngine(), admin_key=new_key)) as server:
         url = server.url + "/rollouts/k1/v1/chat/completions"
         old_agent = {"Authorization": f"Bearer {made['api_key']}"}
         assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 200  # still valid
-        assert httpx.get(server.url + "/rollouts", headers={"Authorization": f"Bearer {old_key}"}).status_code == 401
-        again = httpx.post(server.url + "/rollouts", json={"rollouts": [{"rollout_id": "k1"}]},
-                           headers={"Authorization": f"Bearer {new_key}"}).json()["rollouts"][0]
+        assert (
+            httpx.get(
+                server.url + "/rollouts", headers={"Authorization": f"Bearer {old_key}"}
+            ).status_code
+            == 401
+        )
+        again = httpx.post(
+            server.url + "/rollouts",
+            json={"rollouts": [{"rollout_id": "k1"}]},
+            headers={"Authorization": f"Bearer {new_key}"},
+        ).json()["rollouts"][0]
         assert not again["created"] and again["api_key"] != made["api_key"]  # re-issued
         assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 401
         new_agent = {"Authorization": f"Bearer {again['api_key']}"}

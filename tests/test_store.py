@@ -51,9 +51,9 @@ def store(tmp_path):
 
 
 def test_create_is_idempotent_and_conflicts_are_atomic(store):
-    (rec, created), = run(store.create_rollouts([new("a", task={"q": 1})]))
+    ((rec, created),) = run(store.create_rollouts([new("a", task={"q": 1})]))
     assert created and rec.state == RolloutState.queued and rec.task == {"q": 1}
-    (again, created_again), = run(store.create_rollouts([new("a", task={"q": 1})]))
+    ((again, created_again),) = run(store.create_rollouts([new("a", task={"q": 1})]))
     assert not created_again and again.seq == rec.seq
     # A batch holding a conflicting id writes nothing, not even its new rollouts.
     with pytest.raises(RolloutConflict, match="'a'"):
@@ -200,7 +200,9 @@ def test_load_rollouts_gives_validated_finished_rollouts(store):
     (r,) = store.load_rollouts(group_id="G")
     assert isinstance(r, Rollout)
     assert (r.rollout_id, r.group_id, r.reward, r.state) == ("done", "G", 1.0, "succeeded")
-    assert [(t.prompt_ids, t.response_ids, t.model_version) for t in r.turns] == [([1, 2], [3, 2], 3)]
+    assert [(t.prompt_ids, t.response_ids, t.model_version) for t in r.turns] == [
+        ([1, 2], [3, 2], 3)
+    ]
     with pytest.raises(UnknownRollout):
         store.load_rollouts(rollout_ids=["done", "ghost"])
 

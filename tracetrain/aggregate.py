@@ -32,10 +32,10 @@ with the previous context; every turn's context (prompt + response) is then a pr
 chain's last context, and every row, at either level, is one contiguous slice [lo, hi) of it.
 So each chain's last context is converted to int64 once (numpy), all chains go into one flat
 buffer with P zeros before and R zeros after, and the padded [rows, P+R] tensors are gathered
-with a row index from a sliding-window view of that buffer (`as_strided` + `index_select`):
-row i's window starts at chain_start + hi_prompt_i, where hi_prompt_i is the end of its prompt.
-Trained-token mask and logprobs use the same windows over chain-long buffers. No per-token
-Python work, no per-row torch op, no index tensor larger than one int64 per row.
+with a row index from a sliding-window view of that buffer (`as_strided` + `index_select`).
+The trained-token mask uses the same windows over a chain-long mask; the logprobs of the rows'
+turns, in row order, are exactly the trained tokens in row-major order (`masked_scatter_`).
+No per-token Python work, no per-row torch op, no index tensor larger than one int64 per row.
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ LENGTH_SPLIT = "length_split"
 class _Row:
     """One row: chain coordinates [lo, lo + n_prompt) are its prompt, the next n_region its region."""
 
-    chain: int  # index into the rollout's chains, later into the batch's chains
+    chain: int  # index into the rollout's chains
     lo: int  # left-truncated prompt tokens
     n_prompt: int
     n_region: int
     n_trained: int
+    keep: int  # kept response tokens of the row's first turn
     turns: list[int] = field(default_factory=list)
 
 
@@ -135,7 +136,7 @@ def _start_row(r: Rollout, k: int, chain: int, lim: _Limits, counts: _Counts) ->
         counts.truncated_prompt_tokens += cut
         counts.truncated_response_tokens += n_r - keep
         counts.truncated_rows += 1
-    return _Row(chain, cut, n_p - cut, keep, keep, [k])
+    return _Row(chain, cut, n_p - cut, keep, keep, keep, [k])
 
 
 def plan_rollout(
@@ -308,11 +309,10 @@ def aggregate(
     else:
         P, R = max(n_prompt, default=0), max(n_region, default=0)
     ids_lists: list[list[int]] = []  # per chain: its last turn's prompt ids, response ids
-    lp_lists: list[list[float] | None] = []  # per chain turn: its logprobs
+    lp_lists: list[list[float] | None] = []  # per row turn, in row order: the kept logprobs
     run_len, run_trained = [P], [False]  # trained-token runs over the whole buffer
-    row_start: list[int] = []  # window start of each row: chain start + end of its prompt
+    row_start: list[int] = []  # buffer index of each row's first region token
     row_version: list[int] = []
-    n_lp = 0  # response tokens of the emitted chains
     offset = P  # the buffer starts with P zeros
     for ri, plan in zip(kept, plans, strict=True):
         turns = rollouts[ri].turns
@@ -326,58 +326,56 @@ def aggregate(
                     run_len += (len(t.prompt_ids) - pos, len(t.response_ids))
                     run_trained += (False, True)
                     pos = len(t.prompt_ids) + len(t.response_ids)
-                    lp_lists.append(t.response_logprobs)
-                    n_lp += len(t.response_ids)
                 ids_lists += (turns[j].prompt_ids, turns[j].response_ids)
                 offset += pos
-            row_start.append(chain_start[row.chain] - P + row.lo + row.n_prompt)
+            row_start.append(chain_start[row.chain] + row.lo + row.n_prompt)
+            lp_first = turns[row.turns[0]].response_logprobs
+            lp_lists.append(
+                lp_first if lp_first is None or row.keep == len(lp_first) else lp_first[: row.keep]
+            )
+            lp_lists += (turns[j].response_logprobs for j in row.turns[1:])
             versions = [turns[j].model_version for j in row.turns]
             row_version.append(-1 if None in versions else min(versions))
     n_buf = offset + R  # and R zeros at the end
     run_len.append(R)
     run_trained.append(False)
-    have_logprobs = None not in lp_lists
 
-    # 3. Vectorized layout: left-padded prompt | right-padded response region.
-    start = torch.tensor(row_start, dtype=torch.int64) + P  # window start of the response block
-    lp_t = torch.tensor(n_prompt, dtype=torch.int64)
-    lr_t = torch.tensor(n_region, dtype=torch.int64)
+    # 3. Vectorized layout: left-padded prompt | right-padded response region. Row i is the
+    # window of width P+R that starts P columns before its first region token.
+    start = torch.tensor(row_start, dtype=torch.int64)
+    first = (P - torch.tensor(n_prompt, dtype=torch.int64)).unsqueeze(1)  # first real column
+    end = P + torch.tensor(n_region, dtype=torch.int64).unsqueeze(1)  # one past the last
     col = torch.arange(P + R)
-    region_valid = torch.arange(R) < lr_t.unsqueeze(1)
-    trained_buf = torch.repeat_interleave(
-        torch.tensor(run_trained, dtype=torch.bool), torch.tensor(run_len, dtype=torch.int64)
-    )
-    response_mask = _windows(trained_buf, start, R)
-    response_mask &= region_valid
-    del region_valid
-
-    rollout_logprobs = None
-    if have_logprobs:
-        flat_lp = torch.from_numpy(np.fromiter(chained.from_iterable(lp_lists), np.float32, n_lp))
-        if n_lp and (
-            not bool(torch.isfinite(flat_lp).all()) or float(flat_lp.max()) > LOGPROB_TOLERANCE
-        ):
-            _find_bad_input([rollouts[ri] for ri in kept])
-        lp_buf = torch.zeros(n_buf, dtype=torch.float32).masked_scatter_(trained_buf, flat_lp)
-        del flat_lp
-        rollout_logprobs = _windows(lp_buf, start, R)
-        rollout_logprobs.mul_(response_mask)
-        del lp_buf
-    del trained_buf
-
+    valid = col >= first
+    valid &= col < end
     ids_iter = chained(repeat(0, P), chained.from_iterable(ids_lists), repeat(0, R))
     ids_buf = torch.from_numpy(np.fromiter(ids_iter, np.int64, n_buf))
     if n_rows and int(ids_buf.min()) < 0:
         _find_bad_input([rollouts[ri] for ri in kept])
     input_ids = _windows(ids_buf, start - P, P + R)
-    del ids_buf
-    first = (P - lp_t).unsqueeze(1)  # first real column of each row
-    valid = col >= first
-    valid &= col < (P + lr_t).unsqueeze(1)
+    del ids_buf  # freed before the next output of the same size is allocated
     input_ids.masked_fill_(valid.logical_not(), pad_token_id)
     attention_mask = valid.to(torch.int64)
-    del valid
     position_ids = (col - first).clamp_(min=0)  # 0 on left pad; keeps counting over right pad
+
+    trained_buf = torch.repeat_interleave(
+        torch.tensor(run_trained, dtype=torch.bool), torch.tensor(run_len, dtype=torch.int64)
+    )
+    response_mask = _windows(trained_buf, start, R)
+    response_mask &= valid[:, P:]
+    del trained_buf, valid
+
+    rollout_logprobs = None
+    if None not in lp_lists:  # trained tokens in row-major order = the row turns' logprobs
+        n_lp = sum(row.n_trained for row in rows)
+        flat_lp = torch.from_numpy(np.fromiter(chained.from_iterable(lp_lists), np.float32, n_lp))
+        if n_lp and (
+            not bool(torch.isfinite(flat_lp).all()) or float(flat_lp.max()) > LOGPROB_TOLERANCE
+        ):
+            _find_bad_input([rollouts[ri] for ri in kept])
+        rollout_logprobs = torch.zeros((n_rows, R), dtype=torch.float32)
+        rollout_logprobs.masked_scatter_(response_mask, flat_lp)
+        del flat_lp
 
     rows_per_rollout = [len(plan.rows) for plan in plans]
     batch = TrainingBatch(

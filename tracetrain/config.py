@@ -47,6 +47,7 @@ class WarmStartConfig(_Section):
     steps: int = Field(0, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(1e-3, gt=0)
+    transcripts: str = "warm_start_transcripts"  # the task module's function that makes them
 
 
 class RolloutConfig(_Section):
@@ -114,10 +115,13 @@ class TrainerConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """A whole run. `task` names the example environment and agent (e.g. `guess`)."""
+    """A whole run. `task` is a task module (a .py path relative to the config file, or a module
+    name) with `tasks(n, seed=...)`, the agent function named by `agent`, and optionally the
+    warm-start transcripts function named by `warm_start.transcripts`."""
 
-    task: str = "guess"
+    task: str = "examples/guess/task.py"
     task_args: dict[str, Any] = Field(default_factory=dict)
+    agent: str = "agent"  # the task module's agent function (or a command, see runner.load_agent)
     backend: Literal["embedded", "verl"] = "embedded"
     runner: Literal["local", "ray"] = "local"
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -105,6 +105,16 @@ class RolloutRecord:
 
 
 @dataclass(frozen=True)
+class RolloutHead:
+    """What a model call needs to know about its rollout: cheap to read (no task JSON)."""
+
+    rollout_id: str
+    state: RolloutState
+    engine: str | None
+    key_hash: bytes = field(repr=False, default=b"")
+
+
+@dataclass(frozen=True)
 class TurnRecord:
     index: int
     prompt_ids: list[int]
@@ -195,7 +205,11 @@ class Store(ABC):
     def get_rollout(self, rollout_id: str) -> RolloutRecord | None: ...
 
     @abstractmethod
-    def rollout_by_key_hash(self, key_hash: bytes) -> RolloutRecord | None: ...
+    def get_head(self, rollout_id: str) -> RolloutHead | None: ...
+
+    @abstractmethod
+    def head_by_key_hash(self, key_hash: bytes) -> RolloutHead | None:
+        """The rollout whose key hashes to `key_hash` (the key lookup of every agent request)."""
 
     @abstractmethod
     def get_turns(self, rollout_id: str) -> list[TurnRecord]: ...
@@ -356,9 +370,7 @@ _ROLLOUT_COLUMNS = (
 
 
 def _rollout(row: tuple) -> RolloutRecord:
-    return RolloutRecord(
-        row[0], row[1], json.loads(row[2]), row[3], RolloutState(row[4]), *row[5:]
-    )
+    return RolloutRecord(row[0], row[1], json.loads(row[2]), row[3], RolloutState(row[4]), *row[5:])
 
 
 def _connect(path: str, synchronous: str) -> sqlite3.Connection:
@@ -380,7 +392,9 @@ def migrate(conn: sqlite3.Connection, path: str = "") -> int:
             f"({SCHEMA_VERSION}); upgrade tracetrain"
         )
     for v in range(version, SCHEMA_VERSION):
-        conn.executescript(f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;")
+        conn.executescript(
+            f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;"
+        )
     return SCHEMA_VERSION
 
 
@@ -513,7 +527,13 @@ def _op_add_event(conn, rollout_id, kind, payload, reward, allow_ended) -> Event
     now = _now()
     cur = conn.execute(
         "INSERT INTO events (rollout_id, kind, payload, reward, created_at) VALUES (?, ?, ?, ?, ?)",
-        (rollout_id, kind, json.dumps(payload, allow_nan=False, separators=(",", ":")), reward, now),
+        (
+            rollout_id,
+            kind,
+            json.dumps(payload, allow_nan=False, separators=(",", ":")),
+            reward,
+            now,
+        ),
     )
     if kind == "reward":
         conn.execute(
@@ -626,7 +646,9 @@ class SQLiteStore(Store):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
         self.path = str(path)
         if self.path == ":memory:" or self.path.startswith("file::memory:"):
-            raise ValueError("SQLiteStore needs a file path; ':memory:' is not shared between threads")
+            raise ValueError(
+                "SQLiteStore needs a file path; ':memory:' is not shared between threads"
+            )
         self.synchronous = synchronous
         conn = _connect(self.path, synchronous)
         migrate(conn, self.path)
@@ -709,13 +731,27 @@ class SQLiteStore(Store):
         )
         return None if row is None else _rollout(row)
 
-    def rollout_by_key_hash(self, key_hash):
+    def get_head(self, rollout_id):
         row = (
             self._reader()
-            .execute(f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE key_hash = ?", (key_hash,))
+            .execute(
+                "SELECT rollout_id, state, engine, key_hash FROM rollouts WHERE rollout_id = ?",
+                (rollout_id,),
+            )
             .fetchone()
         )
-        return None if row is None else _rollout(row)
+        return None if row is None else RolloutHead(row[0], RolloutState(row[1]), row[2], row[3])
+
+    def head_by_key_hash(self, key_hash):
+        row = (
+            self._reader()
+            .execute(
+                "SELECT rollout_id, state, engine, key_hash FROM rollouts WHERE key_hash = ?",
+                (key_hash,),
+            )
+            .fetchone()
+        )
+        return None if row is None else RolloutHead(row[0], RolloutState(row[1]), row[2], row[3])
 
     def get_turns(self, rollout_id):
         rows = (

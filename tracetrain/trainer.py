@@ -28,7 +28,7 @@ import torch
 
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
-from tracetrain.config import TrainConfig
+from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.engines.local import LocalEngine
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss
@@ -296,15 +296,17 @@ class Trainer:
 
         cfg = self.cfg
         self.nonce = secrets.token_hex(3)
-        self.agent = self.task.agent
+        self.agent = resolve_agent(self.task, cfg.agent)
         if cfg.trainer.resume and self.checkpoint_path().is_file():
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
         elif cfg.warm_start.steps:
             t = time.perf_counter()
             ws = cfg.warm_start
-            transcripts = self.task.warm_start_transcripts(ws.steps * ws.batch_size, seed=cfg.trainer.seed,
-                                                           **cfg.task_args)
+            make = getattr(self.task, ws.transcripts, None)
+            if not callable(make):
+                raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
+            transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
             losses = await asyncio.to_thread(warm_start, self.model, self.tokenizer, transcripts,
                                              steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
                                              seed=cfg.trainer.seed)
@@ -372,8 +374,6 @@ def load_task(spec: str, base_dir: Path | None = None):
     import importlib
     import importlib.util
 
-    from tracetrain.config import ConfigError
-
     if spec.endswith(".py"):
         candidates = [Path(spec)] if Path(spec).is_absolute() else [
             *([base_dir / spec] if base_dir else []), Path.cwd() / spec]
@@ -388,10 +388,21 @@ def load_task(spec: str, base_dir: Path | None = None):
             module = importlib.import_module(spec)
         except ImportError as e:
             raise ConfigError(f"config key 'task': cannot import {spec!r}: {e}") from None
-    for name in ("tasks", "agent"):
-        if not callable(getattr(module, name, None)):
-            raise ConfigError(f"config key 'task': {spec!r} defines no function {name!r}")
+    if not callable(getattr(module, "tasks", None)):
+        raise ConfigError(f"config key 'task': {spec!r} defines no function 'tasks'")
     return module
+
+
+def resolve_agent(task_module: Any, name: str):
+    """The task module's function `name`, else a `module:function` or a command (runner.load_agent)."""
+    from tracetrain.runner import load_agent
+
+    fn = getattr(task_module, name, None)
+    if callable(fn):
+        return fn
+    if ":" in name or " " in name:
+        return load_agent(name)
+    raise ConfigError(f"config key 'agent': the task module has no function {name!r}")
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:

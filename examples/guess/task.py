@@ -75,3 +75,51 @@ def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int =
             messages.append({"role": "user", "content": reply})
         out.append(messages)
     return out
+
+
+# --- The context-rewriting variant: the agent summarises the game instead of keeping the chat. ---
+# Each call sends [system, user: "Tried: 4 higher, 6 lower. Guess."]: the new prompt does not
+# extend the previous context, so every turn after the first breaks the prefix (a context_rewrite)
+# and a rollout spans several rows. The loss still gives each rollout the same mass.
+
+
+def summary_prompt(high: int, history: list[tuple[str, str]]) -> list[dict]:
+    tried = ", ".join(f"{g} {reply}" for g, reply in history)
+    user = f"Tried: {tried}. {FIRST}" if history else FIRST
+    return [{"role": "system", "content": SYSTEM.format(high=high)}, {"role": "user", "content": user}]
+
+
+async def summarizing_agent(task: dict, client: dict) -> float:
+    openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
+                         http_client=client.get("http_client"))
+    history: list[tuple[str, str]] = []
+    for turn in range(task["max_turns"]):
+        out = await openai.chat.completions.create(
+            model=client["model"],
+            messages=summary_prompt(task["high"], history),
+            temperature=client.get("temperature", 1.0),
+            max_tokens=client.get("max_tokens", 4),
+            seed=None if client.get("seed") is None else client["seed"] + turn,
+        )
+        text = out.choices[0].message.content or ""
+        reply, reward = feedback(text, task["target"])
+        if reward is not None:
+            return reward
+        history.append((text.strip(), reply))
+    return 0.0
+
+
+def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
+    """One-call transcripts in the summarising format, from random games (format only)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        target, history = rng.randint(1, high), []
+        for _ in range(max_turns):
+            guess = str(rng.randint(1, high))
+            out.append(summary_prompt(high, history) + [{"role": "assistant", "content": guess}])
+            reply, reward = feedback(guess, target)
+            if reward is not None:
+                break
+            history.append((guess, reply))
+    return out[:n]

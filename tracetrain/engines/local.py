@@ -109,7 +109,8 @@ class LocalEngine:
 
     `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
     (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
-    `stats` counts decode loops ("batches"), requests, forward calls and generated tokens.
+    `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens forwarded
+    (padding included, a shared prefix once) and decode row-steps ("tokens").
     """
 
     def __init__(
@@ -141,6 +142,10 @@ class LocalEngine:
         self.tokenizer = tokenizer
         self.name = name
         limit = getattr(model.config, "max_position_embeddings", None)
+        if max_context is None and limit is None:
+            raise ValueError(
+                "max_context is needed: the model config has no max_position_embeddings"
+            )
         self.max_context = int(max_context if max_context is not None else limit)
         if limit is not None and self.max_context > limit:
             raise ValueError(
@@ -205,6 +210,7 @@ class LocalEngine:
         if self._loop is not loop or self._collector is None or self._collector.done():
             self._loop, self._wakeup, self._pending = loop, asyncio.Event(), []
             self._collector = loop.create_task(self._collect())
+            self._collector.add_done_callback(self._collector_ended)
         req.future = loop.create_future()
         self._pending.append(req)
         self._wakeup.set()
@@ -271,6 +277,16 @@ class LocalEngine:
                 if not r.future.done():
                     r.future.set_result(g)
 
+    def _collector_ended(self, task: asyncio.Task) -> None:
+        """If the collector ever dies of a bug, fail its waiting requests instead of hanging them."""
+        if task.cancelled() or task.exception() is None:
+            return
+        err = EngineError(f"local engine {self.name!r} failed: {task.exception()!r}", 503)
+        for r in self._pending:
+            if r.future is not None and not r.future.done():
+                r.future.set_exception(err)
+        self._pending = []
+
     # ------------------------------------------------------------------ decoding
     def _run(self, reqs: list[_Request]) -> list[Generation]:
         with self._lock:
@@ -314,9 +330,8 @@ class LocalEngine:
         ids = torch.full((B, S), self.pad_id, dtype=torch.long)
         mask = torch.zeros((B, L + S), dtype=torch.long)
         mask[:, :L] = 1
-        for b, p in enumerate(
-            prompts
-        ):  # left padding: the last column is each row's last prompt token
+        # left padding: the last column holds each row's last prompt token
+        for b, p in enumerate(prompts):
             ids[b, S - (len(p) - L) :] = torch.tensor(p[L:])
             mask[b, L + S - (len(p) - L) :] = 1
         position = L + (mask[:, L:].cumsum(-1) - 1).clamp_(min=0)
@@ -359,9 +374,7 @@ class LocalEngine:
             self.stats["tokens"] += len(rows)
             if n_alive == 0:
                 break
-            if 4 * (len(rows) - n_alive) >= len(
-                rows
-            ):  # drop finished rows from the batch and cache
+            if 4 * (len(rows) - n_alive) >= len(rows):  # drop finished rows from batch and cache
                 keep = torch.tensor([b for b in range(len(rows)) if alive[b]], device=dev)
                 cache.batch_select_indices(keep)
                 mask, next_pos, y = mask[keep], next_pos[keep], y[keep]

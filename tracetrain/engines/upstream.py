@@ -11,6 +11,12 @@ and the turn is read from `choices[0]`:
     logprobs.token_logprobs   -> Generation.response_logprobs (one per token id)
     finish_reason             -> "stop" | "length"
 
+SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate`:
+
+    {"input_ids": [ids], "sampling_params": {"max_new_tokens": N, "temperature": T, "top_p": P,
+     "stop_token_ids": [...], "sampling_seed": S}, "return_logprob": true, "stream": false}
+    -> meta_info.output_token_logprobs = [[logprob, id, text], ...], meta_info.finish_reason.type
+
 Which distribution the logprobs come from is the server's choice: vLLM V1 returns raw
 log-softmax(logits) by default; start it with `--logprobs-mode processed_logprobs` to get the
 temperature-scaled log-probabilities the local engine returns (identical when top_p == 1).
@@ -20,15 +26,16 @@ exponential backoff (`backoff * 2**k` seconds, capped at `backoff_max`); then `E
 status 503 (unreachable / overloaded), 504 (timed out) or 502 (bad answer). A 400 that says the
 context is too long is `PromptTooLong`; other 4xx are not retried (502: we built a bad request).
 
-The HTTP client is aiohttp with one pooled session per engine: on this 2-core machine it made
-~1,400 requests/s against the fake upstream at 32 concurrent requests, httpx ~150 (its
-connection pool scans every connection per request under concurrency).
+The HTTP client is aiohttp with one pooled session per engine: on the shared 2-core dev machine,
+at 32 concurrent requests against the fake upstream, it made 5-10x the requests/s of httpx, whose
+connection pool scans every connection on each request (bench/bench_engine_upstream.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from typing import Any
 
@@ -54,6 +61,7 @@ def _check_positive(
     if (
         isinstance(value, bool)
         or not isinstance(value, kind)
+        or not math.isfinite(value)
         or value < 0
         or (value == 0 and not allow_zero)
     ):
@@ -112,6 +120,50 @@ def parse_choice(payload: Any) -> tuple[list[int], list[float], str]:
     return ids, [float(v) for v in lp], finish
 
 
+def sglang_request_body(
+    model: str, prompt_ids: list[int], params: SamplingParams
+) -> dict[str, Any]:
+    """The JSON body of one SGLang /generate call (`model` is unused: one model per server)."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.stop_token_ids:
+        sp["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        sp["sampling_seed"] = params.seed
+    return {"input_ids": prompt_ids, "sampling_params": sp, "return_logprob": True, "stream": False}
+
+
+def parse_sglang(payload: Any) -> tuple[list[int], list[float], str]:
+    """(token ids, logprobs, finish reason) from a /generate answer; ValueError if malformed."""
+    meta = payload.get("meta_info") if isinstance(payload, dict) else None
+    if not isinstance(meta, dict):
+        raise ValueError("response has no meta_info")
+    pairs = meta.get("output_token_logprobs")
+    if not isinstance(pairs, list) or not all(isinstance(x, list) and len(x) >= 2 for x in pairs):
+        raise ValueError(
+            "meta_info.output_token_logprobs is missing or not [[logprob, id, ...], ...]"
+        )
+    ids, lp = [x[1] for x in pairs], [x[0] for x in pairs]
+    if not all(type(t) is int and t >= 0 for t in ids):
+        raise ValueError("meta_info.output_token_logprobs holds an id that is not a token id")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lp):
+        raise ValueError("meta_info.output_token_logprobs holds a logprob that is not a number")
+    finish = (meta.get("finish_reason") or {}).get("type")
+    if finish not in ("stop", "length"):
+        raise ValueError(f"meta_info.finish_reason.type is {finish!r}, expected 'stop' or 'length'")
+    return ids, [float(v) for v in lp], finish
+
+
+# api name -> (path, request body, answer parser)
+PROTOCOLS = {
+    "vllm": ("/v1/completions", request_body, parse_choice),
+    "sglang": ("/generate", sglang_request_body, parse_sglang),
+}
+
+
 def _error_message(status: int, raw: bytes) -> str:
     """vLLM answers {"error": {"message": ...}} (newer) or {"message": ...} (older)."""
     try:
@@ -129,7 +181,8 @@ def _error_message(status: int, raw: bytes) -> str:
 
 
 class UpstreamEngine:
-    """Engine over an OpenAI-compatible completions server; see the module docstring for the protocol.
+    """Engine over a vLLM (`api="vllm"`) or SGLang (`api="sglang"`) server; see the module
+    docstring for the protocols.
 
     `model_version` is a plain attribute: the trainer sets it after it syncs weights to the server.
     """
@@ -149,6 +202,7 @@ class UpstreamEngine:
         backoff_max: float = 5.0,
         max_connections: int = 256,
         model_version: int = 0,
+        api: str = "vllm",
     ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
@@ -160,8 +214,12 @@ class UpstreamEngine:
         _check_positive("backoff", backoff, allow_zero=True)
         _check_positive("backoff_max", backoff_max, allow_zero=True)
         _check_positive("max_connections", max_connections, integer=True)
+        if api not in PROTOCOLS:
+            raise ValueError(f"api {api!r} is unknown; known: {', '.join(PROTOCOLS)}")
+        self.api = api
+        path, self._body, self._parse = PROTOCOLS[api]
         self.base_url = base_url.rstrip("/")
-        self._url = self.base_url + "/v1/completions"
+        self._url = self.base_url + path
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -206,7 +264,7 @@ class UpstreamEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         self.check(prompt_ids, params)
-        body = request_body(self.model, prompt_ids, params)
+        body = self._body(self.model, prompt_ids, params)
         version = self.model_version  # the version that served this request
         self.stats["requests"] += 1
         last = ""
@@ -227,7 +285,7 @@ class UpstreamEngine:
                 continue
             if code == 200:
                 try:
-                    ids, logprobs, finish = parse_choice(json.loads(raw))
+                    ids, logprobs, finish = self._parse(json.loads(raw))
                 except ValueError as e:  # a malformed answer will not get better by asking again
                     self.stats["failures"] += 1
                     raise EngineError(

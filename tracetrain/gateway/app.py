@@ -24,7 +24,7 @@ from tracetrain.engines.base import Engine, EngineError
 from tracetrain.gateway import engine_routes, errors, openai_routes, rollout_routes
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
-from tracetrain.store import RolloutRecord, Store
+from tracetrain.store import RolloutHead, Store
 
 log = logging.getLogger("tracetrain.gateway")
 
@@ -43,19 +43,27 @@ class Gateway:
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
     def add_engine(self, name: str, engine: Engine, *, spec: dict | None = None) -> EngineSlot:
-        missing = [a for a in ("tokenizer", "model_version", "max_context", "generate") if not hasattr(engine, a)]
+        missing = [
+            a
+            for a in ("tokenizer", "model_version", "max_context", "generate")
+            if not hasattr(engine, a)
+        ]
         if missing:
-            raise TypeError(f"engine {name!r} lacks {', '.join(missing)} (see tracetrain.engines.base.Engine)")
+            raise TypeError(
+                f"engine {name!r} lacks {', '.join(missing)} (see tracetrain.engines.base.Engine)"
+            )
         self.slots[name] = EngineSlot(name, engine, pause_wait_s=self.pause_wait_s, spec=spec)
         if spec is not None:
             self.owned.append(engine)
         return self.slots[name]
 
-    def slot_for(self, rollout: RolloutRecord) -> EngineSlot:
+    def slot_for(self, rollout: RolloutHead) -> EngineSlot:
         name = rollout.engine or self.default_engine
         slot = self.slots.get(name)
         if slot is None:
-            raise EngineError(f"engine {name!r} of rollout {rollout.rollout_id!r} is not available", 503)
+            raise EngineError(
+                f"engine {name!r} of rollout {rollout.rollout_id!r} is not available", 503
+            )
         return slot
 
     def base_url(self, request: Request, rollout_id: str) -> str:
@@ -81,14 +89,20 @@ def create_app(
     close_engines: also close the given engines at shutdown (the app then owns them)."""
     if not isinstance(admin_key, str) or not admin_key.strip():
         raise ValueError("admin_key must be a non-empty string")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+    if (
+        isinstance(max_body_bytes, bool)
+        or not isinstance(max_body_bytes, int)
+        or max_body_bytes < 1
+    ):
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
     engines = {"default": engines} if not isinstance(engines, Mapping) else dict(engines)
     if not engines:
         raise ValueError("engines is empty; the gateway needs at least one engine")
     default_engine = default_engine or next(iter(engines))
     if default_engine not in engines:
-        raise ValueError(f"default_engine {default_engine!r} is not among the engines {sorted(engines)}")
+        raise ValueError(
+            f"default_engine {default_engine!r} is not among the engines {sorted(engines)}"
+        )
     gw = Gateway(store, admin_key, default_engine, pause_wait_s, public_url, engine_factory)
     for name, engine in engines.items():
         gw.add_engine(name, engine)

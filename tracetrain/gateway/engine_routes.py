@@ -40,7 +40,9 @@ async def register_engine(body: RegisterEngineIn, request: Request):
     if body.name in gw.slots:
         raise ApiError(409, f"engine {body.name!r} already exists", "name")
     if gw.engine_factory is None:
-        raise ApiError(400, "this gateway was started without an engine factory; it cannot register engines")
+        raise ApiError(
+            400, "this gateway was started without an engine factory; it cannot register engines"
+        )
     spec = body.model_dump()
     try:
         engine = await asyncio.to_thread(gw.engine_factory, spec, gw)

@@ -43,7 +43,9 @@ class ApiError(HTTPException):
         self.param = param
 
 
-def error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers=None
+) -> JSONResponse:
     kind = _TYPES.get(status, "engine_error" if status in (502, 503, 504) else "server_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)

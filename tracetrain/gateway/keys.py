@@ -24,7 +24,7 @@ from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPBearer
 
 from tracetrain.gateway.schemas import ID_PATTERN
-from tracetrain.store import RolloutRecord
+from tracetrain.store import RolloutHead
 
 ROLLOUT_KEY_PREFIX = "ttr-"
 _bearer = HTTPBearer(auto_error=False, description="the admin key or a rollout's key")
@@ -35,7 +35,9 @@ def new_salt() -> bytes:
 
 
 def derive_rollout_key(admin_key: str, rollout_id: str, salt: bytes) -> str:
-    mac = hmac.new(admin_key.encode(), b"tracetrain rollout key\0" + salt + rollout_id.encode(), "sha256")
+    mac = hmac.new(
+        admin_key.encode(), b"tracetrain rollout key\0" + salt + rollout_id.encode(), "sha256"
+    )
     return ROLLOUT_KEY_PREFIX + base64.urlsafe_b64encode(mac.digest()).decode().rstrip("=")
 
 
@@ -48,7 +50,7 @@ class Principal:
     """Who is calling: the admin, or the agent of `rollout` (looked up by its key's hash)."""
 
     admin: bool
-    rollout: RolloutRecord | None = None
+    rollout: RolloutHead | None = None
 
 
 def _unauthorized(message: str) -> HTTPException:
@@ -65,19 +67,19 @@ def identify(gw, authorization: str | None) -> Principal:
         return Principal(admin=True)
     if key.startswith(ROLLOUT_KEY_PREFIX):
         digest = hash_key(key)
-        rollout = gw.store.rollout_by_key_hash(digest)
+        rollout = gw.store.head_by_key_hash(digest)
         if rollout is not None and hmac.compare_digest(rollout.key_hash, digest):
             return Principal(admin=False, rollout=rollout)
     raise _unauthorized("invalid API key")
 
 
-def rollout_for(gw, who: Principal, rollout_id: str) -> RolloutRecord:
+def rollout_for(gw, who: Principal, rollout_id: str) -> RolloutHead:
     """The rollout named in the path, for the admin or for that rollout's own key (else 403/404)."""
     if not who.admin:
         if who.rollout.rollout_id != rollout_id:
             raise HTTPException(403, "this key belongs to another rollout")
         return who.rollout
-    rollout = gw.store.get_rollout(rollout_id)
+    rollout = gw.store.get_head(rollout_id)
     if rollout is None:
         raise HTTPException(404, f"rollout {rollout_id!r} does not exist")
     return rollout
@@ -101,5 +103,5 @@ RolloutIdPath = Annotated[str, Path(min_length=1, max_length=200, pattern=ID_PAT
 
 async def rollout_access(
     rollout_id: RolloutIdPath, request: Request, who: Principal = Depends(principal)
-) -> RolloutRecord:
+) -> RolloutHead:
     return rollout_for(request.app.state.gateway, who, rollout_id)

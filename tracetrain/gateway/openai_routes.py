@@ -34,20 +34,22 @@ from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.tool_calls import parse_tool_calls
-from tracetrain.store import RolloutEnded, RolloutRecord
+from tracetrain.store import RolloutEnded, RolloutHead
 from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, Turn
 
 router = APIRouter(tags=["openai"])
 _ID = re.compile(ID_PATTERN)
 
 
-def _rollout(request: Request) -> RolloutRecord:
+def _rollout(request: Request) -> RolloutHead:
     """Auth first (401/403/404), like the FastAPI routes' dependencies."""
     gw = request.app.state.gateway
     who = keys.identify(gw, request.headers.get("authorization"))
     rid = request.path_params["rollout_id"]
     if len(rid) > 200 or not _ID.match(rid):
-        raise ApiError(422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id")
+        raise ApiError(
+            422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
+        )
     return keys.rollout_for(gw, who, rid)
 
 
@@ -60,13 +62,19 @@ def _parse(model: type[BaseModel], raw: bytes):
 
 
 async def generate_turn(
-    request: Request, rollout: RolloutRecord, slot: EngineSlot, prompt_ids: list[int], params: SamplingParams
+    request: Request,
+    rollout: RolloutHead,
+    slot: EngineSlot,
+    prompt_ids: list[int],
+    params: SamplingParams,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index)."""
     store = request.app.state.gateway.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
-        raise RolloutEnded(f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls")
+        raise RolloutEnded(
+            f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls"
+        )
     async with slot.admit() as engine:  # waits here while the engine is paused
         if rollout.state == RolloutState.queued:
             await store.start(rid)
@@ -83,7 +91,12 @@ async def generate_turn(
     except TraceError as e:
         raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
     index = await store.add_turn(
-        rid, prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version, gen.finish_reason
+        rid,
+        prompt_ids,
+        gen.response_ids,
+        gen.response_logprobs,
+        gen.model_version,
+        gen.finish_reason,
     )
     return gen, index
 
@@ -106,8 +119,11 @@ def _meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
 
 def _sse(chunks: list[dict[str, Any]]) -> Response:
     body = "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks)
-    return Response(body + "data: [DONE]\n\n", media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"})
+    return Response(
+        body + "data: [DONE]\n\n",
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
@@ -148,10 +164,21 @@ async def chat_completions(request: Request) -> Response:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish, **ids}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            **ids,
+        }
         return JSONResponse(
-            {**base, "object": "chat.completion", "choices": [choice],
-             "usage": _usage(prompt_ids, gen), **extra}
+            {
+                **base,
+                "object": "chat.completion",
+                "choices": [choice],
+                "usage": _usage(prompt_ids, gen),
+                **extra,
+            }
         )
 
     chunk = {**base, "object": "chat.completion.chunk"}
@@ -188,8 +215,12 @@ async def completions(request: Request) -> Response:
     if body.logprobs is not None:
         tokens = [tok.decode([t]) for t in gen.response_ids]
         offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        logprobs = {"tokens": tokens, "token_logprobs": gen.response_logprobs,
-                    "top_logprobs": None, "text_offset": offsets}
+        logprobs = {
+            "tokens": tokens,
+            "token_logprobs": gen.response_logprobs,
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
     base = {
         "id": f"cmpl-{rollout.rollout_id}-{index}",
         "object": "text_completion",
@@ -201,12 +232,34 @@ async def completions(request: Request) -> Response:
         extra["prompt_token_ids"] = prompt_ids
     ids = {"token_ids": gen.response_ids} if body.return_token_ids else {}
     if not body.stream:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason, **ids}
-        return JSONResponse({**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra})
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": gen.finish_reason,
+            **ids,
+        }
+        return JSONResponse(
+            {**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra}
+        )
     chunks = [
-        {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}]},
-        {**base, "choices": [{"index": 0, "text": "", "logprobs": None,
-                              "finish_reason": gen.finish_reason, **ids}], **extra},
+        {
+            **base,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}],
+        },
+        {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": gen.finish_reason,
+                    **ids,
+                }
+            ],
+            **extra,
+        },
     ]
     if body.stream_options is not None and body.stream_options.include_usage:
         chunks.append({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
@@ -214,7 +267,7 @@ async def completions(request: Request) -> Response:
 
 
 @router.get("/rollouts/{rollout_id}/v1/models", summary="OpenAI model list (the rollout's engine)")
-async def models(request: Request, rollout: RolloutRecord = Depends(rollout_access)) -> dict:
+async def models(request: Request, rollout: RolloutHead = Depends(rollout_access)) -> dict:
     slot = request.app.state.gateway.slot_for(rollout)
     card = {"id": slot.name, "object": "model", "created": 0, "owned_by": "tracetrain"}
     return {"object": "list", "data": [card]}
@@ -234,7 +287,9 @@ def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
         "parameters": [{"name": "rollout_id", "in": "path", "required": True, "schema": rid}],
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
         },
     }
 

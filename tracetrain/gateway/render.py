@@ -24,7 +24,9 @@ def chat_prompt_ids(tokenizer: Any, body: ChatCompletionIn) -> list[int]:
             messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
     except Exception as e:  # a template raising on the messages is the client's input at fault
-        raise ApiError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+        raise ApiError(
+            400, f"the chat template cannot render these messages: {e}", "messages"
+        ) from e
     # What apply_chat_template(tokenize=True) does after rendering, minus its BatchEncoding.
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -33,7 +35,9 @@ def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; only one is supported", "prompt")
+            raise ApiError(
+                400, f"prompt holds {len(prompt)} prompts; only one is supported", "prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
@@ -42,7 +46,9 @@ def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
         vocab = len(tokenizer)
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (size {vocab})", "prompt")
+            raise ApiError(
+                400, f"prompt token id {bad} is outside the vocabulary (size {vocab})", "prompt"
+            )
     if not ids:
         raise ApiError(400, "prompt is empty", "prompt")
     return ids
@@ -72,7 +78,9 @@ def _stop_ids(tokenizer: Any, stop: str | list[str] | None) -> tuple[int, ...]:
         toks = tokenizer.encode(s, add_special_tokens=False)
         if len(toks) != 1:
             raise ApiError(
-                400, f"stop {s!r} is {len(toks)} tokens; only single-token stops are supported", "stop"
+                400,
+                f"stop {s!r} is {len(toks)} tokens; only single-token stops are supported",
+                "stop",
             )
         ids.append(toks[0])
     return tuple(ids)
@@ -110,7 +118,9 @@ def chat_request(tokenizer: Any, engine: Engine, body: ChatCompletionIn):
     _reject(body, {"top_logprobs": 0})
     mt, mct = body.max_tokens, body.max_completion_tokens
     if mt is not None and mct is not None and mt != mct:
-        raise ApiError(400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens")
+        raise ApiError(
+            400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens"
+        )
     prompt_ids = chat_prompt_ids(tokenizer, body)
     return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), mct or mt)
 

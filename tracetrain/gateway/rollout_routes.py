@@ -38,7 +38,7 @@ from tracetrain.gateway.schemas import (
     State,
     TurnOut,
 )
-from tracetrain.store import EventRecord, NewRollout, RolloutRecord, UnknownRollout
+from tracetrain.store import EventRecord, NewRollout, RolloutHead, RolloutRecord, UnknownRollout
 
 router = APIRouter(tags=["rollouts"])
 admin = [Depends(require_admin)]
@@ -61,7 +61,11 @@ def rollout_out(r: RolloutRecord) -> dict:
 
 def event_out(e: EventRecord) -> EventOut:
     return EventOut(
-        event_id=e.event_id, kind=e.kind, payload=e.payload, reward=e.reward, created_at=e.created_at
+        event_id=e.event_id,
+        kind=e.kind,
+        payload=e.payload,
+        reward=e.reward,
+        created_at=e.created_at,
     )
 
 
@@ -81,14 +85,20 @@ async def create_rollouts(body: CreateRolloutsIn, request: Request):
     for k, r in enumerate(body.rollouts):
         rid = r.rollout_id or uuid.uuid4().hex
         if rid in seen:
-            raise ApiError(400, f"rollouts[{k}].rollout_id {rid!r} appears twice in the batch", "rollout_id")
+            raise ApiError(
+                400, f"rollouts[{k}].rollout_id {rid!r} appears twice in the batch", "rollout_id"
+            )
         seen.add(rid)
         if r.engine is not None and r.engine not in gw.slots:
             known = ", ".join(sorted(gw.slots))
-            raise ApiError(400, f"rollouts[{k}].engine {r.engine!r} is unknown; engines: {known}", "engine")
+            raise ApiError(
+                400, f"rollouts[{k}].engine {r.engine!r} is unknown; engines: {known}", "engine"
+            )
         salt = new_salt()
         keys[rid] = derive_rollout_key(gw.admin_key, rid, salt)
-        specs.append(NewRollout(rid, r.group_id or rid, r.task, r.engine, salt, hash_key(keys[rid])))
+        specs.append(
+            NewRollout(rid, r.group_id or rid, r.task, r.engine, salt, hash_key(keys[rid]))
+        )
     out = []
     for rec, created in await gw.store.create_rollouts(specs):
         rid = rec.rollout_id
@@ -100,7 +110,10 @@ async def create_rollouts(body: CreateRolloutsIn, request: Request):
                 await gw.store.rekey_rollout(rid, salt, hash_key(keys[rid]))
         out.append(
             CreatedRolloutOut(
-                **rollout_out(rec), created=created, base_url=gw.base_url(request, rid), api_key=keys[rid]
+                **rollout_out(rec),
+                created=created,
+                base_url=gw.base_url(request, rid),
+                api_key=keys[rid],
             )
         )
     return CreateRolloutsOut(rollouts=out)
@@ -162,7 +175,7 @@ async def delete_rollout(rollout_id: RolloutIdPath, request: Request):
 async def post_reward(
     body: RewardIn,
     request: Request,
-    rollout: RolloutRecord = Depends(rollout_access),
+    rollout: RolloutHead = Depends(rollout_access),
     who: Principal = Depends(principal),
 ):
     """Record a reward; the rollout's reward is its last one (unless the trainer overrides it)."""
@@ -177,12 +190,14 @@ async def post_reward(
 async def post_event(
     body: EventIn,
     request: Request,
-    rollout: RolloutRecord = Depends(rollout_access),
+    rollout: RolloutHead = Depends(rollout_access),
     who: Principal = Depends(principal),
 ):
     """Record a free-form event (kind + JSON payload)."""
     if body.kind == "reward":
-        raise ApiError(400, "kind 'reward' is reserved: POST /rollouts/{id}/rewards instead", "kind")
+        raise ApiError(
+            400, "kind 'reward' is reserved: POST /rollouts/{id}/rewards instead", "kind"
+        )
     store = request.app.state.gateway.store
     e = await store.add_event(rollout.rollout_id, body.kind, body.payload, allow_ended=who.admin)
     return event_out(e)

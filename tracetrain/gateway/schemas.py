@@ -77,7 +77,9 @@ class RolloutDetailOut(RolloutOut):
 
 class RolloutPageOut(BaseModel):
     rollouts: list[RolloutOut]
-    next_cursor: int | None = Field(description="pass as `cursor` for the next page; null at the end")
+    next_cursor: int | None = Field(
+        description="pass as `cursor` for the next page; null at the end"
+    )
 
 
 class PatchRolloutIn(Strict):
@@ -189,7 +191,12 @@ class ChatCompletionIn(_Sampling):
 
 
 class CompletionIn(_Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: (
+        str
+        | list[Annotated[int, Field(ge=0)]]
+        | list[str]
+        | list[list[Annotated[int, Field(ge=0)]]]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = False
     best_of: int | None = None

@@ -28,7 +28,9 @@ from tracetrain.gateway.app import Gateway, create_app
 from tracetrain.store import SQLiteStore
 
 
-def uvicorn_config(app: Any, *, access_log: bool = False, log_level: str = "warning", **kw) -> uvicorn.Config:
+def uvicorn_config(
+    app: Any, *, access_log: bool = False, log_level: str = "warning", **kw
+) -> uvicorn.Config:
     """Fast settings: uvloop + httptools when installed ("auto"), no access log, no extra headers."""
     return uvicorn.Config(
         app,
@@ -38,6 +40,7 @@ def uvicorn_config(app: Any, *, access_log: bool = False, log_level: str = "warn
         log_level=log_level,
         server_header=False,
         date_header=False,
+        proxy_headers=False,  # the gateway is not behind a proxy unless you put it there
         timeout_graceful_shutdown=5,
         **kw,
     )
@@ -46,8 +49,8 @@ def uvicorn_config(app: Any, *, access_log: bool = False, log_level: str = "warn
 class ThreadedServer:
     """Serve `app` on 127.0.0.1 (a free port unless given) in a background thread.
 
-        with ThreadedServer(app) as server:
-            httpx.get(server.url + "/health")
+    with ThreadedServer(app) as server:
+        httpx.get(server.url + "/health")
     """
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, **config):
@@ -103,7 +106,9 @@ def upstream_factory(spec: dict[str, Any], gw: Gateway):
     default = gw.slots[gw.default_engine].engine
     tok = _load_tokenizer(spec["tokenizer"]) if spec.get("tokenizer") else default.tokenizer
     max_context = spec.get("max_context") or default.max_context
-    return UpstreamEngine(spec["base_url"], spec["model"], tok, name=spec["name"], max_context=max_context)
+    return UpstreamEngine(
+        spec["base_url"], spec["model"], tok, name=spec["name"], max_context=max_context
+    )
 
 
 def _build_engine(args: argparse.Namespace):
@@ -113,8 +118,12 @@ def _build_engine(args: argparse.Namespace):
         tok = _load_tokenizer(args.tokenizer)
         max_context = args.max_context or tok.model_max_length
         if not max_context or max_context > 10_000_000:
-            sys.exit("serve: --max-context is needed: the tokenizer does not say its context length")
-        return UpstreamEngine(args.upstream_url, args.model, tok, name=args.engine_name, max_context=max_context)
+            sys.exit(
+                "serve: --max-context is needed: the tokenizer does not say its context length"
+            )
+        return UpstreamEngine(
+            args.upstream_url, args.model, tok, name=args.engine_name, max_context=max_context
+        )
     from tracetrain.engines.local import LocalEngine
     from tracetrain.tiny import load_tiny
 
@@ -128,20 +137,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--db", required=True, help="SQLite file (created if missing)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0: a free port (printed on stdout)")
-    p.add_argument("--admin-key", default=os.environ.get("TRACETRAIN_ADMIN_KEY"),
-                   help="admin key (default: $TRACETRAIN_ADMIN_KEY)")
+    p.add_argument(
+        "--admin-key",
+        default=os.environ.get("TRACETRAIN_ADMIN_KEY"),
+        help="admin key (default: $TRACETRAIN_ADMIN_KEY)",
+    )
     p.add_argument("--engine", choices=["upstream", "local"], required=True)
     p.add_argument("--engine-name", default="default", help="name rollouts use for this engine")
-    p.add_argument("--upstream-url", help="upstream: OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--upstream-url", help="upstream: OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument("--model", help="upstream: model name the server serves")
     p.add_argument("--tokenizer", help="upstream: tokenizer directory (chat template included)")
     p.add_argument("--model-path", help="local: model + tokenizer directory")
-    p.add_argument("--max-context", type=int, help="prompt + max_tokens limit (default: tokenizer's)")
+    p.add_argument(
+        "--max-context", type=int, help="prompt + max_tokens limit (default: tokenizer's)"
+    )
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    p.add_argument("--pause-wait-s", type=float, default=60.0, help="how long requests wait while paused")
-    p.add_argument("--public-url", help="base URL agents reach this gateway at (default: request's)")
-    p.add_argument("--durability", choices=["process", "power"], default="process",
-                   help="process: survive kill -9 (synchronous=NORMAL); power: also power loss (FULL)")
+    p.add_argument(
+        "--pause-wait-s", type=float, default=60.0, help="how long requests wait while paused"
+    )
+    p.add_argument(
+        "--public-url", help="base URL agents reach this gateway at (default: request's)"
+    )
+    p.add_argument(
+        "--durability",
+        choices=["process", "power"],
+        default="process",
+        help="process: survive kill -9 (synchronous=NORMAL); power: also power loss (FULL)",
+    )
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -150,7 +174,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.engine == "upstream":
         missing = [f for f in ("upstream_url", "model", "tokenizer") if not getattr(args, f)]
         if missing:
-            p.error("--engine upstream needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+            p.error(
+                "--engine upstream needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
+            )
     elif not args.model_path:
         p.error("--engine local needs --model-path")
     return args

@@ -19,7 +19,9 @@ from tracetrain.engines.base import Engine, EngineError
 
 
 class EngineSlot:
-    def __init__(self, name: str, engine: Engine, *, pause_wait_s: float = 60.0, spec: dict | None = None):
+    def __init__(
+        self, name: str, engine: Engine, *, pause_wait_s: float = 60.0, spec: dict | None = None
+    ):
         self.name, self.engine, self.pause_wait_s = name, engine, pause_wait_s
         self.spec = spec  # how it was registered (None for engines given at startup)
         self.in_flight = 0
