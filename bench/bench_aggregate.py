@@ -170,7 +170,10 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
                 inputs, level=level, max_prompt_length=max_p, max_response_length=max_r
             )
             assert m["n_rollouts"] == len(inputs) and m["truncated/rows"] == 0
-            return batch, batch.n_rows, int(batch.response_mask.sum())
+            return batch
+
+        def count(batch):  # rows and trained tokens (after the measurement)
+            return batch.n_rows, int(batch.response_mask.sum())
 
         tiny = to_tracetrain(traces[:16])
     else:
@@ -188,20 +191,20 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
             return to_agentlightning(traces)
 
         def call(inputs):
-            out, _ = adapter.get_train_data_batch(inputs)
+            return adapter.get_train_data_batch(inputs)[0]
+
+        def count(out):
             b = out.batch
             mask = (
                 b["response_mask"]
                 if "response_mask" in b.keys()
                 else b["attention_mask"][:, max_p:]
             )
-            return out, len(b["input_ids"]), int(mask.sum())
+            return len(b["input_ids"]), int(mask.sum())
 
         tiny = to_agentlightning(traces[:16])
 
-    call(
-        tiny
-    )  # warm-up (16 rollouts): thread pools and first-call library work are not the aggregation's
+    call(tiny)  # warm-up (16 rollouts): thread pools, first-call library work
     del tiny
     times, first = [], None
     for _ in range(repeat):
@@ -210,15 +213,11 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
         base = _status("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to now
         t0 = time.perf_counter()
-        out, n_rows, n_trained = call(inputs)
+        out = call(inputs)
         times.append(time.perf_counter() - t0)
         if first is None:
-            first = dict(
-                peak_above=_status("VmHWM") - base,
-                out_bytes=_tensor_bytes(out),
-                rows=n_rows,
-                trained=n_trained,
-            )
+            first = dict(peak_above=_status("VmHWM") - base, out_bytes=_tensor_bytes(out))
+            first["rows"], first["trained"] = count(out)
         del out, inputs
     return dict(
         case=case, impl=impl, wall=min(times), walls=times, limits=f"{max_p}/{max_r}", **first

@@ -10,7 +10,9 @@ Everything runs on loopback, each server in its own process:
   agentlightning  clients -> its gateway (agentlightning.server.app:create_app, run with the same
            uvicorn settings, in bench/.venv-peers) -> fake /v1/chat/completions (events kept in memory)
 For each: requests/s with --concurrency clients, p50/p99 latency and the latency added to the
-direct call; p50 added latency with one client. Then each gateway is killed with SIGKILL and
+direct call; p50 added latency with one client; the server's CPU time per request (user + system
+of its process during the concurrent run, from /proc), which other load on a shared machine moves
+least. Then each gateway is killed with SIGKILL and
 restarted on the same storage, and we count what survived. Without the peers env the Agent
 Lightning rows say so.
 """
@@ -356,7 +358,8 @@ def main(argv=None) -> None:
     if al:
         print(
             f"\nthroughput ratio tracetrain / agentlightning: {tt['rps'] / al['rps']:.1f}x "
-            f"(p50 {al['p50'] / tt['p50']:.1f}x lower)"
+            f"(p50 {al['p50'] / tt['p50']:.1f}x lower); server CPU per request "
+            f"{al['cpu_ms_per_request'] / tt['cpu_ms_per_request']:.1f}x lower"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

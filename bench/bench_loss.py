@@ -168,7 +168,9 @@ def main() -> None:
         f"{a.stat} of {a.repeat} runs (ms)"
     )
     have_peer = PEERS_PY.exists() and not a.no_peer
-    if not have_peer:
+    if a.no_peer:
+        print("Agent Lightning peer: skipped (--no-peer); tracetrain figures only")
+    elif not have_peer:
         print("Agent Lightning peer: unavailable (no bench/.venv-peers); tracetrain figures only")
     head = (
         f"{'N':>6} {'rollouts':>8} | {'row_scales':>10} {'(str ids)':>9} {'token_w':>8} | "

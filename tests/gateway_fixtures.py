@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import secrets
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -135,10 +139,6 @@ def spawn_gateway(
     db, upstream_url: str, tokenizer_dir: str, admin_key: str, *extra: str, timeout=60.0
 ):
     """`python -m tracetrain.gateway.serve` (upstream mode) as a subprocess -> (process, url)."""
-    import subprocess
-    import sys
-    import time
-
     args = [
         sys.executable,
         "-m",
@@ -159,7 +159,7 @@ def spawn_gateway(
         "4096",
         *extra,
     ]
-    env = {**__import__("os").environ, "TRACETRAIN_ADMIN_KEY": admin_key}
+    env = {**os.environ, "TRACETRAIN_ADMIN_KEY": admin_key}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -4,12 +4,14 @@ levels agree on trained tokens, no input mutation, drops and truncation counted,
 import copy
 import math
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tracetrain.aggregate as aggregate_module
 from tracetrain.aggregate import aggregate
 from tracetrain.types import Rollout, TraceError, Turn
 
@@ -218,9 +220,11 @@ def assert_layout(batch, rows, pad, rollouts):
     rollouts=rollout_lists(),
     level=st.sampled_from(["transition", "trajectory"]),
     pad=st.integers(0, 3),
+    chunk=st.sampled_from([1, 7, aggregate_module.CHUNK_TOKENS]),
 )
-def test_layout_matches_slow_reference(rollouts, level, pad):
-    batch, _ = agg(rollouts, level=level, pad_token_id=pad)
+def test_layout_matches_slow_reference(rollouts, level, pad, chunk):
+    with mock.patch.object(aggregate_module, "CHUNK_TOKENS", chunk):  # buffers cut into chunks
+        batch, _ = agg(rollouts, level=level, pad_token_id=pad)
     assert_layout(batch, reference_rows(rollouts, level), pad, rollouts)
 
 
@@ -231,12 +235,20 @@ def test_layout_matches_slow_reference(rollouts, level, pad):
     overlong=st.sampled_from(["truncate", "drop_rollout"]),
     max_p=st.integers(1, 12),
     max_r=st.integers(1, 12),
+    chunk=st.sampled_from([1, 7, aggregate_module.CHUNK_TOKENS]),
 )
-def test_layout_with_small_limits_matches_slow_reference(rollouts, level, overlong, max_p, max_r):
+def test_layout_with_small_limits_matches_slow_reference(
+    rollouts, level, overlong, max_p, max_r, chunk
+):
     """Rows cut by length inside a chain, truncated prompts and responses, dropped rollouts."""
-    batch, m = aggregate(
-        rollouts, level=level, max_prompt_length=max_p, max_response_length=max_r, overlong=overlong
-    )
+    with mock.patch.object(aggregate_module, "CHUNK_TOKENS", chunk):
+        batch, m = aggregate(
+            rollouts,
+            level=level,
+            max_prompt_length=max_p,
+            max_response_length=max_r,
+            overlong=overlong,
+        )
     rows = reference_rows(rollouts, level, max_p, max_r, overlong)
     if not rows:
         assert batch.n_rows == 0 and batch.rollouts == []

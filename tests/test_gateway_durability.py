@@ -88,7 +88,9 @@ def test_acknowledged_records_survive_kill_9(tmp_path):
 
         proc, url = spawn_gateway(db, fake.url, tokdir, key)
         try:
-            admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"})
+            admin = httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            )
             detail = {rid: admin.get(f"/rollouts/{rid}").json() for rid in acked["rollouts"]}
             for rid, index, prompt, response in acked["turns"]:
                 turns = detail[rid]["turns"]
@@ -109,6 +111,7 @@ def test_acknowledged_records_survive_kill_9(tmp_path):
                 url + f"/rollouts/{r['rollout_id']}/v1/chat/completions",  # new port
                 json={"messages": [{"role": "user", "content": "after restart"}], "max_tokens": 4},
                 headers={"Authorization": f"Bearer {r['api_key']}"},
+                timeout=60,
             )
             assert again.status_code == 200 and again.json()["tracetrain"]["turn_index"] == n
             admin.close()

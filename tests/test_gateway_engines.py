@@ -114,7 +114,9 @@ def test_register_upstream_is_used_persisted_and_rebuilt(tmp_path):
         app = create_app(store, FakeEngine(), admin_key=key, engine_factory=upstream_factory)
         with (
             ThreadedServer(app) as server,
-            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}) as admin,
+            httpx.Client(
+                base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            ) as admin,
         ):
             out = admin.post("/engines", json=spec)
             assert out.status_code == 200 and out.json()["max_context"] == 512
@@ -140,7 +142,9 @@ def test_register_upstream_is_used_persisted_and_rebuilt(tmp_path):
         app2 = create_app(store, FakeEngine(), admin_key=key, engine_factory=upstream_factory)
         with (
             ThreadedServer(app2) as server,
-            httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}) as admin,
+            httpx.Client(
+                base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            ) as admin,
         ):
             names = [e["name"] for e in admin.get("/engines").json()["engines"]]
             assert names == ["default", "vllm-2"]

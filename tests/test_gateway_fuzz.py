@@ -58,7 +58,10 @@ def live(tmp_path_factory):
 def real_rollouts(url: str, n: int = 2) -> dict[str, str]:
     """n fresh rollouts for one operation (earlier operations may have ended or deleted theirs)."""
     made = httpx.post(
-        url + "/rollouts", json={"rollouts": [{}] * n}, headers={"Authorization": f"Bearer {ADMIN}"}
+        url + "/rollouts",
+        json={"rollouts": [{}] * n},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=60,
     ).json()["rollouts"]
     return {r["rollout_id"]: r["api_key"] for r in made}
 
@@ -104,7 +107,9 @@ def test_no_5xx_from_any_request(live, op):
             assert response.json()["error"]["code"] == response.status_code
         if op.path.endswith(("/pause", "/drain")):  # leave the engine open for the next operations
             httpx.post(
-                url + "/engines/default/resume", headers={"Authorization": f"Bearer {ADMIN}"}
+                url + "/engines/default/resume",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=60,
             )
 
     check()

@@ -204,6 +204,15 @@ CASES = [
     ),
     ("unknown rollout", "admin", "GET", "/rollouts/nope", None, 404, ["nope"]),
     (
+        "id with a newline",
+        "admin",
+        "POST",
+        "/rollouts/r1%0A/v1/chat/completions",
+        {"messages": msgs()},
+        422,
+        ["rollout_id"],
+    ),
+    (
         "unknown rollout chat",
         "admin",
         "POST",
@@ -294,7 +303,7 @@ def test_requests_after_the_end_are_409(tmp_path):
     with live_gateway(tmp_path) as g:
         (r,) = g.create()
         agent = httpx.Client(
-            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}
+            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=60
         )
         assert (
             g.admin.patch(
@@ -308,7 +317,10 @@ def test_requests_after_the_end_are_409(tmp_path):
         # The agent's reward after the end is refused; the trainer's is taken.
         rurl = g.url + f"/rollouts/{r['rollout_id']}/rewards"
         late = httpx.post(
-            rurl, json={"reward": 1.0}, headers={"Authorization": f"Bearer {r['api_key']}"}
+            rurl,
+            json={"reward": 1.0},
+            headers={"Authorization": f"Bearer {r['api_key']}"},
+            timeout=60,
         )
         assert late.status_code == 409
         assert snapshot(g.store) == before
@@ -334,7 +346,7 @@ def test_engine_failures_are_5xx_with_reason_and_record_nothing(tmp_path, failur
     with live_gateway(tmp_path, engine) as g:
         (r,) = g.create()
         agent = httpx.Client(
-            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}
+            base_url=r["base_url"], headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=60
         )
         resp = agent.post("/chat/completions", json={"messages": msgs()})
         assert resp.status_code == status
@@ -359,6 +371,7 @@ def test_invalid_generation_is_502(tmp_path):
             r["base_url"] + "/chat/completions",
             json={"messages": msgs()},
             headers={"Authorization": f"Bearer {r['api_key']}"},
+            timeout=60,
         )
         assert resp.status_code == 502 and "response_logprobs" in resp.json()["error"]["message"]
         assert g.store.get_turns(r["rollout_id"]) == []

@@ -120,7 +120,7 @@ def test_access_log_has_no_keys(tmp_path, capfd):
     key = "admin-" + secrets.token_hex(16)
     app = create_app(store, FakeEngine(record=False), admin_key=key)
     with ThreadedServer(app, access_log=True, log_level="info") as server:
-        with httpx.Client(base_url=server.url) as http:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
             made = http.post("/rollouts", json={"rollouts": [{}]}, headers=_headers(key))
             (r,) = made.json()["rollouts"]
             url = f"/rollouts/{r['rollout_id']}"

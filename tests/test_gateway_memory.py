@@ -59,6 +59,7 @@ def test_rss_growth_over_10k_requests_is_bounded(tmp_path):
             url + "/rollouts",
             json={"rollouts": [{}] * N_AGENTS},
             headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
         ).json()["rollouts"]
         assert asyncio.run(drive(made, WARMUP)) == WARMUP
         before = rss_mb(proc.pid)
@@ -68,6 +69,7 @@ def test_rss_growth_over_10k_requests_is_bounded(tmp_path):
             httpx.get(
                 f"{url}/rollouts/{r['rollout_id']}?turns=false",
                 headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
             ).json()["n_turns"]
             for r in made
         )

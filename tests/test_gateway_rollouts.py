@@ -4,15 +4,21 @@ change; the serve command's arguments."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
+import sys
+import time
 
 import httpx
+import openai
 import pytest
 from gateway_fixtures import FakeEngine, gateway  # noqa: F401
 
 from tracetrain.gateway import create_app
 from tracetrain.gateway.serve import ThreadedServer, parse_args
 from tracetrain.store import SQLiteStore
+from tracetrain.tiny import save_tiny
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -84,6 +90,7 @@ def test_get_list_patch_delete(gateway):  # noqa: F811
         r["base_url"] + "/chat/completions",
         json=CHAT,
         headers={"Authorization": f"Bearer {r['api_key']}"},
+        timeout=60,
     )
     assert gone.status_code == 401
 
@@ -92,12 +99,20 @@ def test_agent_events_and_turns_in_detail(gateway):  # noqa: F811
     (r,) = gateway.create()
     auth = {"Authorization": f"Bearer {r['api_key']}"}
     base = gateway.url + f"/rollouts/{r['rollout_id']}"
-    assert httpx.post(base + "/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+    assert (
+        httpx.post(base + "/v1/chat/completions", json=CHAT, headers=auth, timeout=60).status_code
+        == 200
+    )
     ev = httpx.post(
-        base + "/events", json={"kind": "tool", "payload": {"name": "calc"}}, headers=auth
+        base + "/events",
+        json={"kind": "tool", "payload": {"name": "calc"}},
+        headers=auth,
+        timeout=60,
     )
     assert ev.status_code == 200 and ev.json()["kind"] == "tool"
-    reserved = httpx.post(base + "/events", json={"kind": "reward", "payload": 1}, headers=auth)
+    reserved = httpx.post(
+        base + "/events", json={"kind": "reward", "payload": 1}, headers=auth, timeout=60
+    )
     assert reserved.status_code == 400
     detail = gateway.admin.get(f"/rollouts/{r['rollout_id']}").json()
     (turn,) = detail["turns"]
@@ -114,14 +129,17 @@ def test_keys_after_admin_key_change(tmp_path):
             server.url + "/rollouts",
             json={"rollouts": [{"rollout_id": "k1"}]},
             headers={"Authorization": f"Bearer {old_key}"},
+            timeout=60,
         ).json()["rollouts"][0]
     with ThreadedServer(create_app(store, FakeEngine(), admin_key=new_key)) as server:
         url = server.url + "/rollouts/k1/v1/chat/completions"
         old_agent = {"Authorization": f"Bearer {made['api_key']}"}
-        assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 200  # still valid
+        assert (
+            httpx.post(url, json=CHAT, headers=old_agent, timeout=60).status_code == 200
+        )  # still valid
         assert (
             httpx.get(
-                server.url + "/rollouts", headers={"Authorization": f"Bearer {old_key}"}
+                server.url + "/rollouts", headers={"Authorization": f"Bearer {old_key}"}, timeout=60
             ).status_code
             == 401
         )
@@ -129,11 +147,12 @@ def test_keys_after_admin_key_change(tmp_path):
             server.url + "/rollouts",
             json={"rollouts": [{"rollout_id": "k1"}]},
             headers={"Authorization": f"Bearer {new_key}"},
+            timeout=60,
         ).json()["rollouts"][0]
         assert not again["created"] and again["api_key"] != made["api_key"]  # re-issued
-        assert httpx.post(url, json=CHAT, headers=old_agent).status_code == 401
+        assert httpx.post(url, json=CHAT, headers=old_agent, timeout=60).status_code == 401
         new_agent = {"Authorization": f"Bearer {again['api_key']}"}
-        assert httpx.post(url, json=CHAT, headers=new_agent).status_code == 200
+        assert httpx.post(url, json=CHAT, headers=new_agent, timeout=60).status_code == 200
     store.close()
 
 
@@ -148,3 +167,53 @@ def test_serve_arguments_are_checked(monkeypatch, capsys):
     monkeypatch.setenv("TRACETRAIN_ADMIN_KEY", "from-env")
     args = parse_args(["--db", "x.db", "--engine", "local", "--model-path", "m"])
     assert (args.admin_key, args.host, args.durability) == ("from-env", "127.0.0.1", "process")
+
+
+@pytest.mark.slow
+def test_serve_local_engine_end_to_end(tmp_path):
+    """`python -m tracetrain.gateway.serve --engine local` on a saved tiny model, driven by the SDK."""
+    model_dir = save_tiny(tmp_path / "tiny")
+    key = "admin-" + secrets.token_hex(8)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tracetrain.gateway.serve",
+        "--db",
+        str(tmp_path / "l.db"),
+        "--port",
+        "0",
+        "--engine",
+        "local",
+        "--model-path",
+        str(model_dir),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "TRACETRAIN_ADMIN_KEY": key}
+    )
+    try:
+        url = proc.stdout.readline().strip().split("=", 1)[1]
+        admin = {"Authorization": f"Bearer {key}"}
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        (r,) = httpx.post(
+            url + "/rollouts", json={"rollouts": [{}]}, headers=admin, timeout=60
+        ).json()["rollouts"]
+        client = openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Guess a number."}],
+            max_tokens=6,
+            extra_body={"return_token_ids": True},
+        )
+        detail = httpx.get(f"{url}/rollouts/{r['rollout_id']}", headers=admin, timeout=60).json()
+        (turn,) = detail["turns"]
+        assert turn["response_ids"] == out.choices[0].model_extra["token_ids"]
+        assert len(turn["response_logprobs"]) == len(turn["response_ids"]) <= 6
+        assert all(lp <= 0 for lp in turn["response_logprobs"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -229,6 +229,12 @@ def test_row_token_counts_equals_mask_sum(rows, width, p):
     assert torch.equal(row_token_counts(mask), mask.sum(1))
 
 
+def test_row_token_counts_over_many_blocks():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(700, 2048 + 13, generator=g) < 0.5  # several row blocks, a tail of 13
+    assert torch.equal(row_token_counts(mask), mask.sum(1))
+
+
 def test_row_token_counts_all_ones_does_not_carry():
     mask = torch.ones(3, 2048 + 8 * 255 + 5, dtype=torch.bool)  # full 128-word blocks and a tail
     assert row_token_counts(mask).tolist() == [mask.shape[1]] * 3

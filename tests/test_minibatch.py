@@ -12,6 +12,17 @@ from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
 from tracetrain.loss import RowWeights, policy_loss, token_weights
 from tracetrain.minibatch import balanced_bins, micro_batches, plan_step
 
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tiny model's ops are small: one torch thread is faster for them, and does not stall
+    when the machine's cores are shared (a 2-thread op waits for its slower half)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 ALL_MODES = [
     "rollout-mean",
     "token-mean",
@@ -85,6 +96,16 @@ def test_balanced_bins_are_within_one_item(costs, n_bins):
     assert sorted(k for b in bins for k in b) == list(range(len(costs)))
     loads = [sum(costs[k] for k in b) for b in bins]
     assert max(loads) - min(loads) <= max(costs)
+    if len(costs) >= n_bins:
+        assert all(bins)  # every rank gets rows, even zero-token ones
+
+
+def test_zero_token_rows_are_still_dealt_to_every_rank():
+    assert balanced_bins([0, 0, 0], 3) == [[0], [1], [2]]
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    for rank in range(2):
+        (mb,) = plan_step(mask, torch.tensor([0, 0, 1, 1]), world_size=2, rank=rank)
+        assert mb.micro_batches and float(mb.row_scales.sum()) == 0.0
 
 
 def test_micro_batches_by_budget():

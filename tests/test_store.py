@@ -277,3 +277,35 @@ def test_acknowledged_turns_survive_kill_9(tmp_path):
         assert len(turns) >= acked + 1
         assert [t.index for t in turns] == list(range(len(turns)))
         assert all(t.prompt_ids == [t.index] for t in turns)
+
+
+@pytest.mark.parametrize("synchronous", ["NORMAL", "FULL"])
+def test_group_commit_in_both_durability_modes(tmp_path, synchronous):
+    with SQLiteStore(tmp_path / f"{synchronous}.db", synchronous=synchronous) as store:
+        run(store.create_rollouts([new(f"d{i}") for i in range(8)]))
+
+        async def main():
+            async def agent(i):
+                return [await store.add_turn(f"d{i}", [i, k], [1], None, 0, "stop") for k in range(10)]
+
+            return await asyncio.gather(*(agent(i) for i in range(8)))
+
+        assert run(main()) == [list(range(10))] * 8
+        assert store.commits < 8 * 10 + 1  # writes shared commits
+        assert [t.prompt_ids for t in store.get_turns("d3")] == [[3, k] for k in range(10)]
+
+
+def test_wal_is_checkpointed_in_the_background(tmp_path):
+    path = tmp_path / "wal.db"
+    with SQLiteStore(path) as store:
+        run(store.create_rollouts([new("w")]))
+        prompt = list(range(1000))  # 4 KB per turn
+
+        async def main():
+            for _ in range(2000):  # one commit each, ~6 WAL pages per commit: ~50 MB of WAL frames
+                await store.add_turn("w", prompt, [1], None, 0, "stop")
+
+        run(main())
+        wal = path.with_name(path.name + "-wal").stat().st_size
+        assert store.get_rollout("w").n_turns == 2000
+        assert wal < 16_000_000, wal  # restarted after checkpoints instead of holding every frame

@@ -30,9 +30,10 @@ metrics is a flat dict of numbers (ready for a logger); keys are listed in `aggr
 How it is fast. A chain is a maximal run of turns of one rollout in which every prompt starts
 with the previous context; every turn's context (prompt + response) is then a prefix of the
 chain's last context, and every row, at either level, is one contiguous slice [lo, hi) of it.
-So each chain's last context is converted to int64 once (numpy), all chains go into one flat
-buffer with P zeros before and R zeros after, and the padded [rows, P+R] tensors are gathered
-with a row index from a sliding-window view of that buffer (`as_strided` + `index_select`).
+So each chain's last context is converted to int64 once (numpy); consecutive chains go into a
+flat buffer with P zeros before and R zeros after (in chunks of about CHUNK_TOKENS tokens, to keep
+the temporary small), and the padded [rows, P+R] tensors are gathered with a row index from a
+sliding-window view of that buffer (`as_strided` + `index_select`).
 The trained-token mask uses the same windows over a chain-long mask; the logprobs of the rows'
 turns, in row order, are exactly the trained tokens in row-major order (`masked_scatter_`).
 No per-token Python work, no per-row torch op, no index tensor larger than one int64 per row.
@@ -57,6 +58,7 @@ from tracetrain.types import LOGPROB_TOLERANCE, Rollout, RolloutState, TraceErro
 LEVELS = ("transition", "trajectory")
 OVERLONG_POLICIES = ("drop_rollout", "truncate", "error")
 LENGTH_SPLIT = "length_split"
+CHUNK_TOKENS = 1 << 18  # chain tokens converted at a time: bounds the temporary buffer (2 MiB)
 
 
 @dataclass
@@ -79,6 +81,23 @@ class _Plan:
     chains: list[list[int]] = field(default_factory=list)
     rows: list[_Row] = field(default_factory=list)
     breaks: list[tuple[int, str, int, int, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Chunk:
+    """Rows from `row0` on, whose chains fill one buffer: [P zeros | chains ... | R zeros]."""
+
+    row0: int
+    n_tokens: int  # buffer length so far (starts at P)
+    ids_lists: list[list[int]] = field(default_factory=list)  # per chain: last prompt, response
+    run_len: list[int] = field(default_factory=list)  # trained-token runs over the buffer
+    run_trained: list[bool] = field(default_factory=list)
+    lp_lists: list[list[float]] = field(default_factory=list)  # the rows' trained logprobs
+    n_trained: int = 0
+
+    def __post_init__(self) -> None:
+        self.run_len.append(self.n_tokens)
+        self.run_trained.append(False)
 
 
 class _Drop(Exception):
@@ -227,10 +246,10 @@ def _find_bad_input(rollouts: Sequence[Rollout]) -> None:
     raise TraceError("bad token id or logprob in the batch, but no turn fails validation")
 
 
-def _windows(buf: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
-    """[len(start), width] copy of buf[start_i : start_i + width] for every i (no per-cell index)."""
+def _windows(buf: torch.Tensor, start: torch.Tensor, width: int, out: torch.Tensor) -> None:
+    """out[i] = buf[start_i : start_i + width] for every i (no per-cell index)."""
     view = buf.as_strided((buf.numel() - width + 1, width), (1, 1))
-    return view.index_select(0, start)
+    torch.index_select(view, 0, start, out=out)
 
 
 def aggregate(
@@ -308,74 +327,80 @@ def aggregate(
         P, R = max_prompt_length, max_response_length
     else:
         P, R = max(n_prompt, default=0), max(n_region, default=0)
-    ids_lists: list[list[int]] = []  # per chain: its last turn's prompt ids, response ids
-    lp_lists: list[list[float] | None] = []  # per row turn, in row order: the kept logprobs
-    run_len, run_trained = [P], [False]  # trained-token runs over the whole buffer
-    row_start: list[int] = []  # buffer index of each row's first region token
+    chunks: list[_Chunk] = []  # consecutive rows whose chains share one token buffer
+    row_start: list[int] = []  # index of each row's first region token in its chunk's buffer
     row_version: list[int] = []
-    offset = P  # the buffer starts with P zeros
+    have_logprobs = True
     for ri, plan in zip(kept, plans, strict=True):
         turns = rollouts[ri].turns
         chain_start: dict[int, int] = {}
         for row in plan.rows:
             if row.chain not in chain_start:  # emit the chain once, at its first row
-                chain_start[row.chain] = offset
+                if not chunks or chunks[-1].n_tokens >= CHUNK_TOKENS:
+                    chunks.append(_Chunk(len(row_start), P))
+                ch = chunks[-1]
+                chain_start[row.chain] = ch.n_tokens
                 pos = 0
                 for j in plan.chains[row.chain]:
                     t = turns[j]
-                    run_len += (len(t.prompt_ids) - pos, len(t.response_ids))
-                    run_trained += (False, True)
+                    ch.run_len += (len(t.prompt_ids) - pos, len(t.response_ids))
+                    ch.run_trained += (False, True)
                     pos = len(t.prompt_ids) + len(t.response_ids)
-                ids_lists += (turns[j].prompt_ids, turns[j].response_ids)
-                offset += pos
+                ch.ids_lists += (turns[j].prompt_ids, turns[j].response_ids)
+                ch.n_tokens += pos
             row_start.append(chain_start[row.chain] + row.lo + row.n_prompt)
-            lp_first = turns[row.turns[0]].response_logprobs
-            lp_lists.append(
-                lp_first if lp_first is None or row.keep == len(lp_first) else lp_first[: row.keep]
-            )
-            lp_lists += (turns[j].response_logprobs for j in row.turns[1:])
+            # The row's trained tokens, in order: its turns' (kept) responses and their logprobs.
+            lps = [turns[j].response_logprobs for j in row.turns]
+            have_logprobs = have_logprobs and None not in lps
+            if have_logprobs:
+                lps[0] = lps[0][: row.keep] if row.keep < len(lps[0]) else lps[0]
+                ch.lp_lists += lps
+                ch.n_trained += row.n_trained
             versions = [turns[j].model_version for j in row.turns]
             row_version.append(-1 if None in versions else min(versions))
-    n_buf = offset + R  # and R zeros at the end
-    run_len.append(R)
-    run_trained.append(False)
 
     # 3. Vectorized layout: left-padded prompt | right-padded response region. Row i is the
-    # window of width P+R that starts P columns before its first region token.
+    # window of width P+R that starts P columns before its first region token. All outputs are
+    # allocated first; then each chunk of rows is finished in turn, so every temporary is
+    # chunk-sized and reuses the space of the previous chunk's.
     start = torch.tensor(row_start, dtype=torch.int64)
     first = (P - torch.tensor(n_prompt, dtype=torch.int64)).unsqueeze(1)  # first real column
     end = P + torch.tensor(n_region, dtype=torch.int64).unsqueeze(1)  # one past the last
     col = torch.arange(P + R)
-    valid = col >= first
-    valid &= col < end
-    ids_iter = chained(repeat(0, P), chained.from_iterable(ids_lists), repeat(0, R))
-    ids_buf = torch.from_numpy(np.fromiter(ids_iter, np.int64, n_buf))
-    if n_rows and int(ids_buf.min()) < 0:
-        _find_bad_input([rollouts[ri] for ri in kept])
-    input_ids = _windows(ids_buf, start - P, P + R)
-    del ids_buf  # freed before the next output of the same size is allocated
-    input_ids.masked_fill_(valid.logical_not(), pad_token_id)
-    attention_mask = valid.to(torch.int64)
+    input_ids = torch.empty((n_rows, P + R), dtype=torch.int64)
+    attention_mask = torch.empty((n_rows, P + R), dtype=torch.int64)
+    response_mask = torch.empty((n_rows, R), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((n_rows, R), dtype=torch.float32) if have_logprobs else None
     position_ids = (col - first).clamp_(min=0)  # 0 on left pad; keeps counting over right pad
-
-    trained_buf = torch.repeat_interleave(
-        torch.tensor(run_trained, dtype=torch.bool), torch.tensor(run_len, dtype=torch.int64)
-    )
-    response_mask = _windows(trained_buf, start, R)
-    response_mask &= valid[:, P:]
-    del trained_buf, valid
-
-    rollout_logprobs = None
-    if None not in lp_lists:  # trained tokens in row-major order = the row turns' logprobs
-        n_lp = sum(row.n_trained for row in rows)
-        flat_lp = torch.from_numpy(np.fromiter(chained.from_iterable(lp_lists), np.float32, n_lp))
-        if n_lp and (
-            not bool(torch.isfinite(flat_lp).all()) or float(flat_lp.max()) > LOGPROB_TOLERANCE
-        ):
+    for i, ch in enumerate(chunks):
+        r0, r1 = ch.row0, chunks[i + 1].row0 if i + 1 < len(chunks) else n_rows
+        ids = chained(repeat(0, P), chained.from_iterable(ch.ids_lists), repeat(0, R))
+        buf = torch.from_numpy(np.fromiter(ids, np.int64, ch.n_tokens + R))
+        if int(buf.min()) < 0:
             _find_bad_input([rollouts[ri] for ri in kept])
-        rollout_logprobs = torch.zeros((n_rows, R), dtype=torch.float32)
-        rollout_logprobs.masked_scatter_(response_mask, flat_lp)
-        del flat_lp
+        _windows(buf, start[r0:r1] - P, P + R, out=input_ids[r0:r1])
+        del buf
+        valid = col >= first[r0:r1]
+        valid &= col < end[r0:r1]
+        input_ids[r0:r1].masked_fill_(valid.logical_not(), pad_token_id)
+        attention_mask[r0:r1] = valid
+        trained = torch.repeat_interleave(
+            torch.tensor(ch.run_trained + [False], dtype=torch.bool),
+            torch.tensor(ch.run_len + [R], dtype=torch.int64),
+        )
+        _windows(trained, start[r0:r1], R, out=response_mask[r0:r1])
+        response_mask[r0:r1] &= valid[:, P:]
+        del trained, valid
+        if rollout_logprobs is not None:  # trained tokens in row-major order = the rows' logprobs
+            lp = torch.from_numpy(
+                np.fromiter(chained.from_iterable(ch.lp_lists), np.float32, ch.n_trained)
+            )
+            if ch.n_trained and (
+                not bool(torch.isfinite(lp).all()) or float(lp.max()) > LOGPROB_TOLERANCE
+            ):
+                _find_bad_input([rollouts[ri] for ri in kept])
+            rollout_logprobs[r0:r1].masked_scatter_(response_mask[r0:r1], lp)
+            del lp
 
     rows_per_rollout = [len(plan.rows) for plan in plans]
     batch = TrainingBatch(

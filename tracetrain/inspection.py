@@ -29,17 +29,9 @@ def _open(run: Path) -> tuple[SQLiteStore, TrainConfig | None]:
 
 
 def _tokenizer(cfg: TrainConfig | None):
-    if cfg is None:
-        return None
-    if cfg.model.kind == "tiny":
-        from tracetrain import tiny
+    from tracetrain.models import load_tokenizer
 
-        return tiny.build_tokenizer()
-    from transformers import AutoTokenizer
-
-    if cfg.model.kind == "gguf":
-        return AutoTokenizer.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file)
-    return AutoTokenizer.from_pretrained(cfg.model.path)
+    return None if cfg is None else load_tokenizer(cfg.model)
 
 
 def _text(tok, ids) -> str:

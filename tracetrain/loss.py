@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -33,6 +34,22 @@ import torch
 # ---------------------------------------------------------------------------------------------
 
 
+# Work on CPU is cut into blocks small enough (< 32k elements, torch's intra-op grain) that torch
+# runs each op on the calling thread; the blocks are spread over a few Python threads instead
+# (torch releases the GIL inside ops). There is then no per-op barrier between threads, which
+# otherwise stalls every op when the machine's cores are shared with other processes.
+_GRAIN = 1 << 15
+
+
+def map_blocks(fn: Callable[[int], object], starts: Sequence[int], device: torch.device) -> list:
+    """[fn(a) for a in starts], on torch.get_num_threads() threads when on CPU."""
+    workers = min(torch.get_num_threads(), len(starts)) if device.type == "cpu" else 1
+    if workers <= 1:
+        return [fn(a) for a in starts]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, starts))
+
+
 def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
     """T_i = sum_t m[i,t] as int64 [rows], reading the bool mask once.
 
@@ -41,6 +58,20 @@ def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
     that adds up at most 255 words cannot carry into its neighbour. Summing blocks of 128 words,
     then the 8 bytes of each block sum, gives the exact count (tested against `mask.sum(1)`).
     """
+    rows, width = mask.shape
+    if mask.device.type != "cpu":
+        return mask.sum(1)
+    counts = torch.empty(rows, dtype=torch.int64)
+    step = max(1, _GRAIN // max(width // 8, 1))  # rows per block
+
+    def block(a: int) -> None:
+        counts[a : a + step] = _count_rows(mask[a : a + step])
+
+    map_blocks(block, range(0, rows, step), mask.device)
+    return counts
+
+
+def _count_rows(mask: torch.Tensor) -> torch.Tensor:
     rows, width = mask.shape
     n_words = width // 8
     counts = torch.zeros(rows, dtype=torch.int64, device=mask.device)
@@ -292,7 +323,6 @@ def kl_k3(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch
 
 # Per-block sums, in this order; metrics are built from their totals.
 _SUMS = ("pg", "mass", "kept_mass", "dual_mass", "ratio_w", "logratio_w", "kl_w", "entropy_w")
-_CHUNK_TOKENS = 1 << 17  # tokens per block on CPU: a block's temporaries stay in cache
 
 
 class _Cfg(NamedTuple):
@@ -351,8 +381,8 @@ def _block(lp, old, adv, w, isw, ref, ent, cfg: _Cfg, grad_out):
 class _PolicyLoss(torch.autograd.Function):
     """Blockwise forward that also computes d loss / d logprob, so backward is one multiply.
 
-    The [rows, R] temporaries of the elementwise math exist only one block at a time (a block of
-    ~128k tokens stays in cache); the only full-size tensor written is the gradient.
+    The [rows, R] temporaries of the elementwise math exist only one block at a time and stay in
+    cache; the only full-size tensor written is the gradient. Blocks run through `map_blocks`.
     """
 
     @staticmethod
@@ -361,20 +391,18 @@ class _PolicyLoss(torch.autograd.Function):
         grad = torch.empty(rows, width, dtype=torch.float32, device=logprobs.device)
         step = max(1, chunk // max(width, 1))
         per_row_adv = adv.dim() == 1
-        totals = torch.zeros(len(_SUMS), dtype=torch.float32, device=logprobs.device)
-        for a in range(0, rows, step):
+
+        @torch.no_grad()  # grad mode is per thread: the workers need it off too
+        def block(a: int) -> torch.Tensor:
             b = min(a + step, rows)
             if weights is not None:
                 w = weights[a:b].float()
             else:  # a bool tensor in arithmetic is slow on CPU; its uint8 view is not
                 w = torch.mul(mask[a:b].view(torch.uint8), scales[a:b, None].float())
-            blk_adv = adv[a:b, None] if per_row_adv else adv[a:b]
-            if weights is not None:
-                totals[1] += w.sum()
-            totals += _block(
+            sums = _block(
                 logprobs[a:b].float(),
                 old[a:b].float(),
-                blk_adv.float(),
+                (adv[a:b, None] if per_row_adv else adv[a:b]).float(),
                 w,
                 None if isw is None else isw[a:b].float(),
                 None if ref is None else ref[a:b],
@@ -382,6 +410,14 @@ class _PolicyLoss(torch.autograd.Function):
                 cfg,
                 grad[a:b],
             )
+            if weights is not None:
+                sums[1] = w.sum()
+            return sums
+
+        parts = map_blocks(block, range(0, rows, step), logprobs.device)
+        totals = torch.zeros(len(_SUMS), dtype=torch.float32, device=logprobs.device)
+        if parts:
+            totals = torch.stack(parts).sum(0)
         if weights is None:  # mass = sum_i s_i T_i, from the row counts
             totals[1] = torch.dot(scales.float(), row_token_counts(mask).float())
         ctx.save_for_backward(grad, weights, mask, scales)
@@ -399,9 +435,17 @@ class _PolicyLoss(torch.autograd.Function):
         grad_ent = None
         if ctx.needs_input_grad[1] and ctx.entropy_coef != 0.0:
             c = -ctx.entropy_coef * grad_loss
-            w = weights * c if weights is not None else mask.view(torch.uint8) * (scales[:, None] * c)
+            w = (
+                weights * c
+                if weights is not None
+                else mask.view(torch.uint8) * (scales[:, None] * c)
+            )
             grad_ent = w.to(ctx.ent_dtype)
         return grad_lp, grad_ent, *([None] * 9)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _check_same_shape(name: str, x: torch.Tensor | None, shape: torch.Size) -> None:
@@ -477,13 +521,18 @@ def policy_loss(
         _check_same_shape("weights", weights, shape)
         full, mask, scales = weights.contiguous(), None, None
     for name, v in (("clip_low", clip_low), ("clip_high", clip_high)):
-        if not (isinstance(v, (int, float)) and 0.0 <= v and math.isfinite(v)):
+        if not (_is_number(v) and v >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    for name, v in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
+        if not _is_number(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if chunk_tokens is not None and (type(chunk_tokens) is not int or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
     if clip_low >= 1.0:
         raise ValueError(
             f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {clip_low}"
         )
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
+    if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1.0):
         raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip!r}")
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
@@ -500,7 +549,7 @@ def policy_loss(
         float(clip_low), float(clip_high), dual_clip, float(kl_coef), kl_fn, float(entropy_coef)
     )
     if chunk_tokens is None:
-        chunk_tokens = _CHUNK_TOKENS if logprobs.device.type == "cpu" else 1 << 24
+        chunk_tokens = _GRAIN if logprobs.device.type == "cpu" else 1 << 24
 
     def c(x):
         return None if x is None else x.detach().contiguous()

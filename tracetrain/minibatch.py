@@ -50,15 +50,16 @@ class MiniBatch:
 def balanced_bins(costs: Sequence[int], n_bins: int) -> list[list[int]]:
     """Assign items to n_bins with near-equal total cost (LPT: largest item to the lightest bin).
 
-    The heaviest bin exceeds the lightest by at most the largest item. Items in a bin ascend.
+    The heaviest bin exceeds the lightest by at most the largest item; with at least n_bins items
+    no bin is empty (zero-cost items included). Items in a bin ascend.
     """
     order = sorted(range(len(costs)), key=lambda k: (-costs[k], k))
-    heap = [(0, b) for b in range(n_bins)]
+    heap = [(0, 0, b) for b in range(n_bins)]  # (load, items, bin): ties go to the emptier bin
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     for k in order:
-        load, b = heapq.heappop(heap)
+        load, items, b = heapq.heappop(heap)
         bins[b].append(k)
-        heapq.heappush(heap, (load + costs[k], b))
+        heapq.heappush(heap, (load + costs[k], items + 1, b))
     return [sorted(b) for b in bins]
 
 

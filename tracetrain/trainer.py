@@ -74,6 +74,9 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
+ADDITIVE_METRICS = ("pg_loss", "weight_mass")
+
+
 @dataclass
 class UpdateResult:
     loss: float
@@ -136,13 +139,18 @@ def ppo_update(
                 )
                 loss.backward()
                 total += float(loss.detach())
+                # pg_loss and weight_mass add up over micro-batches; the rest are weighted means
+                # within the micro-batch, so they add up weighted by its mass.
+                mass = float(m["weight_mass"])
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] = sums.get(k, 0.0) + (float(v) if k in ADDITIVE_METRICS else float(v) * mass)
+            mass = sums.get("weight_mass", 0.0)
+            means = {k: (v if k in ADDITIVE_METRICS else v / mass if mass else 0.0) for k, v in sums.items()}
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            results.append(UpdateResult(total, grad_norm, sums))
+            results.append(UpdateResult(total, grad_norm, means))
     model.eval()
     return results
 

@@ -46,7 +46,7 @@ def _rollout(request: Request) -> RolloutHead:
     gw = request.app.state.gateway
     who = keys.identify(gw, request.headers.get("authorization"))
     rid = request.path_params["rollout_id"]
-    if len(rid) > 200 or not _ID.match(rid):
+    if len(rid) > 200 or not _ID.fullmatch(rid):
         raise ApiError(
             422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
         )
@@ -75,7 +75,7 @@ async def generate_turn(
         raise RolloutEnded(
             f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls"
         )
-    async with slot.admit() as engine:  # waits here while the engine is paused
+    async with slot.admit() as engine:  # waits here while paused; in flight until recorded
         if rollout.state == RolloutState.queued:
             await store.start(rid)
         try:
@@ -84,20 +84,20 @@ async def generate_turn(
             raise
         except Exception as e:  # an engine bug is still the engine failing, not the client
             raise EngineError(f"{type(e).__name__}: {e}", status=502) from e
-    try:
-        if not isinstance(gen, Generation):
-            raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
-        Turn(prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version)
-    except TraceError as e:
-        raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
-    index = await store.add_turn(
-        rid,
-        prompt_ids,
-        gen.response_ids,
-        gen.response_logprobs,
-        gen.model_version,
-        gen.finish_reason,
-    )
+        try:
+            if not isinstance(gen, Generation):
+                raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
+            Turn(prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version)
+        except TraceError as e:
+            raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
+        index = await store.add_turn(
+            rid,
+            prompt_ids,
+            gen.response_ids,
+            gen.response_logprobs,
+            gen.model_version,
+            gen.finish_reason,
+        )
     return gen, index
 
 

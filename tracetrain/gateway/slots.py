@@ -2,7 +2,8 @@
 
     pause()   new requests wait at the gate (at most `pause_wait_s`, then 503) instead of failing
     resume()  open the gate
-    drain()   pause, then wait until the requests already past the gate have finished
+    drain()   pause, then wait until the requests already past the gate have finished (their
+              turns recorded)
 
 A weight update is `await slot.drain(); update weights; slot.resume()`. Methods run on the
 gateway's event loop (from another thread use the HTTP routes).
