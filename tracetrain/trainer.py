@@ -74,7 +74,7 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
-ADDITIVE_METRICS = ("pg_loss", "weight_mass")
+ADDITIVE_METRICS = ("pg_loss", "weight_mass", "rollout_mass_min", "rollout_mass_max", "n_rollouts")
 
 
 @dataclass
@@ -120,6 +120,13 @@ def ppo_update(
         for mb in plan:
             optimizer.zero_grad(set_to_none=True)
             total, sums = 0.0, {}
+            # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
+            row_mass = batch.response_mask[mb.rows].sum(1) * mb.row_scales
+            _, inv = torch.unique_consecutive(batch.rollout_index[mb.rows], return_inverse=True)
+            per_rollout = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, row_mass.float())
+            sums["rollout_mass_min"] = float(per_rollout.min())
+            sums["rollout_mass_max"] = float(per_rollout.max())
+            sums["n_rollouts"] = float(per_rollout.numel())
             for micro in mb.micro_batches:
                 rows = micro.rows
                 ids, att, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
@@ -370,6 +377,9 @@ def format_step(m: dict) -> str:
     ]
     if "loss" in m:
         parts.append(f"loss {m['loss']:+.4f}")
+    if m.get("loss/n_rollouts"):
+        parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
+                     f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     return " | ".join(parts)
