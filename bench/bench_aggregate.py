@@ -267,19 +267,19 @@ def main() -> None:
         return
 
     peer = not args.no_peer and peer_available()
+    print(f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens,")
     print(
-        f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens, {RESPONSE} response tokens;"
+        f"{RESPONSE} response tokens; breaks: {BREAK_FRACTION:.0%} of turns change one context token."
     )
     print(
-        f"breaks: {BREAK_FRACTION:.0%} of turns change one context token. Best of {args.repeat} calls; peak RSS above"
+        f"Best of {args.repeat} calls; peak RSS above baseline on the first call in a fresh process;"
     )
     print(
-        "baseline measured on the first call in a fresh process; 'out' = bytes of the output tensors."
+        f"'out' = bytes of the output tensors; torch/OpenMP threads: {args.threads} on both sides."
     )
     if not peer:
-        print(
-            f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken; bench/setup_peers.sh builds it)"
-        )
+        print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken;")
+        print("bench/setup_peers.sh builds it): tracetrain figures only")
     head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>8}"
     head += f" {'peak MB':>8} {'out MB':>7} {'peak/out':>8} {'speed-up':>9}"
     print("\n" + head)

@@ -7,8 +7,9 @@ Everything runs on loopback, each server in its own process:
   direct   clients -> fake /v1/chat/completions                     (the baseline)
   tracetrain  clients -> `python -m tracetrain.gateway.serve --engine upstream` -> fake /v1/completions
            (chat template rendered to ids, turn committed to SQLite before each answer)
-  agentlightning  clients -> its gateway (agentlightning.server.app:create_app, run with the same
-           uvicorn settings, in bench/.venv-peers) -> fake /v1/chat/completions (events kept in memory)
+  agentlightning  clients -> its gateway (agentlightning.server.app:create_app, in bench/.venv-peers)
+           -> fake /v1/chat/completions (events kept in memory); twice: "tuned" (the same uvicorn
+           settings as tracetrain, logs off) and "as shipped" (as its __main__ runs it)
 For each: requests/s with --concurrency clients, p50/p99 latency and the latency added to the
 direct call; p50 added latency with one client; the server's CPU time per request (user + system
 of its process during the concurrent run, from /proc), which other load on a shared machine moves
@@ -52,10 +53,12 @@ import sys, uvicorn
 from agentlightning.server.app import create_app
 config = {"key": sys.argv[2], "default_proxy": {"model_name": "fake", "include_log_probs": True,
           "include_routed_experts": False, "train": {"temperature": 1.0}, "val": {"temperature": 0.7}}}
-# As agentlightning.server.__main__ runs it (workers=1, keep-alive 120 s), with the access log off
-# and uvicorn's fastest available loop/parser, the same settings tracetrain gets.
+# "shipped": as agentlightning.server.__main__ runs it (workers=1, keep-alive 120 s, uvicorn's
+# defaults: access log on; its structlog debug line per proxied call). "tuned": the same with the
+# access log and info logs off and uvicorn's fastest available loop/parser, as tracetrain runs.
+kw = dict(access_log=False, log_level="warning", loop="auto", http="auto") if sys.argv[3] == "tuned" else {}
 uvicorn.run(create_app(config), host="127.0.0.1", port=int(sys.argv[1]), workers=1,
-            timeout_keep_alive=120, access_log=False, log_level="warning", loop="auto", http="auto")
+            timeout_keep_alive=120, **kw)
 """
 
 
@@ -199,10 +202,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_al(key: str) -> tuple[subprocess.Popen, str]:
+def start_al(key: str, mode: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [str(PEERS_PYTHON), "-c", AL_LAUNCHER, str(port), key], stdout=subprocess.DEVNULL
+        [str(PEERS_PYTHON), "-c", AL_LAUNCHER, str(port), key, mode],
+        stdout=subprocess.DEVNULL,  # its logs are formatted and written, not shown
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/healthz", proc)
@@ -268,7 +273,7 @@ def run_tracetrain(args, fake_url: str, tmp: Path) -> dict:
         proc.wait()
 
 
-def run_al(args, fake_url: str) -> dict | None:
+def run_al(args, fake_url: str, mode: str) -> dict | None:
     if not PEERS_PYTHON.exists():
         print("  agentlightning   unavailable (no bench/.venv-peers; run bench/setup_peers.sh)")
         return None
@@ -279,7 +284,8 @@ def run_al(args, fake_url: str) -> dict | None:
         print("  agentlightning   unavailable: " + check.stderr.decode().strip().splitlines()[-1])
         return None
     key = secrets.token_hex(16)
-    proc, url = start_al(key)
+    proc, url = start_al(key, mode)
+    name = "agentlightning" if mode == "tuned" else "AL as shipped"
     try:
         status, _ = http_json(
             "POST",
@@ -302,10 +308,12 @@ def run_al(args, fake_url: str) -> dict | None:
             for i in ids
         ]
         rss0 = rss_mb(proc.pid)
-        out = measure("agentlightning", targets, args, proc.pid)
+        out = measure(name, targets, args, proc.pid)
         out["rss_growth_mb"] = rss_mb(proc.pid) - rss0
+        if mode != "tuned":
+            return out
         kill9(proc)
-        proc, url = start_al(key)
+        proc, url = start_al(key, mode)
         survived = sum(http_json("GET", f"{url}/api/rollouts/{i}", key)[0] == 200 for i in ids)
         out["rollouts_after_restart"] = survived
         print(
@@ -342,29 +350,35 @@ def main(argv=None) -> None:
                 fake.pid,
             )
             tt = run_tracetrain(args, fake_url, Path(tmp))
-            al = None if args.no_peer else run_al(args, fake_url)
+            al = None if args.no_peer else run_al(args, fake_url, "tuned")
+            shipped = None if args.no_peer or al is None else run_al(args, fake_url, "shipped")
     finally:
         fake.kill()
         fake.wait()
 
     print("\nadded latency vs direct:")
-    rows = [tt] + ([al] if al else [])
+    rows = [tt] + [r for r in (al, shipped) if r]
     for r in rows:
         print(
             f"  {r['name']:<15} p50 +{(r['p50'] - direct['p50']) * 1e3:6.2f} ms   "
             f"p99 +{(r['p99'] - direct['p99']) * 1e3:6.2f} ms   "
             f"1 client p50 +{(r['p50_1'] - direct['p50_1']) * 1e3:5.2f} ms"
         )
-    if al:
-        print(
-            f"\nthroughput ratio tracetrain / agentlightning: {tt['rps'] / al['rps']:.1f}x "
-            f"(p50 {al['p50'] / tt['p50']:.1f}x lower); server CPU per request "
-            f"{al['cpu_ms_per_request'] / tt['cpu_ms_per_request']:.1f}x lower"
-        )
+    print()
+    for peer in (al, shipped):
+        if peer:
+            print(
+                f"tracetrain / {peer['name']}: throughput {tt['rps'] / peer['rps']:.1f}x, "
+                f"p50 {peer['p50'] / tt['p50']:.1f}x lower, p99 {peer['p99'] / tt['p99']:.1f}x lower, "
+                f"server CPU per request {peer['cpu_ms_per_request'] / tt['cpu_ms_per_request']:.1f}x lower"
+            )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
-            json.dumps({"direct": direct, "tracetrain": tt, "agentlightning": al}, indent=1)
+            json.dumps(
+                {"direct": direct, "tracetrain": tt, "agentlightning": al, "al_shipped": shipped},
+                indent=1,
+            )
         )
 
 

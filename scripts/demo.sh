@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-.venv/bin/python -m tracetrain demo "$@"
+.venv/bin/tracetrain train examples/guess/config.yaml "$@"

@@ -286,7 +286,9 @@ def test_group_commit_in_both_durability_modes(tmp_path, synchronous):
 
         async def main():
             async def agent(i):
-                return [await store.add_turn(f"d{i}", [i, k], [1], None, 0, "stop") for k in range(10)]
+                return [
+                    await store.add_turn(f"d{i}", [i, k], [1], None, 0, "stop") for k in range(10)
+                ]
 
             return await asyncio.gather(*(agent(i) for i in range(8)))
 

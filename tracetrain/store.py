@@ -398,7 +398,7 @@ def migrate(conn: sqlite3.Connection, path: str = "") -> int:
     return SCHEMA_VERSION
 
 
-# --------------------------------------------------------------- write operations (writer thread)
+# ----------------------------------------------------- write operations (inside a group commit)
 # Each takes the write connection as first argument and runs inside the group's transaction.
 
 
@@ -685,9 +685,9 @@ class _GroupCommit:
             conn.close()
 
     def close(self) -> None:
+        if self._checkpointer is not None:  # before the lock: its last pass takes the lock
+            self._checkpointer.join()
         with self.lock:
-            if self._checkpointer is not None:
-                self._checkpointer.join()
             try:
                 self.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
             except sqlite3.Error:
