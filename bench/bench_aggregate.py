@@ -2,17 +2,19 @@
 
 Data (seeded): turn 0's prompt is 64 tokens; every turn answers with 128 tokens (with logprobs);
 the prompt of turn k is the previous context (prompt + response) + 64 observation tokens. The
-"breaks" variant changes one context token in 20% of the turns after the first (half in an earlier
-response, half in an earlier prompt), so the trajectory level must close rows there.
+"breaks" variant changes one context token before 20% of all turns (never a first turn; about
+half in an earlier response, half in an earlier prompt), so the trajectory level must close rows
+there.
 
 Peer: Agent Lightning 1.0.2 `RolloutAdapter.get_train_data_batch` (agentlightning/verl/
 rollout_adapter.py), fed the same token ids as `CompletedRollout`/`Triplet`s, run with the
 interpreter of the peers env (bench/.venv-peers, see bench/setup_peers.sh) when it exists.
 
-Each (case, implementation) runs in a fresh child process: build inputs, a warm-up call on 16 rollouts,
-gc, then baseline = current RSS and the peak counter is reset (/proc/self/clear_refs); the first
-timed call gives the peak RSS above baseline; wall time is the best of --repeat calls (the best,
-because the machine is shared and other work only ever adds time). Both sides run with the same
+Each (case, implementation) runs in a fresh child process: build inputs, a warm-up call on 16
+rollouts, gc, then baseline = current RSS and the peak counter is reset (/proc/self/clear_refs);
+the first timed call gives the peak RSS above baseline (the output is inspected only after it);
+wall time is the best of --repeat calls (the best, because the machine is shared and other work
+only ever adds time). Both sides run with the same
 number of torch/OpenMP threads (--threads, default 1: on a small shared machine, idle-waiting
 OpenMP workers make multi-threaded timings erratic).
 
@@ -56,7 +58,7 @@ CASES = {  # name: (level, breaks)
 def make_traces(breaks: bool, seed: int = 0, n_rollouts: int = N_ROLLOUTS):
     """[(rollout_id, reward, [(prompt_ids, response_ids, logprobs)])], plain lists."""
     rng = random.Random(seed)
-    eligible = [(i, k) for i in range(n_rollouts) for k in range(1, N_TURNS)]
+    eligible = [(i, k) for i in range(n_rollouts) for k in range(1, N_TURNS)]  # never a first turn
     n_break = round(BREAK_FRACTION * n_rollouts * N_TURNS) if breaks else 0
     broken = set(rng.sample(eligible, n_break))
     traces = []
@@ -269,15 +271,15 @@ def main() -> None:
     peer = not args.no_peer and peer_available()
     print(f"{N_ROLLOUTS} rollouts x {N_TURNS} turns; prompt_k = context + {OBS} obs tokens,")
     print(
-        f"{RESPONSE} response tokens; breaks: {BREAK_FRACTION:.0%} of turns change one context token."
+        f"{RESPONSE} response tokens; breaks: {BREAK_FRACTION:.0%} of turns change a context token."
     )
+    print(f"Best of {args.repeat} calls; peak RSS above baseline on the first call in a fresh")
     print(
-        f"Best of {args.repeat} calls; peak RSS above baseline on the first call in a fresh process;"
+        f"process; 'out' = output tensor bytes; torch/OpenMP threads: {args.threads} on both sides."
     )
-    print(
-        f"'out' = bytes of the output tensors; torch/OpenMP threads: {args.threads} on both sides."
-    )
-    if not peer:
+    if args.no_peer:
+        print("peer: skipped (--no-peer): tracetrain figures only")
+    elif not peer:
         print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken;")
         print("bench/setup_peers.sh builds it): tracetrain figures only")
     head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>8}"
@@ -294,10 +296,12 @@ def main() -> None:
             for r in (ours, theirs):
                 if r is None:
                     continue
-                line = (
-                    f"{case:<18} {r['limits']:<10} {r['impl']:<14} {r['rows']:>5} {r['wall']:>7.3f} {r['rows'] / r['wall']:>8.0f} "
-                    f"{r['peak_above'] / 2**20:>8.1f} {r['out_bytes'] / 2**20:>7.1f} {r['peak_above'] / r['out_bytes']:>8.2f}"
+                mb, ratio = 2**20, r["peak_above"] / r["out_bytes"]
+                line = f"{case:<18} {r['limits']:<10} {r['impl']:<14} {r['rows']:>5} "
+                line += (
+                    f"{r['wall']:>7.3f} {r['rows'] / r['wall']:>8.0f} {r['peak_above'] / mb:>8.1f} "
                 )
+                line += f"{r['out_bytes'] / mb:>7.1f} {ratio:>8.2f}"
                 if r is ours and theirs is not None:
                     line += f" {theirs['wall'] / ours['wall']:>8.1f}x"
                     if (ours["rows"], ours["trained"]) != (theirs["rows"], theirs["trained"]):

@@ -223,12 +223,30 @@ def bench_config(run_dir: Path, args: argparse.Namespace):
     })
 
 
+def time_decoding(engine) -> None:
+    """Measurement only: add each decode loop's seconds to engine.stats["decode_s"]."""
+    run = engine._run
+    engine.stats["decode_s"] = 0.0
+
+    def timed(reqs):
+        t = time.perf_counter()
+        try:
+            return run(reqs)
+        finally:
+            engine.stats["decode_s"] += time.perf_counter() - t
+
+    engine._run = timed
+
+
 async def tracetrain_step(trainer, gateway, engine) -> dict:
+    before = dict(engine.stats)
     t = time.perf_counter()
     m = await trainer.train_step(gateway, engine)
     step_s = time.perf_counter() - t
     n_tok = int(m["aggregate/tokens/trained"])
     return {"step_s": step_s, "gen_s": m["time/collect_s"], "train_s": m["time/train_s"],
+            "decode_s": engine.stats["decode_s"] - before["decode_s"],
+            "decode_loops": engine.stats["batches"] - before["batches"],
             "gen_tokens": n_tok, "trained_tokens": n_tok, "reward": m["reward_mean"],
             "version": m["model_version"]}
 
@@ -273,6 +291,7 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
     engine = LocalEngine(trainer.model, trainer.tokenizer, max_batch_size=4096, model_version=0,
                          seed=args.seed)
     engine.stop_ids = frozenset()  # no stop: every sample is exactly N_NEW tokens
+    time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)
     app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
     tt_rows: list[dict] = []
@@ -290,8 +309,9 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
                         trl_rows, peer = f"failed: {e}", None
                 for r in range(args.repeats):
                     tt_rows.append(await tracetrain_step(trainer, gateway, engine))
-                    print(f"  round {r + 1}/{args.repeats}: tracetrain {tt_rows[-1]['step_s']:.3f} s", end="",
-                          flush=True)
+                    x = tt_rows[-1]
+                    print(f"  round {r + 1}/{args.repeats}: tracetrain {x['step_s']:.3f} s "
+                          f"({x['decode_loops']} decode loop{'s' * (x['decode_loops'] > 1)})", end="", flush=True)
                     if peer is not None:
                         try:
                             trl_rows.append(await peer.step())
@@ -408,8 +428,17 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
               f"  -> tracetrain is {'faster' if trl_med > tt_med else 'slower'} (goal: >= 1.00x)")
     else:
         print(f"TRL GRPOTrainer: {trl}")
-    print("tracetrain: 'gen' = collect (rollouts created -> agents done), 'rest' = store read + aggregate + "
-          "advantages + update; train tok/s over advantages + update")
+    med = {k: statistics.median(r[k] for r in tt) for k in ("step_s", "gen_s", "decode_s", "train_s")}
+    print(f"tracetrain step, medians: engine decode {med['decode_s']:.3f} s + gateway/runner/agents around it "
+          f"{med['gen_s'] - med['decode_s']:.3f} s (= collect {med['gen_s']:.3f} s) + store read/aggregate "
+          f"{med['step_s'] - med['gen_s'] - med['train_s']:.3f} s + advantages/update/version bump "
+          f"{med['train_s']:.3f} s")
+    split = [r for r in tt if r["decode_loops"] > 1]
+    if split:
+        one = [r["step_s"] for r in tt if r["decode_loops"] == 1]
+        print(f"  {len(split)} of {len(tt)} steps decoded the 8 requests in more than one loop "
+              f"(median step {statistics.median(r['step_s'] for r in split):.3f} s vs "
+              f"{statistics.median(one) if one else float('nan'):.3f} s in one loop)")
     print(f"engine stats: {info['engine']}")
 
     print(f"\n{'aggregation (64 rollouts)':40s} {'level':>10s} {'rows':>5s} {'forward tok':>11s} {'cells':>8s} "
@@ -427,7 +456,8 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=8, help="timed steps per side (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads on both sides (0: torch's default; see the module docstring)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trl", action="store_true", help="tracetrain figures only")

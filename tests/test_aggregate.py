@@ -366,7 +366,7 @@ def test_pad_to_limits_gives_fixed_widths():
     assert (batch.prompt_length, batch.response_length, m["tokens/cells"]) == (6, 4, 10)
 
 
-# ------------------------------------------------------------------ drops, limits, overlong policies
+# ------------------------------------------------------------------ drops, limits, overlong
 
 
 def test_rollouts_without_turns_are_dropped_and_counted():

@@ -42,8 +42,8 @@ def test_demo_rows_mark_trained_tokens(demo_out):
     clean = out[out.index("rollout 'clean'") :].split("\n\n")[0]
     # the clean rollout is one row: both responses trained, the tool result between them is not
     assert (
-        "[[I will use the calculator. call: add(17, 25)<|end|>]]<|tool|>42<|end|><|assistant|>[[The answer is 42."
-        in clean
+        "[[I will use the calculator. call: add(17, 25)<|end|>]]"
+        "<|tool|>42<|end|><|assistant|>[[The answer is 42." in clean
     )
     assert "mask     15x1 4x0 6x1" in clean
 

@@ -200,7 +200,8 @@ def test_real_rewrite_after_a_retokenization_is_placed_by_text(
     r1 = enc(tok, "ok.<|end|>")
     text2 = (
         SYSTEM + USER + "I will use the calculator now.<|end|>"
-        f"<|tool|>{changed_tool_text}<|end|><|assistant|>{changed_answer}<|end|><|user|>thanks<|end|><|assistant|>"
+        f"<|tool|>{changed_tool_text}<|end|><|assistant|>{changed_answer}<|end|>"
+        "<|user|>thanks<|end|><|assistant|>"
     )
     p2 = enc(tok, text2)
     rollout = Rollout("r", "g", [Turn(p0, r0), Turn(p1, r1), Turn(p2, enc(tok, "bye<|end|>"))])

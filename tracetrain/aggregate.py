@@ -63,7 +63,7 @@ CHUNK_TOKENS = 1 << 18  # chain tokens converted at a time: bounds the temporary
 
 @dataclass
 class _Row:
-    """One row: chain coordinates [lo, lo + n_prompt) are its prompt, the next n_region its region."""
+    """One row: chain coords [lo, lo + n_prompt) are its prompt; the next n_region, its region."""
 
     chain: int  # index into the rollout's chains
     lo: int  # left-truncated prompt tokens

@@ -132,13 +132,17 @@ def format_row(batch, i: int, tokenizer) -> str:
     n_region = sum(att[P:])
     region = ids[P : P + n_region]
     mask = batch.response_mask[i, :n_region].tolist()
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
     pieces, j = [], 0
     while j < n_region:  # group equal-mask runs and decode each run
         k = j
         while k < n_region and mask[k] == mask[j]:
             k += 1
-        text = tokenizer.decode(region[j:k], skip_special_tokens=False)
-        pieces.append(f"[[{text}]]" if mask[j] else text)
+        piece = text(region[j:k])
+        pieces.append(f"[[{piece}]]" if mask[j] else piece)
         j = k
     ro = int(batch.rollout_index[i])
     reward = float(batch.rewards[ro])
@@ -146,7 +150,7 @@ def format_row(batch, i: int, tokenizer) -> str:
         [
             f"row {i}: rollout {batch.rollout_ids[i]!r}  first turn {int(batch.turn_index[i])}  "
             f"model_version {int(batch.model_version[i])}  reward {reward}",
-            f"  prompt   ({len(prompt)} tokens): {tokenizer.decode(prompt, skip_special_tokens=False)}",
+            f"  prompt   ({len(prompt)} tokens): {text(prompt)}",
             f"  response ({n_region} tokens, {sum(mask)} trained): {''.join(pieces)}",
             f"  mask     {_runs(mask)}",
             f"  ids      {' '.join(str(t) for t in prompt)} | "
@@ -184,11 +188,10 @@ def run_demo(args: argparse.Namespace) -> int:
         return_breaks=True,
     )
     print(
-        f"{len(rollouts)} rollouts from {args.traces} -> {batch.n_rows} rows at level {args.level!r}"
+        f"{len(rollouts)} rollouts from {args.traces} -> {batch.n_rows} rows, level {args.level!r}"
     )
-    print(
-        f"batch: input_ids {tuple(batch.input_ids.shape)} (P={batch.prompt_length}, R={batch.response_length})"
-    )
+    P, R = batch.prompt_length, batch.response_length
+    print(f"batch: input_ids {tuple(batch.input_ids.shape)} (P={P}, R={R})")
     print("trained response tokens are shown in [[...]] and marked * in the ids\n")
     for i in range(batch.n_rows):
         print(format_row(batch, i, tokenizer) + "\n")

@@ -81,7 +81,7 @@ def decode(tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 def _token_at_char(tokenizer: Any, ids: Sequence[int], char: int) -> int:
-    """Index of the token of `ids` whose decoded text holds character `char` (bisect on prefixes)."""
+    """Index of the token of `ids` whose decoded text holds character `char` (bisect)."""
     lo, hi = 0, len(ids) - 1  # smallest i with len(decode(ids[: i + 1])) > char
     while lo < hi:
         mid = (lo + hi) // 2

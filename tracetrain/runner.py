@@ -2,7 +2,7 @@
 
 An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
 (`client` = {"base_url", "api_key", "model", "rollout_id", "temperature", "max_tokens", "seed",
-"http_client"}; `http_client` is an httpx.AsyncClient shared by the call's agents, not to be
+"http_client"}; `http_client` is an HTTP client for the openai SDK shared by the call's agents, not to be
 closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't call its `close()`; `seed`,
 when the caller gives one, is made distinct per rollout, see `rollout_seed`) or a
 command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and TRACETRAIN_* variables
@@ -29,28 +29,38 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 
 AgentFn = Callable[[dict, dict], Awaitable[float | None]]
 
 
 class GatewayClient:
-    """The runner's and trainer's side of the gateway: admin routes over HTTP."""
+    """The runner's and trainer's side of the gateway: admin routes over HTTP (aiohttp: its pool
+    stays O(1) per request with hundreds of agents, where httpx's scans every connection)."""
 
-    def __init__(self, url: str, admin_key: str, *, timeout_s: float = 60.0):
+    def __init__(self, url: str, admin_key: str, *, timeout_s: float = 60.0, max_connections: int = 64):
         self.url = url.rstrip("/")
-        self.http = httpx.AsyncClient(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {admin_key}"},
-            timeout=timeout_s,
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-        )
+        self.headers = {"Authorization": f"Bearer {admin_key}"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, timeout=self.timeout,
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+            )
+        return self._session
 
     async def _call(self, method: str, path: str, **kw) -> Any:
-        r = await self.http.request(method, path, **kw)
-        if r.status_code >= 400:
-            raise RuntimeError(f"gateway {method} {path} -> {r.status_code}: {r.text[:500]}")
-        return r.json() if r.content else None
+        async with self.session.request(method, self.url + path, **kw) as r:
+            body = await r.read()
+            if r.status >= 400:
+                raise RuntimeError(f"gateway {method} {path} -> {r.status}: {body[:500].decode(errors='replace')}")
+            return json.loads(body) if body else None
 
     async def create_rollouts(self, rollouts: list[dict]) -> list[dict]:
         return (await self._call("POST", "/rollouts", json={"rollouts": rollouts}))["rollouts"]
@@ -72,7 +82,20 @@ class GatewayClient:
         return await self._call("POST", f"/engines/{name}/{action}")
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+
+def agent_http_client(max_connections: int):
+    """The HTTP client handed to agents for the openai SDK: its aiohttp-backed client when the
+    `aiohttp` extra is there (3-4x less CPU per call with 100+ agents), else httpx."""
+    try:
+        from openai import DefaultAioHttpClient
+
+        return DefaultAioHttpClient()
+    except (ImportError, RuntimeError):
+        return httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections,
+                                                     max_keepalive_connections=max_connections))
 
 
 @dataclass
@@ -189,9 +212,7 @@ async def run_rollouts(
     created = await gateway.create_rollouts(rollouts)
     sem = asyncio.Semaphore(concurrency)
     # One HTTP connection pool for all agents of the call (a new client costs ~0.1 s of CPU).
-    async with httpx.AsyncClient(
-        timeout=timeout_s, limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    ) as http_client:
+    async with agent_http_client(concurrency) as http_client:
         extra = {**(client_extra or {}), "http_client": http_client}
 
         async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
