@@ -17,7 +17,7 @@ def demo_out():
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        status = main(["demo"])
+        status = main(["rows"])
     return status, buf.getvalue()
 
 
@@ -54,7 +54,7 @@ def test_demo_transition_level_has_one_row_per_turn(tmp_path):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["demo", "--level", "transition"]) == 0
+        assert main(["rows", "--level", "transition"]) == 0
     out = buf.getvalue()
     assert metric(out, "n_rows") == 10 and "prefix breaks: none" in out
 
@@ -71,20 +71,20 @@ def test_demo_bad_trace_file_fails_cleanly(tmp_path, capsys):
             }
         )
     )
-    assert main(["demo", "--traces", str(bad)]) == 2
+    assert main(["rows", "--traces", str(bad)]) == 2
     assert "error: rollout 'x': reward is nan" in capsys.readouterr().err
     # through the module entry point: exit status 2 and a message, no traceback
     (tmp_path / "empty").mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "tracetrain", "demo", "--traces", str(tmp_path / "empty")],
+        [sys.executable, "-m", "tracetrain", "rows", "--traces", str(tmp_path / "empty")],
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 2 and "tracetrain demo: error: no *.json trace files" in proc.stderr
+    assert proc.returncode == 2 and "tracetrain rows: error: no *.json trace files" in proc.stderr
     assert "Traceback" not in proc.stderr
     del turn["prompt"]
     bad.write_text(
         json.dumps({"rollouts": [{"rollout_id": "x", "group_id": "g", "turns": [turn]}]})
     )
-    assert main(["demo", "--traces", str(bad)]) == 2
+    assert main(["rows", "--traces", str(bad)]) == 2
     assert "rollouts[0].turns[0]: missing field 'prompt'" in capsys.readouterr().err

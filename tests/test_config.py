@@ -63,3 +63,17 @@ def test_overrides_round_trip(steps, lr):
     cfg = build_config({}, [f"trainer.steps={steps}", f"optim.lr={lr!r}"])
     assert cfg.trainer.steps == steps and cfg.optim.lr == lr
     assert TrainConfig.model_validate(cfg.model_dump()) == cfg
+
+
+def test_cli_train_names_the_bad_key(tmp_path):
+    """`tracetrain train` reports a bad key in one line with status 2, before any work starts."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer: {steps: 3}\n")
+    proc = subprocess.run([sys.executable, "-m", "tracetrain", "train", str(cfg), "optim.lrr=1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "config key 'optim.lrr': unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr
