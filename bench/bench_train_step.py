@@ -89,7 +89,10 @@ def trl_worker(args: argparse.Namespace) -> None:
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": one_turn.PROMPT}]}] * steps)
 
     def digits(completions, **_):
-        return [one_turn.digit_fraction(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
+        return [
+            one_turn.digit_fraction(c[-1]["content"] if isinstance(c, list) else c)
+            for c in completions
+        ]
 
     cfg = GRPOConfig(
         output_dir=args.out_dir,
@@ -136,14 +139,25 @@ def trl_worker(args: argparse.Namespace) -> None:
 
         def on_step_end(self, args_, state, control, **kw):
             self.t_end = time.perf_counter()
-            row = {"step_s": self.t_end - self.t0, "gen_s": self.gen_s, "gen_tokens": self.gen_tokens,
-                   "trained_tokens": self.gen_tokens, "prompt_tokens": self.prompt_tokens,
-                   "between_s": self.gap}
+            row = {
+                "step_s": self.t_end - self.t0,
+                "gen_s": self.gen_s,
+                "gen_tokens": self.gen_tokens,
+                "trained_tokens": self.gen_tokens,
+                "prompt_tokens": self.prompt_tokens,
+                "between_s": self.gap,
+            }
             print(MARK + json.dumps(row), flush=True)
 
     clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=digits, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=digits,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[clock],
+    )
     generate = trainer._generate_and_score_completions
 
     def timed_generate(inputs):
@@ -156,8 +170,10 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     trainer._generate_and_score_completions = timed_generate
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    print(MARK + json.dumps({"ready": True, "params": n_params, "threads": torch.get_num_threads()}),
-          flush=True)
+    print(
+        MARK + json.dumps({"ready": True, "params": n_params, "threads": torch.get_num_threads()}),
+        flush=True,
+    )
     trainer.train()
 
 
@@ -169,14 +185,34 @@ class TRLPeer:
 
     @classmethod
     async def start(cls, model_dir: Path, work: Path, args: argparse.Namespace) -> TRLPeer:
-        argv = [str(PEER_PYTHON), str(Path(__file__).resolve()), "--trl-worker", "--model-dir", str(model_dir),
-                "--out-dir", str(work / "trl-out"), "--repeats", str(args.repeats), "--lr", str(args.lr),
-                "--seed", str(args.seed)] + (["--threads", str(args.threads)] if args.threads else [])
+        argv = [
+            str(PEER_PYTHON),
+            str(Path(__file__).resolve()),
+            "--trl-worker",
+            "--model-dir",
+            str(model_dir),
+            "--out-dir",
+            str(work / "trl-out"),
+            "--repeats",
+            str(args.repeats),
+            "--lr",
+            str(args.lr),
+            "--seed",
+            str(args.seed),
+        ] + (["--threads", str(args.threads)] if args.threads else [])
         err = work / "trl.stderr"
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_VERBOSITY": "error"}
+        env = {
+            **os.environ,
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=err.open("wb"), env=env
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err.open("wb"),
+            env=env,
         )
         return cls(proc, err)
 
@@ -188,7 +224,7 @@ class TRLPeer:
                 raise RuntimeError(f"TRL worker ended (exit {await self.proc.wait()}):\n{tail}")
             text = line.decode(errors="replace")
             if text.startswith(MARK):
-                return json.loads(text[len(MARK):])
+                return json.loads(text[len(MARK) :])
 
     async def step(self, timeout_s: float = 600) -> dict:
         self.proc.stdin.write(b"go\n")
@@ -210,17 +246,36 @@ class TRLPeer:
 def bench_config(run_dir: Path, args: argparse.Namespace):
     from tracetrain.config import build_config
 
-    return build_config({
-        "task": str(TASK_FILE),
-        "model": {"kind": "tiny", "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
-        "rollout": {"tasks_per_step": 1, "n_per_task": N_SAMPLES, "temperature": 1.0, "max_tokens": N_NEW,
-                    "timeout_s": 300.0},
-        "aggregate": {"level": "trajectory"},
-        "advantage": {"estimator": "grpo"},
-        "optim": {"lr": args.lr, "warmup_steps": 0, "decay": "constant", "grad_clip": 1.0,
-                  "mini_batches": 1, "ppo_epochs": 1},
-        "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir)},
-    })
+    return build_config(
+        {
+            "task": str(TASK_FILE),
+            "model": {
+                "kind": "tiny",
+                "hidden_size": 256,
+                "num_layers": 4,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+            },
+            "rollout": {
+                "tasks_per_step": 1,
+                "n_per_task": N_SAMPLES,
+                "temperature": 1.0,
+                "max_tokens": N_NEW,
+                "timeout_s": 300.0,
+            },
+            "aggregate": {"level": "trajectory"},
+            "advantage": {"estimator": "grpo"},
+            "optim": {
+                "lr": args.lr,
+                "warmup_steps": 0,
+                "decay": "constant",
+                "grad_clip": 1.0,
+                "mini_batches": 1,
+                "ppo_epochs": 1,
+            },
+            "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir)},
+        }
+    )
 
 
 def time_decoding(engine) -> None:
@@ -244,14 +299,22 @@ async def tracetrain_step(trainer, gateway, engine) -> dict:
     m = await trainer.train_step(gateway, engine)
     step_s = time.perf_counter() - t
     n_tok = int(m["aggregate/tokens/trained"])
-    return {"step_s": step_s, "gen_s": m["time/collect_s"], "train_s": m["time/train_s"],
-            "decode_s": engine.stats["decode_s"] - before["decode_s"],
-            "decode_loops": engine.stats["batches"] - before["batches"],
-            "gen_tokens": n_tok, "trained_tokens": n_tok, "reward": m["reward_mean"],
-            "version": m["model_version"]}
+    return {
+        "step_s": step_s,
+        "gen_s": m["time/collect_s"],
+        "train_s": m["time/train_s"],
+        "decode_s": engine.stats["decode_s"] - before["decode_s"],
+        "decode_loops": engine.stats["batches"] - before["batches"],
+        "gen_tokens": n_tok,
+        "trained_tokens": n_tok,
+        "reward": m["reward_mean"],
+        "version": m["model_version"],
+    }
 
 
-async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], list[dict] | str, dict]:
+async def run_steps(
+    args: argparse.Namespace, work: Path
+) -> tuple[list[dict], list[dict] | str, dict]:
     import secrets
 
     import torch
@@ -266,13 +329,21 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards"
     task = load_one_turn()
     trainer = Trainer(bench_config(work / "run", args), task, log=lambda *_: None)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     model_dir = tiny.save_tiny(work / "model", trainer.tokenizer, trainer.model)  # TRL's copy
     prompt_ids = trainer.tokenizer.apply_chat_template(
-        [{"role": "user", "content": task.PROMPT}], add_generation_prompt=True)["input_ids"]
-    info = {"params": n_params, "threads": torch.get_num_threads(), "prompt_tokens": len(prompt_ids)}
+        [{"role": "user", "content": task.PROMPT}], add_generation_prompt=True
+    )["input_ids"]
+    info = {
+        "params": n_params,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": len(prompt_ids),
+    }
 
     peer: TRLPeer | None = None
     trl_rows: list[dict] | str
@@ -288,8 +359,9 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
     trainer.nonce = secrets.token_hex(3)
     trainer.agent = resolve_agent(task, trainer.cfg.agent)
     trainer.store = SQLiteStore(work / "run" / "traces.db")
-    engine = LocalEngine(trainer.model, trainer.tokenizer, max_batch_size=4096, model_version=0,
-                         seed=args.seed)
+    engine = LocalEngine(
+        trainer.model, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=args.seed
+    )
     engine.stop_ids = frozenset()  # no stop: every sample is exactly N_NEW tokens
     time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)
@@ -310,8 +382,12 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
                 for r in range(args.repeats):
                     tt_rows.append(await tracetrain_step(trainer, gateway, engine))
                     x = tt_rows[-1]
-                    print(f"  round {r + 1}/{args.repeats}: tracetrain {x['step_s']:.3f} s "
-                          f"({x['decode_loops']} decode loop{'s' * (x['decode_loops'] > 1)})", end="", flush=True)
+                    print(
+                        f"  round {r + 1}/{args.repeats}: tracetrain {x['step_s']:.3f} s "
+                        f"({x['decode_loops']} decode loop{'s' * (x['decode_loops'] > 1)})",
+                        end="",
+                        flush=True,
+                    )
                     if peer is not None:
                         try:
                             trl_rows.append(await peer.step())
@@ -331,8 +407,10 @@ async def run_steps(args: argparse.Namespace, work: Path) -> tuple[list[dict], l
 
 
 # ------------------------------------------------------------------ aggregation tokens
-WORDS = ("the of and to in is it that for on with as was at by this from or an be are have not "
-         "result value check file test call tool run step error list read open next then done").split()
+WORDS = (
+    "the of and to in is it that for on with as was at by this from or an be are have not "
+    "result value check file test call tool run step error list read open next then done"
+).split()
 
 
 def chat_rollouts(tok, n: int, *, long: bool, seed: int = 0, turns: int = 8):
@@ -344,7 +422,10 @@ def chat_rollouts(tok, n: int, *, long: bool, seed: int = 0, turns: int = 8):
     out = []
     for i in range(n):
         target = rng.randint(1, 100)
-        msgs = [{"role": "system", "content": "Guess my number from 1 to 100."}, {"role": "user", "content": "Guess."}]
+        msgs = [
+            {"role": "system", "content": "Guess my number from 1 to 100."},
+            {"role": "user", "content": "Guess."},
+        ]
         rollout_turns = []
         for _ in range(turns):
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
@@ -368,15 +449,28 @@ def aggregation_tokens(n: int = 64) -> list[dict]:
 
     tok = build_tokenizer()
     rows = []
-    for shape, long in (("guess chat, 8 turns (short replies)", False), ("agent chat, 8 turns (~40-token turns)", True)):
+    for shape, long in (
+        ("guess chat, 8 turns (short replies)", False),
+        ("agent chat, 8 turns (~40-token turns)", True),
+    ):
         rollouts = chat_rollouts(tok, n, long=long)
         res = {"shape": shape}
         for level in ("transition", "trajectory"):
-            batch, m = aggregate(rollouts, level=level, max_prompt_length=8192, max_response_length=8192,
-                                 pad_token_id=tok.pad_token_id, tokenizer=tok)
-            res[level] = {"rows": batch.n_rows, "forward": int(batch.attention_mask.sum()),
-                          "cells": batch.attention_mask.numel(), "trained": int(batch.response_mask.sum()),
-                          "breaks": int(m.get("breaks/total", 0))}
+            batch, m = aggregate(
+                rollouts,
+                level=level,
+                max_prompt_length=8192,
+                max_response_length=8192,
+                pad_token_id=tok.pad_token_id,
+                tokenizer=tok,
+            )
+            res[level] = {
+                "rows": batch.n_rows,
+                "forward": int(batch.attention_mask.sum()),
+                "cells": batch.attention_mask.numel(),
+                "trained": int(batch.response_mask.sum()),
+                "breaks": int(m.get("breaks/total", 0)),
+            }
         rows.append(res)
     return rows
 
@@ -391,7 +485,9 @@ def check_work(name: str, rows: list[dict]) -> None:
     want = N_SAMPLES * N_NEW
     bad = [r for r in rows if r["gen_tokens"] != want or r["trained_tokens"] != want]
     if bad:
-        raise SystemExit(f"{name}: a step did not generate and train exactly {want} tokens: {bad[0]}")
+        raise SystemExit(
+            f"{name}: a step did not generate and train exactly {want} tokens: {bad[0]}"
+        )
 
 
 def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -> None:
@@ -399,12 +495,16 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
     for r in tt:
         r["rest_s"] = r["step_s"] - r["gen_s"]  # everything after generation: store, rows, update
     n = N_SAMPLES * N_NEW
-    print(f"\nmodel {info['params'] / 1e6:.2f}M params (tracetrain) / "
-          f"{info.get('trl_params', 0) / 1e6:.2f}M (TRL), fp32, CPU, torch threads {info['threads']}; "
-          f"1 prompt ({info['prompt_tokens']} tokens) x {N_SAMPLES} samples x {N_NEW} new tokens; "
-          f"{len(tt)} timed steps per side")
-    head = f"{'':28s} {'step s min':>10s} {'median':>8s} {'gen s med':>9s} {'rest s med':>10s} " \
-           f"{'gen tok/s':>9s} {'train tok/s':>11s}"
+    print(
+        f"\nmodel {info['params'] / 1e6:.2f}M params (tracetrain) / "
+        f"{info.get('trl_params', 0) / 1e6:.2f}M (TRL), fp32, CPU, torch threads {info['threads']}; "
+        f"1 prompt ({info['prompt_tokens']} tokens) x {N_SAMPLES} samples x {N_NEW} new tokens; "
+        f"{len(tt)} timed steps per side"
+    )
+    head = (
+        f"{'':28s} {'step s min':>10s} {'median':>8s} {'gen s med':>9s} {'rest s med':>10s} "
+        f"{'gen tok/s':>9s} {'train tok/s':>11s}"
+    )
     print(head)
 
     def line(name, rows):
@@ -423,41 +523,66 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
         trl_lo, trl_med = line("TRL GRPOTrainer step", trl)
         between = [r["between_s"] for r in trl if r["between_s"] is not None]
         if between:
-            print(f"{'  (TRL between steps)':28s} {min(between):10.3f} {statistics.median(between):8.3f}")
-        print(f"ratio TRL / tracetrain step time: {trl_lo / tt_lo:.2f}x (min), {trl_med / tt_med:.2f}x (median)"
-              f"  -> tracetrain is {'faster' if trl_med > tt_med else 'slower'} (goal: >= 1.00x)")
+            print(
+                f"{'  (TRL between steps)':28s} {min(between):10.3f} {statistics.median(between):8.3f}"
+            )
+        print(
+            f"ratio TRL / tracetrain step time: {trl_lo / tt_lo:.2f}x (min), {trl_med / tt_med:.2f}x (median)"
+            f"  -> tracetrain is {'faster' if trl_med > tt_med else 'slower'} (goal: >= 1.00x)"
+        )
     else:
         print(f"TRL GRPOTrainer: {trl}")
-    med = {k: statistics.median(r[k] for r in tt) for k in ("step_s", "gen_s", "decode_s", "train_s")}
-    print(f"tracetrain step, medians: engine decode {med['decode_s']:.3f} s + gateway/runner/agents around it "
-          f"{med['gen_s'] - med['decode_s']:.3f} s (= collect {med['gen_s']:.3f} s) + store read/aggregate "
-          f"{med['step_s'] - med['gen_s'] - med['train_s']:.3f} s + advantages/update/version bump "
-          f"{med['train_s']:.3f} s")
+    for r in tt:  # per step, then the median of each part
+        r["around_s"] = r["gen_s"] - r["decode_s"]
+        r["store_s"] = r["step_s"] - r["gen_s"] - r["train_s"]
+    med = {
+        k: statistics.median(r[k] for r in tt)
+        for k in ("decode_s", "around_s", "store_s", "train_s")
+    }
+    print(
+        f"tracetrain step parts, medians: engine decode {med['decode_s']:.3f} s | gateway + runner + "
+        f"agents around it {med['around_s']:.3f} s | store read + aggregate {med['store_s']:.3f} s | "
+        f"advantages + pause/drain + PPO update + version bump {med['train_s']:.3f} s"
+    )
     split = [r for r in tt if r["decode_loops"] > 1]
     if split:
         one = [r["step_s"] for r in tt if r["decode_loops"] == 1]
-        print(f"  {len(split)} of {len(tt)} steps decoded the 8 requests in more than one loop "
-              f"(median step {statistics.median(r['step_s'] for r in split):.3f} s vs "
-              f"{statistics.median(one) if one else float('nan'):.3f} s in one loop)")
+        print(
+            f"  {len(split)} of {len(tt)} steps decoded the 8 requests in more than one loop "
+            f"(median step {statistics.median(r['step_s'] for r in split):.3f} s vs "
+            f"{statistics.median(one) if one else float('nan'):.3f} s in one loop)"
+        )
     print(f"engine stats: {info['engine']}")
 
-    print(f"\n{'aggregation (64 rollouts)':40s} {'level':>10s} {'rows':>5s} {'forward tok':>11s} {'cells':>8s} "
-          f"{'trained':>8s} {'breaks':>6s}")
+    print(
+        f"\n{'aggregation (64 rollouts)':40s} {'level':>10s} {'rows':>5s} {'forward tok':>11s} {'cells':>8s} "
+        f"{'trained':>8s} {'breaks':>6s}"
+    )
     for a in agg:
         for level in ("transition", "trajectory"):
             x = a[level]
-            print(f"{a['shape']:40s} {level:>10s} {x['rows']:5d} {x['forward']:11d} {x['cells']:8d} "
-                  f"{x['trained']:8d} {x['breaks']:6d}")
+            print(
+                f"{a['shape']:40s} {level:>10s} {x['rows']:5d} {x['forward']:11d} {x['cells']:8d} "
+                f"{x['trained']:8d} {x['breaks']:6d}"
+            )
         ratio = a["transition"]["forward"] / a["trajectory"]["forward"]
-        print(f"{'':40s} transition / trajectory forward tokens: {ratio:.2f}x (goal >= 2x); "
-              f"cells {a['transition']['cells'] / a['trajectory']['cells']:.2f}x")
+        print(
+            f"{'':40s} transition / trajectory forward tokens: {ratio:.2f}x (goal >= 2x); "
+            f"cells {a['transition']['cells'] / a['trajectory']['cells']:.2f}x"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=8, help="timed steps per side (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads on both sides (0: torch's default; see the module docstring)")
+    ap.add_argument(
+        "--repeats", type=int, default=8, help="timed steps per side (after one warm-up)"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads on both sides (0: torch's default; see the module docstring)",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trl", action="store_true", help="tracetrain figures only")

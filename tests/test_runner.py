@@ -159,3 +159,25 @@ def test_load_agent_forms():
     assert load_agent(good) is good
     assert load_agent("os.path:join") is os.path.join
     assert load_agent("python agent.py").argv == [sys.executable, "agent.py"]
+
+
+async def no_model_call(task, client):
+    return 0.5
+
+
+def test_agent_that_never_calls_the_model(tmp_path):
+    """Still queued when it returns: the runner passes it through running to succeeded."""
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                return await run_rollouts(client, [{"rollout_id": "q", "group_id": "g"}], no_model_call,
+                                          concurrency=1, timeout_s=5.0)
+            finally:
+                await client.aclose()
+
+        (res,) = asyncio.run(main())
+        assert (res.state, res.reward) == ("succeeded", 0.5)
+        stored = gw.store.get_rollout("q")
+        assert (stored.state.value, stored.reward) == ("succeeded", 0.5)

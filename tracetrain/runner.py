@@ -9,7 +9,7 @@ command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and TRA
 and reports its reward through the gateway (POST $TRACETRAIN_ROLLOUT_URL/rewards).
 
 State of each rollout (set through the gateway's admin API):
-    running while the agent runs; succeeded when it returns or exits 0; failed on an exception or a
+    running from the agent's first model call; succeeded when it returns or exits 0; failed on an exception or a
     non-zero exit (the error is kept); timed_out past `timeout_s` (a subprocess is killed with its
     whole process group). Failed and timed-out rollouts are never given reward 0 here.
 A coroutine agent must be cooperative (await its I/O): one that blocks the event loop cannot be
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -33,6 +34,12 @@ import aiohttp
 import httpx
 
 AgentFn = Callable[[dict, dict], Awaitable[float | None]]
+
+
+class GatewayError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class GatewayClient:
@@ -59,7 +66,8 @@ class GatewayClient:
         async with self.session.request(method, self.url + path, **kw) as r:
             body = await r.read()
             if r.status >= 400:
-                raise RuntimeError(f"gateway {method} {path} -> {r.status}: {body[:500].decode(errors='replace')}")
+                raise GatewayError(r.status, f"gateway {method} {path} -> {r.status}: "
+                                   f"{body[:500].decode(errors='replace')}")
             return json.loads(body) if body else None
 
     async def create_rollouts(self, rollouts: list[dict]) -> list[dict]:
@@ -70,6 +78,24 @@ class GatewayClient:
         if error is not None:
             body["error"] = error[-100_000:]
         return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
+
+    async def finish(self, rollout_id: str, state: str, error: str | None = None,
+                     reward: float | None = None) -> dict:
+        """End a rollout in one call: its state, and the reward its agent returned (kept as the
+        rollout's reward; None leaves what the agent reported through the gateway). A rollout
+        whose agent never called the model is still queued: it passes through running."""
+        body: dict[str, Any] = {"state": state}
+        if error is not None:
+            body["error"] = error[-100_000:]
+        if reward is not None:
+            body["reward"] = reward
+        try:
+            return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
+        except GatewayError as e:
+            if e.status != 409:
+                raise
+            await self.set_state(rollout_id, "running")
+            return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
 
     async def post_reward(self, rollout_id: str, reward: float) -> dict:
         return await self._call("POST", f"/rollouts/{rollout_id}/rewards", json={"reward": reward})
@@ -168,7 +194,6 @@ async def run_one(
         "rollout_url": base_url.removesuffix("/").removesuffix("/v1"),
     }
     start = time.monotonic()
-    await gateway.set_state(rid, "running")
     state, reward, error = "succeeded", None, None
     try:
         reward = await asyncio.wait_for(agent(task, client), timeout_s)
@@ -179,14 +204,13 @@ async def run_one(
     if state == "succeeded" and reward is not None:
         try:
             reward = float(reward)
-            await gateway.post_reward(rid, reward)
-        except (TypeError, ValueError, RuntimeError) as e:
+            if not math.isfinite(reward):
+                raise ValueError("it is not finite")
+        except (TypeError, ValueError) as e:
             state, error = "failed", f"agent returned an unusable reward {reward!r}: {e}"
-    await gateway.set_state(rid, state, error)
-    if state == "succeeded" and reward is None:  # reported through the gateway, if at all
-        reward = (await gateway.get_rollout(rid, turns=False))["reward"]
-    return RolloutResult(rid, gid, state, reward if state == "succeeded" else None, error,
-                         time.monotonic() - start)
+    record = await gateway.finish(rid, state, error, reward if state == "succeeded" else None)
+    reward = record["reward"] if state == "succeeded" else None  # returned, or reported by the agent
+    return RolloutResult(rid, gid, state, reward, error, time.monotonic() - start)
 
 
 def rollout_seed(base: int, position: int) -> int:

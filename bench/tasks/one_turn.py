@@ -27,8 +27,12 @@ async def agent(task: dict, client: dict) -> float:
     """One chat call through the gateway with the runner's sampling settings."""
     from openai import AsyncOpenAI  # imported here: TRL's side only needs digit_fraction
 
-    openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
-                         http_client=client.get("http_client"))
+    openai = AsyncOpenAI(
+        base_url=client["base_url"],
+        api_key=client["api_key"],
+        max_retries=0,
+        http_client=client.get("http_client"),
+    )
     out = await openai.chat.completions.create(
         model=client["model"],
         messages=[{"role": "user", "content": task["prompt"]}],
