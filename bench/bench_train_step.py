@@ -2,7 +2,8 @@
 trained-forward tokens of trajectory vs transition aggregation on 8-turn rollouts.
 
     .venv/bin/python bench/bench_train_step.py                    # 8 timed steps per side
-    .venv/bin/python bench/bench_train_step.py --repeats 12 --threads 2
+    .venv/bin/python bench/bench_train_step.py --repeats 20       # the figures in docs/bench-train.md
+    .venv/bin/python bench/bench_train_step.py --threads 0        # torch's default thread count
     .venv/bin/python bench/bench_train_step.py --no-trl           # tracetrain figures only
 
 The work of one step (both sides): the tiny Llama of `tracetrain.tiny` (hidden 256, 4 layers,
@@ -31,10 +32,17 @@ bench/setup_peers.sh), driven one step at a time over a pipe, so the two sides n
 same time: round r = one tracetrain step, then one TRL step. One warm-up step each first. The
 machine is shared: min and median are printed, and the ratios of both.
 
+Threads: both sides use 1 torch thread by default (--threads). On a small shared machine, 2
+intra-op threads made these tiny matmuls 5-10x slower and erratic whenever other jobs ran (OpenMP
+workers waiting on busy cores), which would measure the load, not the trainers.
+
 Generated tokens/s = generated tokens / the generation phase (tracetrain: the collect phase, from
 the first rollout created to the last agent done; TRL: `_generate_and_score_completions`);
-trained tokens/s = trained tokens / the training phase (tracetrain: advantages + PPO update +
-weight version bump; TRL: the rest of its step).
+trained tokens/s = trained tokens / the training phase (tracetrain: advantages + pause/drain + PPO
+update + version bump; TRL: the rest of its step). tracetrain's step is also split into engine
+decode (timed around the engine's decode loops), the gateway/runner/agent work around it, store
+read + aggregate, and the update; a step whose 8 requests were decoded in more than one loop is
+reported.
 
 Aggregation: 64 synthetic 8-turn rollouts rendered with the tiny tokenizer's chat template the way
 the gateway renders them (the prompt of turn k = the whole previous conversation + the new
@@ -201,6 +209,7 @@ class TRLPeer:
             str(args.seed),
         ] + (["--threads", str(args.threads)] if args.threads else [])
         err = work / "trl.stderr"
+        err_file = err.open("wb")
         env = {
             **os.environ,
             "TOKENIZERS_PARALLELISM": "false",
@@ -211,9 +220,10 @@ class TRLPeer:
             *argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=err.open("wb"),
+            stderr=err_file,
             env=env,
         )
+        err_file.close()  # the child has its own copy
         return cls(proc, err)
 
     async def read(self, timeout_s: float) -> dict:
@@ -495,9 +505,11 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
     for r in tt:
         r["rest_s"] = r["step_s"] - r["gen_s"]  # everything after generation: store, rows, update
     n = N_SAMPLES * N_NEW
+    trl_params = f" / {info['trl_params'] / 1e6:.2f}M (TRL)" if "trl_params" in info else ""
+    trl_threads = f" / {info['trl_threads']} (TRL)" if "trl_threads" in info else ""
     print(
-        f"\nmodel {info['params'] / 1e6:.2f}M params (tracetrain) / "
-        f"{info.get('trl_params', 0) / 1e6:.2f}M (TRL), fp32, CPU, torch threads {info['threads']}; "
+        f"\nmodel {info['params'] / 1e6:.2f}M params (tracetrain){trl_params}, fp32, CPU, "
+        f"torch threads {info['threads']}{trl_threads}; "
         f"1 prompt ({info['prompt_tokens']} tokens) x {N_SAMPLES} samples x {N_NEW} new tokens; "
         f"{len(tt)} timed steps per side"
     )

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetrain.aggregate import aggregate
-from tracetrain.cli import build_demo_tokenizer
+from tracetrain.rows_demo import build_demo_tokenizer
 from tracetrain.drift import classify_break, first_difference
 from tracetrain.types import Rollout, Turn
 

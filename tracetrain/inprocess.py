@@ -11,8 +11,10 @@ import uvicorn
 @asynccontextmanager
 async def serve_in_loop(app, *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0):
     """Yields the server's base URL; the server stops when the block exits."""
+    # Keep-alive longer than any client's idle timeout: the server never closes a connection that
+    # a client is about to reuse (the runner's clients close theirs after 2 s).
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            lifespan="on")
+                            lifespan="on", timeout_keep_alive=120)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     deadline = asyncio.get_running_loop().time() + startup_timeout_s

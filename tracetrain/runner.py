@@ -58,11 +58,22 @@ class GatewayClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 headers=self.headers, timeout=self.timeout,
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                # Close idle connections well before the server does (uvicorn: 5 s by default),
+                # so a request never goes out on a connection the server is closing.
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=2.0),
             )
         return self._session
 
     async def _call(self, method: str, path: str, **kw) -> Any:
+        for attempt in range(3):
+            try:
+                return await self._call_once(method, path, **kw)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError):
+                if attempt == 2:  # a kept-alive connection closed under us: the request never ran
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
+
+    async def _call_once(self, method: str, path: str, **kw) -> Any:
         async with self.session.request(method, self.url + path, **kw) as r:
             body = await r.read()
             if r.status >= 400:
