@@ -388,6 +388,7 @@ async def run_steps(
                         info["trl_params"], info["trl_threads"] = ready["params"], ready["threads"]
                         await peer.step()  # warm-up
                     except (RuntimeError, TimeoutError) as e:
+                        await peer.close()
                         trl_rows, peer = f"failed: {e}", None
                 for r in range(args.repeats):
                     tt_rows.append(await tracetrain_step(trainer, gateway, engine))
@@ -403,6 +404,7 @@ async def run_steps(
                             trl_rows.append(await peer.step())
                             print(f", TRL {trl_rows[-1]['step_s']:.3f} s", end="")
                         except (RuntimeError, TimeoutError) as e:
+                            await peer.close()
                             trl_rows, peer = f"failed: {e}", None
                     print(f"  (load average {os.getloadavg()[0]:.1f})", flush=True)
             finally:

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetrain.aggregate import aggregate
-from tracetrain.rows_demo import build_demo_tokenizer
 from tracetrain.drift import classify_break, first_difference
+from tracetrain.rows_demo import build_demo_tokenizer
 from tracetrain.types import Rollout, Turn
 
 P0 = list(range(10, 20))  # 10 prompt tokens

@@ -110,6 +110,7 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     run_dir: str = "runs/default"
     resume: bool = False
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0: torch's default
     tensorboard: bool = False
     wandb: bool = False
 

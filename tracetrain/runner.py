@@ -238,25 +238,30 @@ async def run_rollouts(
     concurrency: int,
     timeout_s: float,
     client_extra: dict | None = None,
+    http_client: Any = None,
 ) -> list[RolloutResult]:
     """Create `rollouts` ([{rollout_id, group_id, task}]) on the gateway, run one agent each.
 
     Results are in the order of `rollouts`. The step never waits longer than about timeout_s per
-    wave of `concurrency` agents: every agent is bounded by its timeout.
+    wave of `concurrency` agents: every agent is bounded by its timeout. `http_client` (see
+    `agent_http_client`) is shared by the agents; without one, one is made for this call (a
+    trainer running many steps passes its own: building one costs tens of ms of CPU).
     """
+    if http_client is None:
+        async with agent_http_client(concurrency) as own:
+            return await run_rollouts(gateway, rollouts, agent, concurrency=concurrency,
+                                      timeout_s=timeout_s, client_extra=client_extra, http_client=own)
     created = await gateway.create_rollouts(rollouts)
     sem = asyncio.Semaphore(concurrency)
-    # One HTTP connection pool for all agents of the call (a new client costs ~0.1 s of CPU).
-    async with agent_http_client(concurrency) as http_client:
-        extra = {**(client_extra or {}), "http_client": http_client}
+    extra = {**(client_extra or {}), "http_client": http_client}
 
-        async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
-            mine = extra if extra.get("seed") is None else {**extra, "seed": rollout_seed(extra["seed"], k)}
-            async with sem:
-                return await run_one(gateway, c, task, agent, mine, timeout_s)
+    async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
+        mine = extra if extra.get("seed") is None else {**extra, "seed": rollout_seed(extra["seed"], k)}
+        async with sem:
+            return await run_one(gateway, c, task, agent, mine, timeout_s)
 
-        runs = (bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
-        return list(await asyncio.gather(*runs))
+    runs = (bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
+    return list(await asyncio.gather(*runs))
 
 
 def load_agent(spec: str | Sequence[str] | AgentFn) -> AgentFn:

@@ -33,7 +33,7 @@ from tracetrain.engines.local import LocalEngine
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss
 from tracetrain.minibatch import plan_step
-from tracetrain.runner import GatewayClient, RolloutResult, run_rollouts
+from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
 from tracetrain.types import Rollout
 
 
@@ -172,6 +172,8 @@ class Trainer:
         self.cfg, self.task, self.log = cfg, task_module, log
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
@@ -186,6 +188,7 @@ class Trainer:
                                 total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
         )
         self.ref_model = None
+        self.http_client = None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
 
@@ -232,7 +235,8 @@ class Trainer:
         client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
                         "seed": self.cfg.trainer.seed * 1_000_003 + self.step}
         return await run_rollouts(gateway, specs, self.agent, concurrency=rc.concurrency,
-                                  timeout_s=rc.timeout_s, client_extra=client_extra)
+                                  timeout_s=rc.timeout_s, client_extra=client_extra,
+                                  http_client=self.http_client)
 
     async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
         cfg = self.cfg
@@ -327,6 +331,7 @@ class Trainer:
                                              seed=cfg.trainer.seed)
             self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                      f"in {time.perf_counter() - t:.1f} s")
+        sinks = metric_sinks(cfg, self.run_dir)
         if cfg.loss.kl_coef > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.store = SQLiteStore(self.run_dir / "traces.db")
@@ -335,8 +340,9 @@ class Trainer:
         admin_key = secrets.token_urlsafe(24)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key)
         try:
-            async with serve_in_loop(app) as url:
+            async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)
+                self.http_client = http
                 try:
                     bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
                                dynamic_ncols=True)
@@ -347,6 +353,8 @@ class Trainer:
                         self.history.append(m)
                         with self.metrics_path.open("a") as f:
                             f.write(json.dumps(m) + "\n")
+                        for sink in sinks:
+                            sink(m)
                         bar.update(1)
                         bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
                         bar.write(format_step(m))
@@ -360,6 +368,34 @@ class Trainer:
             self.store.close()
         self.save_checkpoint()
         return self.history
+
+
+def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:
+    """Where step metrics go besides metrics.jsonl: TensorBoard and/or Weights & Biases, when
+    asked for (a clear error when asked for but not installed)."""
+    sinks = []
+    numeric = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
+    if cfg.trainer.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(f"config key 'trainer.tensorboard': needs the tensorboard package ({e})") from None
+        writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+        def tb(m: dict) -> None:
+            for k, v in numeric(m).items():
+                writer.add_scalar(k, v, m["step"])
+            writer.flush()
+
+        sinks.append(tb)
+    if cfg.trainer.wandb:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("config key 'trainer.wandb': needs the wandb package") from None
+        run = wandb.init(project="tracetrain", dir=str(run_dir), config=cfg.model_dump())
+        sinks.append(lambda m: run.log(numeric(m), step=m["step"]))
+    return sinks
 
 
 def format_step(m: dict) -> str:
