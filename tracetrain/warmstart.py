@@ -6,6 +6,7 @@ chat template (the environment's replies included: a tiny model first has to lea
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
@@ -13,13 +14,18 @@ import torch.nn.functional as F
 
 
 def render(tokenizer, transcripts: list[list[dict]]) -> list[list[int]]:
-    """Chat transcripts -> token ids with the model's chat template."""
+    """Chat transcripts -> token ids with the model's chat template (each distinct one rendered once:
+    the template is Jinja, and warm-start games repeat)."""
+    cache: dict[str, list[int]] = {}
     out = []
     for messages in transcripts:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-        if hasattr(ids, "input_ids"):  # transformers >= 5 may return a BatchEncoding
-            ids = ids["input_ids"]
-        out.append(list(ids))
+        key = json.dumps(messages, sort_keys=True)
+        if key not in cache:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            cache[key] = list(ids)
+        out.append(cache[key])
     return out
 
 
