@@ -34,19 +34,25 @@ def feedback(guess_text: str, target: int) -> tuple[str | None, float | None]:
     return ("higher" if guess < target else "lower"), None
 
 
-async def agent(task: dict, client: dict) -> float:
-    """Play one game through the gateway. `client` holds base_url, api_key, model and sampling,
-    and an `http_client` shared by the run's agents (building a new one costs ~0.1 s of CPU)."""
+def chat_prompt(high: int, history: list[tuple[str, str]]) -> list[dict]:
+    """The whole conversation so far: each turn's prompt extends the previous one."""
+    messages = [{"role": "system", "content": SYSTEM.format(high=high)}, {"role": "user", "content": FIRST}]
+    for text, reply in history:
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": reply}]
+    return messages
+
+
+async def play(task: dict, client: dict, prompt) -> float:
+    """One game through the gateway; `prompt(high, history)` builds each call's messages.
+    `client` holds base_url, api_key, model and sampling, and an `http_client` shared by the run's
+    agents (building a new one costs tens of ms of CPU)."""
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
                          http_client=client.get("http_client"))
-    messages = [
-        {"role": "system", "content": SYSTEM.format(high=task["high"])},
-        {"role": "user", "content": FIRST},
-    ]
+    history: list[tuple[str, str]] = []
     for turn in range(task["max_turns"]):
         out = await openai.chat.completions.create(
             model=client["model"],
-            messages=messages,
+            messages=prompt(task["high"], history),
             temperature=client.get("temperature", 1.0),
             max_tokens=client.get("max_tokens", 4),
             seed=None if client.get("seed") is None else client["seed"] + turn,
@@ -55,8 +61,13 @@ async def agent(task: dict, client: dict) -> float:
         reply, reward = feedback(text, task["target"])
         if reward is not None:
             return reward
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": reply}]
+        history.append((text, reply))
     return 0.0
+
+
+async def agent(task: dict, client: dict) -> float:
+    """The default agent: keeps the whole chat."""
+    return await play(task, client, chat_prompt)
 
 
 def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
@@ -84,29 +95,13 @@ def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int =
 
 
 def summary_prompt(high: int, history: list[tuple[str, str]]) -> list[dict]:
-    tried = ", ".join(f"{g} {reply}" for g, reply in history)
+    tried = ", ".join(f"{g.strip()} {reply}" for g, reply in history)
     user = f"Tried: {tried}. {FIRST}" if history else FIRST
     return [{"role": "system", "content": SYSTEM.format(high=high)}, {"role": "user", "content": user}]
 
 
 async def summarizing_agent(task: dict, client: dict) -> float:
-    openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
-                         http_client=client.get("http_client"))
-    history: list[tuple[str, str]] = []
-    for turn in range(task["max_turns"]):
-        out = await openai.chat.completions.create(
-            model=client["model"],
-            messages=summary_prompt(task["high"], history),
-            temperature=client.get("temperature", 1.0),
-            max_tokens=client.get("max_tokens", 4),
-            seed=None if client.get("seed") is None else client["seed"] + turn,
-        )
-        text = out.choices[0].message.content or ""
-        reply, reward = feedback(text, task["target"])
-        if reward is not None:
-            return reward
-        history.append((text.strip(), reply))
-    return 0.0
+    return await play(task, client, summary_prompt)
 
 
 def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
