@@ -31,12 +31,19 @@ def small_config(run_dir: Path, steps: int, **extra):
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, overrides)
 
 
+def ids_of_step(run_dir: Path, step: int) -> list[str]:
+    db = sqlite3.connect(run_dir / "traces.db")
+    ids = [r[0] for r in db.execute("SELECT rollout_id FROM rollouts WHERE group_id LIKE ?", (f"%-s{step}-t%",))]
+    db.close()
+    return ids
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_train_records_learns_checkpoints_and_resumes(tmp_path):
+def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
     # Weights before any update (same seed -> the same initial model and warm start).
     probe = Trainer(small_config(tmp_path / "probe", 1), load_task("task.py", EXAMPLE))
     initial = {k: v.clone() for k, v in probe.model.state_dict().items()}
@@ -64,6 +71,13 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path):
     assert ck["step"] == 2
     changed = [k for k, v in ck["model"].items() if not torch.equal(v, initial[k])]
     assert changed, "no weight changed after two RL steps"
+
+    # `tracetrain inspect` follows one rollout of the run down the path of the data.
+    from tracetrain.cli import main
+
+    assert main(["inspect", str(run), "--rollout", ids_of_step(run, 1)[0]]) == 0
+    shown = capsys.readouterr().out
+    assert "turn 0 (model_version 1)" in shown and "advantage" in shown and "loss mass" in shown
 
     # Resume: two more steps continue the run (steps 2 and 3, versions 3 and 4).
     train(small_config(run, 4, **{"trainer.resume": "true"}), base_dir=EXAMPLE, log=lambda *_: None)

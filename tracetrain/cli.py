@@ -37,14 +37,14 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", type=Path, help="a run directory (or its traces.db)")
+    p.add_argument("run_dir", type=Path, metavar="RUN", help="a run directory (or its traces.db)")
     p.add_argument("--rollout", default=None, help="rollout id (default: the last finished one)")
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from tracetrain.inspection import inspect_rollout
 
-    inspect_rollout(args.run, args.rollout)
+    inspect_rollout(args.run_dir, args.rollout)
     return 0
 
 
