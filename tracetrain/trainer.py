@@ -470,7 +470,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     history = asyncio.run(trainer.run())
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
-    png = plot_curves(history, trainer.run_dir / "curve.png", title=f"{cfg.task} ({cfg.trainer.run_dir})")
+    name = Path(cfg.task).parent.name if cfg.task.endswith(".py") else cfg.task
+    png = plot_curves(history, trainer.run_dir / "curve.png", title=f"{name}: {cfg.agent} ({cfg.trainer.run_dir})")
     out["curve"] = str(png)
     (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     log("summary: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
