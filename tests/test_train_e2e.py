@@ -94,3 +94,35 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
         assert x["reward_mean"] == y["reward_mean"]
         assert x["aggregate/n_rows"] == y["aggregate/n_rows"]
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_ppo_update_ignores_left_padding_columns():
+    """Rows padded to a wider prompt block give the same update as the tight batch."""
+    import copy
+
+    from tracetrain import tiny
+    from tracetrain.aggregate import aggregate
+    from tracetrain.trainer import ppo_update
+    from tracetrain.types import Rollout, Turn
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model = tiny.build_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    rollouts = [
+        Rollout(f"r{k}", f"g{k // 2}", [Turn(list(range(3, 8 + 3 * k)), [40 + k, 41, 2], [-1.0, -0.5, -0.2])],
+                reward=float(k % 2))
+        for k in range(4)
+    ]
+    tight, _ = aggregate(rollouts, max_prompt_length=64, max_response_length=8)
+    wide, _ = aggregate(rollouts, max_prompt_length=64, max_response_length=8, pad_to_limits=True)
+    assert wide.prompt_length > tight.prompt_length
+    adv = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    cfg = build_config({}, ["optim.grad_clip=1e9"])
+    grads = []
+    for batch in (tight, wide):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        (res,) = ppo_update(m, opt, batch, adv, cfg)
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+        assert torch.isfinite(torch.tensor(res.loss))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)

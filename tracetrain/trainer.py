@@ -129,8 +129,10 @@ def ppo_update(
             sums["n_rollouts"] = float(per_rollout.numel())
             for micro in mb.micro_batches:
                 rows = micro.rows
-                ids, att, pos = batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows]
-                # Drop columns that are left padding in every row of this micro-batch.
+                # Skip the columns that are left padding in every row of this micro-batch.
+                start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
+                ids = batch.input_ids[rows, start:]
+                att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
                 lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
                                             with_entropy=need_entropy)
                 ref = None
