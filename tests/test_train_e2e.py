@@ -126,3 +126,18 @@ def test_ppo_update_ignores_left_padding_columns():
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
         assert torch.isfinite(torch.tensor(res.loss))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_stale_rollouts_are_dropped_and_counted():
+    from tracetrain.trainer import drop_stale
+    from tracetrain.types import Rollout, Turn
+
+    def rollout(rid, versions):
+        return Rollout(rid, "g", [Turn([1], [2], model_version=v) for v in versions], reward=1.0)
+
+    rs = [rollout("fresh", [5, 5]), rollout("one-old", [4, 5]), rollout("two-old", [3, 5]),
+          rollout("unknown", [None])]
+    kept, n = drop_stale(rs, current_version=5, max_staleness=1)
+    assert [r.rollout_id for r in kept] == ["fresh", "one-old", "unknown"] and n == 1
+    kept, n = drop_stale(rs, current_version=5, max_staleness=0)
+    assert [r.rollout_id for r in kept] == ["fresh", "unknown"] and n == 2
