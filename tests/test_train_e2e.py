@@ -141,3 +141,36 @@ def test_stale_rollouts_are_dropped_and_counted():
     assert [r.rollout_id for r in kept] == ["fresh", "one-old", "unknown"] and n == 1
     kept, n = drop_stale(rs, current_version=5, max_staleness=0)
     assert [r.rollout_id for r in kept] == ["fresh", "unknown"] and n == 2
+
+
+def test_reference_kl_enters_the_update():
+    """kl_coef > 0 with a reference model: KL 0 against itself, > 0 against another model, and the
+    KL term changes the gradient."""
+    import copy
+
+    from tracetrain import tiny
+    from tracetrain.aggregate import aggregate
+    from tracetrain.trainer import ppo_update
+    from tracetrain.types import Rollout, Turn
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model = tiny.build_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    other = tiny.build_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=1)
+    rollouts = [Rollout(f"r{k}", "g", [Turn([3, 4, 5 + k], [40 + k, 41, 2], [-1.0, -0.5, -0.2])],
+                        reward=float(k % 2)) for k in range(4)]
+    batch, _ = aggregate(rollouts, max_prompt_length=16, max_response_length=8)
+    adv = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+
+    def update(ref, kl_coef):
+        m = copy.deepcopy(model)
+        cfg = build_config({}, [f"loss.kl_coef={kl_coef}", "optim.grad_clip=1e9"])
+        (res,) = ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv, cfg, ref_model=ref)
+        return res, torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+
+    same, _ = update(copy.deepcopy(model), 0.5)
+    assert abs(same.metrics["kl_ref"]) < 1e-6
+    far, g_kl = update(other, 0.5)
+    assert far.metrics["kl_ref"] > 1e-3
+    _, g_plain = update(other, 0.0)
+    assert not torch.allclose(g_kl, g_plain)
