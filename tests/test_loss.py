@@ -578,3 +578,21 @@ def test_seq_mean_token_mean_is_not_split_invariant():
     cut = masses(token_weights(cut_mask, ["A", "B", "B"], mode="seq-mean-token-mean"), "ABB")
     assert whole == pytest.approx({"A": 1 / 2, "B": 1 / 2})
     assert cut == pytest.approx({"A": 1 / 3, "B": 2 / 3})
+
+
+def test_rollout_mass_of_the_seed_case():
+    """2 rollouts over 3 rows (A: rows 0,1 with 2+1 tokens; B: row 2 with 3): 1/2 each in
+    rollout-mean, 3/6 and 3/6 in token-mean; over rows [A,A,A,B] of ones(4,3): 1/2, 1/2."""
+    from tracetrain.loss import rollout_mass
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    ids = ["A", "A", "B"]
+    for mode in ("rollout-mean", "token-mean"):
+        mass = rollout_mass(mask, ids, row_scales(mask, ids, mode=mode))
+        torch.testing.assert_close(mass, torch.tensor([0.5, 0.5]))
+    ones = torch.ones(4, 3, dtype=torch.bool)
+    index = torch.tensor([0, 0, 0, 1])
+    torch.testing.assert_close(rollout_mass(ones, index, row_scales(ones, index)), torch.tensor([0.5, 0.5]))
+    # seq-mean-token-mean is not split invariant: the rollout cut in 2 rows weighs 2/3.
+    mass = rollout_mass(mask, ids, row_scales(mask, ids, mode="seq-mean-token-mean"))
+    torch.testing.assert_close(mass, torch.tensor([2 / 3, 1 / 3]))

@@ -13,7 +13,7 @@ from pathlib import Path
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.loss import row_scales
+from tracetrain.loss import rollout_mass, row_scales
 from tracetrain.store import SQLiteStore
 
 
@@ -49,8 +49,8 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
     """Print one rollout (default: the last finished one) and return the figures shown."""
     store, cfg = _open(Path(run))
     try:
+        done = [r for r in store.list_rollouts(limit=1_000_000) if r.state.terminal]
         if rollout_id is None:
-            done = [r for r in store.list_rollouts(limit=1_000_000) if r.state.terminal]
             if not done:
                 raise ConfigError(f"{run}: no finished rollout to inspect")
             rollout_id = done[-1].rollout_id
@@ -58,8 +58,7 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         if rec is None:
             raise ConfigError(f"{run}: no rollout {rollout_id!r}")
         prefix = _step_prefix(rec.group_id)
-        step_ids = [r.rollout_id for r in store.list_rollouts(limit=1_000_000)
-                    if r.state.terminal and _step_prefix(r.group_id) == prefix]
+        step_ids = [r.rollout_id for r in done if _step_prefix(r.group_id) == prefix]
         rollouts = store.load_rollouts(rollout_ids=step_ids)
     finally:
         store.close()
@@ -101,7 +100,7 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
     scales = row_scales(kept.response_mask, kept.rollout_index, mode=mode,
                         norm_length=cfg.loss.norm_length if cfg is not None else None)
     rows = (kept.rollout_index == k).nonzero().squeeze(1)
-    mass = float((kept.response_mask[rows].sum(1) * scales[rows]).sum())
+    mass = float(rollout_mass(kept.response_mask, kept.rollout_index, scales)[k])
     P = kept.prompt_length
     for i in rows.tolist():
         ids = kept.input_ids[i][kept.attention_mask[i].bool()].tolist()

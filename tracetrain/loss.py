@@ -258,6 +258,16 @@ def scales_from_counts(
     return MODES[name](t_row, inverse, n_rollouts, norm_length).to(torch.float32)
 
 
+def rollout_mass(
+    response_mask: torch.Tensor, rollout_ids: RolloutIds, row_scales: torch.Tensor
+) -> torch.Tensor:
+    """[n_rollouts] each rollout's share of the update, sum_{i in r} T_i * s_i (1/R each in
+    rollout-mean, however many rows the rollout spans); rollouts in `rollout_inverse` order."""
+    inverse, n = rollout_inverse(rollout_ids, response_mask.shape[0], response_mask.device)
+    row_mass = row_token_counts(response_mask).to(row_scales.dtype) * row_scales
+    return torch.zeros(n, dtype=row_scales.dtype, device=row_scales.device).index_add_(0, inverse, row_mass)
+
+
 def token_weights(
     response_mask: torch.Tensor,
     rollout_ids: RolloutIds,

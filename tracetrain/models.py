@@ -49,7 +49,14 @@ def load_tokenizer(mc: ModelConfig):
         return tiny.build_tokenizer()
     if mc.kind == "pretrained":
         return AutoTokenizer.from_pretrained(mc.path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_package_dir(mc.path), gguf_file=mc.gguf_file)
+    return end_turns_at_im_end(
+        AutoTokenizer.from_pretrained(resolve_package_dir(mc.path), gguf_file=mc.gguf_file)
+    )
+
+
+def end_turns_at_im_end(tokenizer):
+    """GGUF metadata can name the wrong end-of-turn token: a ChatML template ends turns with
+    <|im_end|>, so generation must stop there."""
     if "<|im_end|>" in tokenizer.get_vocab() and "<|im_end|>" in (tokenizer.chat_template or ""):
         tokenizer.eos_token = "<|im_end|>"
     return tokenizer
@@ -64,15 +71,11 @@ def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
     path = Path(directory) / gguf_file
     if not path.is_file():
         raise ConfigError(f"config keys 'model.path'/'model.gguf_file': {str(path)!r} does not exist")
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    tokenizer = end_turns_at_im_end(AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file))
     loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
     model = type(loaded)(loaded.config)
     model.load_state_dict(loaded.state_dict())
-    # GGUF metadata can name the wrong end-of-turn token: a ChatML template ends turns with
-    # <|im_end|>, so generation must stop there.
-    if "<|im_end|>" in tokenizer.get_vocab() and "<|im_end|>" in (tokenizer.chat_template or ""):
-        tokenizer.eos_token = "<|im_end|>"
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.to(dtype), tokenizer
 
 

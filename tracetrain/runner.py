@@ -108,12 +108,6 @@ class GatewayClient:
             await self.set_state(rollout_id, "running")
             return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
 
-    async def post_reward(self, rollout_id: str, reward: float) -> dict:
-        return await self._call("POST", f"/rollouts/{rollout_id}/rewards", json={"reward": reward})
-
-    async def get_rollout(self, rollout_id: str, *, turns: bool = True) -> dict:
-        return await self._call("GET", f"/rollouts/{rollout_id}", params={"turns": str(turns).lower()})
-
     async def engine(self, name: str, action: str) -> dict:
         """action: pause | resume | drain."""
         return await self._call("POST", f"/engines/{name}/{action}")

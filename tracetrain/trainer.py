@@ -31,7 +31,7 @@ from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.engines.local import LocalEngine
 from tracetrain.logprobs import response_logprobs
-from tracetrain.loss import RowWeights, policy_loss
+from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
 from tracetrain.types import Rollout
@@ -121,9 +121,8 @@ def ppo_update(
             optimizer.zero_grad(set_to_none=True)
             total, sums = 0.0, {}
             # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
-            row_mass = batch.response_mask[mb.rows].sum(1) * mb.row_scales
-            _, inv = torch.unique_consecutive(batch.rollout_index[mb.rows], return_inverse=True)
-            per_rollout = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, row_mass.float())
+            per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
+                                       mb.row_scales)
             sums["rollout_mass_min"] = float(per_rollout.min())
             sums["rollout_mass_max"] = float(per_rollout.max())
             sums["n_rollouts"] = float(per_rollout.numel())
