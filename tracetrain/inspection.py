@@ -46,14 +46,15 @@ def _step_prefix(group_id: str) -> str:
 
 
 def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print) -> dict:
-    """Print one rollout (default: the last finished one) and return the figures shown."""
+    """Print one rollout (default: the last finished training rollout) and return the figures shown."""
     store, cfg = _open(Path(run))
     try:
         done = [r for r in store.list_rollouts(limit=1_000_000) if r.state.terminal]
         if rollout_id is None:
             if not done:
                 raise ConfigError(f"{run}: no finished rollout to inspect")
-            rollout_id = done[-1].rollout_id
+            trained = [r for r in done if "-eval" not in r.group_id]  # eval passes do not train
+            rollout_id = (trained or done)[-1].rollout_id
         rec = store.get_rollout(rollout_id)
         if rec is None:
             raise ConfigError(f"{run}: no rollout {rollout_id!r}")
