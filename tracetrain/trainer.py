@@ -15,6 +15,7 @@ flight (drain).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import math
@@ -29,6 +30,7 @@ import torch
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
+from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
 from tracetrain.engines.local import LocalEngine
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
@@ -93,9 +95,14 @@ def ppo_update(
     *,
     ref_model: torch.nn.Module | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    dp: DataParallel = DataParallel(),
 ) -> list[UpdateResult]:
     """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
-    of its micro-batch losses (weights computed once per mini-batch, see minibatch.py)."""
+    of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
+
+    Data parallel (`dp` enabled, `model` wrapped in DDP): every rank gets the same batch and plan;
+    this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch (on the last
+    micro-batch), so the update equals the one-process update. Metrics are summed over ranks."""
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
     adv_rows = advantages[batch.rollout_index]
@@ -116,44 +123,53 @@ def ppo_update(
             mode=lc.mode,
             norm_length=lc.norm_length,
             row_tokens=batch.attention_mask.sum(1),
+            world_size=dp.world_size,
+            rank=dp.rank,
         )
         for mb in plan:
             optimizer.zero_grad(set_to_none=True)
             total, sums = 0.0, {}
-            # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
-            per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
-                                       mb.row_scales)
-            sums["rollout_mass_min"] = float(per_rollout.min())
-            sums["rollout_mass_max"] = float(per_rollout.max())
-            sums["n_rollouts"] = float(per_rollout.numel())
-            for micro in mb.micro_batches:
-                rows = micro.rows
-                # Skip the columns that are left padding in every row of this micro-batch.
-                start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
-                ids = batch.input_ids[rows, start:]
-                att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
-                lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
-                                            with_entropy=need_entropy)
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref, _ = response_logprobs(ref_model, ids, att, pos, R,
-                                                   temperature=cfg.rollout.temperature)
-                loss, m = policy_loss(
-                    lp, old_all[rows], adv_rows[rows], RowWeights(batch.response_mask[rows], micro.row_scales),
-                    clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                    ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
-                    entropy=ent, entropy_coef=lc.entropy_coef,
-                )
-                loss.backward()
+            for j, micro in enumerate(mb.micro_batches):
+                last = j == len(mb.micro_batches) - 1
+                sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
+                with sync:  # the forward too: DDP arms its all-reduce in the forward pass
+                    rows = micro.rows
+                    # Skip the columns that are left padding in every row of this micro-batch.
+                    start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
+                    ids = batch.input_ids[rows, start:]
+                    att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
+                    lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
+                                                with_entropy=need_entropy)
+                    ref = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref, _ = response_logprobs(ref_model, ids, att, pos, R,
+                                                       temperature=cfg.rollout.temperature)
+                    loss, m = policy_loss(
+                        lp, old_all[rows], adv_rows[rows], RowWeights(batch.response_mask[rows], micro.row_scales),
+                        clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
+                        ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                        entropy=ent, entropy_coef=lc.entropy_coef,
+                    )
+                    loss.backward()
                 total += float(loss.detach())
                 # pg_loss and weight_mass add up over micro-batches; the rest are weighted means
                 # within the micro-batch, so they add up weighted by its mass.
                 mass = float(m["weight_mass"])
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + (float(v) if k in ADDITIVE_METRICS else float(v) * mass)
-            mass = sums.get("weight_mass", 0.0)
-            means = {k: (v if k in ADDITIVE_METRICS else v / mass if mass else 0.0) for k, v in sums.items()}
+            if dp.enabled:  # each rank's losses carry a factor W (minibatch.py): sum, then / W
+                keys = sorted(sums)
+                summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
+                total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
+            mass, W = sums.get("weight_mass", 0.0), dp.world_size
+            means = {k: (v / W if k in ADDITIVE_METRICS else v / mass if mass else 0.0) for k, v in sums.items()}
+            # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
+            per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
+                                       mb.row_scales)
+            means["rollout_mass_min"] = float(per_rollout.min())
+            means["rollout_mass_max"] = float(per_rollout.max())
+            means["n_rollouts"] = float(per_rollout.numel())
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
             optimizer.step()
             if scheduler is not None:
@@ -167,10 +183,11 @@ def ppo_update(
 class Trainer:
     """Owns the policy, the engine, the store and the in-process gateway of one run."""
 
-    def __init__(self, cfg: TrainConfig, task_module: Any, *, log=print):
+    def __init__(self, cfg: TrainConfig, task_module: Any, *, log=print, dp: DataParallel = DataParallel()):
         from tracetrain.models import load_policy
 
-        self.cfg, self.task, self.log = cfg, task_module, log
+        self.cfg, self.task, self.dp = cfg, task_module, dp
+        self.log = log if dp.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.trainer.threads:
@@ -178,6 +195,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
         self.step = 0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
@@ -268,14 +286,16 @@ class Trainer:
             batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
                                                        failed_rollouts=ad.failed_rollouts)
             metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
+            await asyncio.to_thread(from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
             # The update: hold new requests and wait for in-flight ones, then bump the version.
             await gateway.engine("default", "pause")
             await gateway.engine("default", "drain")
             try:
                 updates = await asyncio.to_thread(
-                    ppo_update, self.model, self.optimizer, batch, adv, cfg,
-                    ref_model=self.ref_model, scheduler=self.scheduler,
+                    ppo_update, self.policy, self.optimizer, batch, adv, cfg,
+                    ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
                 )
                 engine.update_weights(None, engine.model_version + 1)
             finally:
@@ -294,6 +314,16 @@ class Trainer:
                         "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)})
         self.step += 1
         return metrics
+
+    def follow(self) -> None:
+        """A rank other than 0: take each step's rows from rank 0 and join its update."""
+        while self.step < self.cfg.trainer.steps:
+            work = from_main(None, self.dp)
+            if work is not None:
+                batch, adv = work
+                ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
+                           ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp)
+            self.step += 1
 
     async def evaluate(self, gateway: GatewayClient) -> float:
         """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
@@ -320,7 +350,7 @@ class Trainer:
         if cfg.trainer.resume and self.checkpoint_path().is_file():
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
-        elif cfg.warm_start.steps:
+        elif cfg.warm_start.steps and self.dp.is_main:
             t = time.perf_counter()
             ws = cfg.warm_start
             make = getattr(self.task, ws.transcripts, None)
@@ -332,9 +362,13 @@ class Trainer:
                                              seed=cfg.trainer.seed)
             self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                      f"in {time.perf_counter() - t:.1f} s")
-        sinks = metric_sinks(cfg, self.run_dir)
+        self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
         if cfg.loss.kl_coef > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if not self.dp.is_main:
+            await asyncio.to_thread(self.follow)
+            return self.history
+        sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
         engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
                              seed=cfg.trainer.seed)
@@ -462,13 +496,21 @@ def resolve_agent(task_module: Any, name: str):
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     """Run the whole job; writes metrics.jsonl, checkpoint.pt, curve.png and summary.json."""
+    from tracetrain import distributed
     from tracetrain.report import plot_curves, summary
 
     task = load_task(cfg.task, base_dir)
-    trainer = Trainer(cfg, task, log=log)
-    (trainer.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    t = time.perf_counter()
-    history = asyncio.run(trainer.run())
+    dp = distributed.init_from_env()  # under torchrun: one process per rank (distributed.py)
+    try:
+        trainer = Trainer(cfg, task, log=log, dp=dp)
+        if dp.is_main:
+            (trainer.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        t = time.perf_counter()
+        history = asyncio.run(trainer.run())
+    finally:
+        distributed.close(dp)
+    if not dp.is_main:
+        return {}
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
     name = Path(cfg.task).parent.name if cfg.task.endswith(".py") else cfg.task

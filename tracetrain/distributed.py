@@ -1,0 +1,75 @@
+"""Data-parallel embedded training: `torchrun --nproc-per-node N -m tracetrain train CONFIG`.
+
+Rank 0 runs what does I/O (gateway, engine, runner, store), builds the step's rows and their
+advantages, and hands the same (batch, advantages) to every rank. Every rank then plans the same
+mini-batches with the same token weights (`minibatch.plan_step`, weights fixed on the whole
+mini-batch before sharding), trains its shard of whole rollouts, and DDP all-reduces the gradient:
+with each rank's loss scaled by W (see minibatch.py) the averaged gradient is the single-process
+gradient, so every rank takes the same optimizer step as a one-process run would.
+
+Backend: gloo on CPU, NCCL when CUDA is available. Without torchrun's WORLD_SIZE (or with 1) this
+is a no-op and the trainer runs as one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env() -> DataParallel:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DataParallel()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return DataParallel(dist.get_world_size(), dist.get_rank())
+
+
+def close(dp: DataParallel) -> None:
+    if dp.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, dp: DataParallel) -> torch.nn.Module:
+    """DDP around the policy (its constructor copies rank 0's weights to every rank)."""
+    if not dp.enabled:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def from_main(obj: Any, dp: DataParallel) -> Any:
+    """Rank 0's `obj` on every rank (pickled; the step's rows are small next to the model)."""
+    if not dp.enabled:
+        return obj
+    box = [obj if dp.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def sum_over_ranks(values: list[float], dp: DataParallel) -> list[float]:
+    """Element-wise sum of every rank's `values` (same length on every rank)."""
+    if not dp.enabled or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
