@@ -58,6 +58,7 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(16, gt=0)
+    agent_workers: int = Field(0, ge=0)  # 0: agents on the trainer's event loop; k: in k processes
 
 
 class AggregateConfig(_Section):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tracetrain.advantage import batch_advantages
+from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
@@ -208,6 +209,7 @@ class Trainer:
         )
         self.ref_model = None
         self.http_client = None
+        self.workers = None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
 
@@ -253,6 +255,9 @@ class Trainer:
         specs = rollout_specs(tasks, n_per_task, prefix)
         client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
                         "seed": self.cfg.trainer.seed * 1_000_003 + self.step}
+        if self.workers is not None:
+            return await run_rollouts_in_workers(gateway, specs, self.workers, concurrency=rc.concurrency,
+                                                 timeout_s=rc.timeout_s, client_extra=client_extra)
         return await run_rollouts(gateway, specs, self.agent, concurrency=rc.concurrency,
                                   timeout_s=rc.timeout_s, client_extra=client_extra,
                                   http_client=self.http_client)
@@ -372,6 +377,10 @@ class Trainer:
         self.store = SQLiteStore(self.run_dir / "traces.db")
         engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
                              seed=cfg.trainer.seed)
+        if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
+            task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
+            self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
+                                        cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key)
         try:
@@ -399,6 +408,8 @@ class Trainer:
                 finally:
                     await gateway.aclose()
         finally:
+            if self.workers is not None:
+                self.workers.close()
             await engine.aclose()
             self.store.close()
         self.save_checkpoint()

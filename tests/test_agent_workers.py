@@ -1,0 +1,91 @@
+"""Agents in worker processes (`rollout.agent_workers`) against a live gateway on loopback: the
+same states, rewards and errors as the in-process runner, a hung agent timed out, an agent that
+blocks its worker's event loop timed out by killing the worker (and the next call works), and
+nothing lost or duplicated in the store."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+import time
+
+import pytest
+from gateway_fixtures import live_gateway
+
+from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
+from tracetrain.runner import GatewayClient
+
+TASK_MODULE = textwrap.dedent(
+    """
+    import asyncio, os, time
+    from openai import AsyncOpenAI
+
+    def tasks(n, *, seed):
+        return [{"kind": "good", "reward": 1.0}] * n
+
+    async def agent(task, client):
+        if task["kind"] == "blocks":  # blocks its event loop: only killing the process stops it
+            time.sleep(3600)
+        ai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
+                         http_client=client["http_client"])
+        out = await ai.chat.completions.create(model=client["model"], max_tokens=8,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content is not None
+        if task["kind"] == "crash":
+            raise RuntimeError("tool exploded in pid %d" % os.getpid())
+        if task["kind"] == "hang":
+            await asyncio.sleep(3600)
+        return task["reward"]
+    """
+)
+
+
+def specs(kinds, prefix):
+    return [{"rollout_id": f"{prefix}{k}", "group_id": f"{prefix}g{k % 3}",
+             "task": {"kind": kind, "reward": float(k % 4) / 4}} for k, kind in enumerate(kinds)]
+
+
+@pytest.mark.slow
+def test_agents_in_two_workers_keep_the_runner_contract(tmp_path):
+    module = tmp_path / "task_mod.py"
+    module.write_text(TASK_MODULE)
+    workers = AgentWorkers(AgentRef(str(module), None, "agent"), 2, max_connections=32, hang_margin_s=2.0)
+    kinds = ["good"] * 20 + ["crash", "hang"]
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                first = await run_rollouts_in_workers(client, specs(kinds, "a"), workers, concurrency=32,
+                                                      timeout_s=3.0, client_extra={"model": "m"})
+                t = time.monotonic()
+                blocked = await run_rollouts_in_workers(
+                    client, specs(["good", "blocks", "good", "good"], "b"), workers, concurrency=8,
+                    timeout_s=1.0, client_extra={"model": "m"})
+                blocked_wall = time.monotonic() - t
+                after = await run_rollouts_in_workers(client, specs(["good"] * 4, "c"), workers,
+                                                      concurrency=8, timeout_s=3.0, client_extra={"model": "m"})
+                return first, blocked, blocked_wall, after
+            finally:
+                await client.aclose()
+                workers.close()
+
+        first, blocked, blocked_wall, after = asyncio.run(main())
+        assert [r.rollout_id for r in first] == [f"a{k}" for k in range(len(kinds))]
+        for k, r in enumerate(first[:20]):
+            assert (r.state, r.reward) == ("succeeded", float(k % 4) / 4)
+        assert first[20].state == "failed" and "tool exploded" in first[20].error
+        assert first[21].state == "timed_out" and first[21].reward is None
+        # The stored records agree, one per rollout, each with its one turn.
+        stored = gw.store.load_rollouts(rollout_ids=[r.rollout_id for r in first])
+        assert [r.rollout_id for r in stored] == [r.rollout_id for r in first]
+        assert all(len(r.turns) == 1 for r in stored)
+        for r, s in zip(first, stored, strict=True):
+            assert s.state == r.state and s.reward == r.reward
+        # A blocked event loop: that worker's share is timed out (the others in it never ran
+        # their turn) and the call returns within timeout + the kill margin.
+        assert blocked_wall < 1.0 + 2.0 + 10
+        assert blocked[1].state == "timed_out" and "killed" in blocked[1].error
+        assert {r.state for r in blocked} <= {"succeeded", "timed_out"}
+        # A fresh pool serves the next call.
+        assert [r.state for r in after] == ["succeeded"] * 4
