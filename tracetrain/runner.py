@@ -181,24 +181,22 @@ class CommandAgent:
         return None  # the command reports its reward through the gateway
 
 
-async def run_one(
-    gateway: GatewayClient,
-    created: dict,
-    task: Any,
-    agent: AgentFn,
-    client_extra: dict,
-    timeout_s: float,
-) -> RolloutResult:
-    rid, gid = created["rollout_id"], created["group_id"]
+def agent_client(created: dict, client_extra: dict) -> dict:
+    """The `client` an agent gets for the rollout `created` (the gateway's record of it)."""
     base_url = created["base_url"]
-    client = {
+    return {
         **client_extra,
         "base_url": base_url,
         "api_key": created["api_key"],
-        "rollout_id": rid,
+        "rollout_id": created["rollout_id"],
         "rollout_url": base_url.removesuffix("/").removesuffix("/v1"),
     }
-    start = time.monotonic()
+
+
+async def call_agent(agent: AgentFn, task: Any, client: dict,
+                     timeout_s: float) -> tuple[str, float | None, str | None]:
+    """Run one agent under its timeout -> (state, reward, error): succeeded with its returned
+    reward (a finite float, or None), timed_out, or failed with the traceback kept."""
     state, reward, error = "succeeded", None, None
     try:
         reward = await asyncio.wait_for(agent(task, client), timeout_s)
@@ -213,9 +211,29 @@ async def run_one(
                 raise ValueError("it is not finite")
         except (TypeError, ValueError) as e:
             state, error = "failed", f"agent returned an unusable reward {reward!r}: {e}"
-    record = await gateway.finish(rid, state, error, reward if state == "succeeded" else None)
-    reward = record["reward"] if state == "succeeded" else None  # returned, or reported by the agent
-    return RolloutResult(rid, gid, state, reward, error, time.monotonic() - start)
+    return state, reward if state == "succeeded" else None, error
+
+
+async def finish_rollout(gateway: GatewayClient, created: dict, state: str, reward: float | None,
+                         error: str | None, seconds: float) -> RolloutResult:
+    """Record the end of a rollout on the gateway; the result carries the stored reward (returned
+    by the agent, or reported by it through the gateway); never a reward unless it succeeded."""
+    record = await gateway.finish(created["rollout_id"], state, error, reward)
+    reward = record["reward"] if state == "succeeded" else None
+    return RolloutResult(created["rollout_id"], created["group_id"], state, reward, error, seconds)
+
+
+async def run_one(
+    gateway: GatewayClient,
+    created: dict,
+    task: Any,
+    agent: AgentFn,
+    client_extra: dict,
+    timeout_s: float,
+) -> RolloutResult:
+    start = time.monotonic()
+    state, reward, error = await call_agent(agent, task, agent_client(created, client_extra), timeout_s)
+    return await finish_rollout(gateway, created, state, reward, error, time.monotonic() - start)
 
 
 def rollout_seed(base: int, position: int) -> int:
