@@ -132,7 +132,7 @@ def test_command_agents(tmp_path):
         async def main():
             client = GatewayClient(gw.url, gw.admin_key)
             try:
-                return await run_rollouts(client, specs, agent, concurrency=3, timeout_s=8.0,
+                return await run_rollouts(client, specs, agent, concurrency=3, timeout_s=20.0,
                                           client_extra={"model": "policy"})
             finally:
                 await client.aclose()
