@@ -30,8 +30,6 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if cfg.backend != "embedded":
         raise ValueError(f"config key 'backend': {cfg.backend!r} is not available in this version")
-    if cfg.runner != "local":
-        raise ValueError(f"config key 'runner': {cfg.runner!r} is not available in this version")
     train(cfg, base_dir=args.config.resolve().parent)
     return 0
 

@@ -255,6 +255,11 @@ class Trainer:
         specs = rollout_specs(tasks, n_per_task, prefix)
         client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
                         "seed": self.cfg.trainer.seed * 1_000_003 + self.step}
+        if self.cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
+            from tracetrain.runner_ray import run_rollouts_ray
+
+            return await run_rollouts_ray(gateway, specs, self.agent, concurrency=rc.concurrency,
+                                          timeout_s=rc.timeout_s, client_extra=client_extra)
         if self.workers is not None:
             return await run_rollouts_in_workers(gateway, specs, self.workers, concurrency=rc.concurrency,
                                                  timeout_s=rc.timeout_s, client_extra=client_extra)
