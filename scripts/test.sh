@@ -2,6 +2,6 @@
 # Install, lint, and run the whole test suite (slow tests included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+EXTRAS=dev,verl bash scripts/install.sh
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"

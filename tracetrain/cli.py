@@ -20,6 +20,8 @@ from tracetrain.rows_demo import add_demo_arguments, run_demo
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="run config (YAML)")
+    p.add_argument("--backend", choices=["embedded", "verl"], default=None,
+                   help="override the config's backend (verl: docs/scaling.md)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=3e-4 trainer.steps=50")
 
 
@@ -27,9 +29,13 @@ def run_train(args: argparse.Namespace) -> int:
     from tracetrain.config import load_config
     from tracetrain.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
-    if cfg.backend != "embedded":
-        raise ValueError(f"config key 'backend': {cfg.backend!r} is not available in this version")
+    overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
+    cfg = load_config(args.config, overrides)
+    if cfg.backend == "verl":  # verl's PPO workers on Ray train; the gateway and runner collect
+        from tracetrain.integrations.verl.trainer import train_verl
+
+        train_verl(cfg, base_dir=args.config.resolve().parent)
+        return 0
     train(cfg, base_dir=args.config.resolve().parent)
     return 0
 

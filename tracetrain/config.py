@@ -11,6 +11,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tracetrain.integrations.verl.config import VerlConfig
+
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the key."""
@@ -134,6 +136,7 @@ class TrainConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    verl: VerlConfig = Field(default_factory=VerlConfig)  # backend: verl only
 
     @model_validator(mode="after")
     def _norm_length(self) -> TrainConfig:
