@@ -114,6 +114,7 @@ class TrainerConfig(_Section):
     run_dir: str = "runs/default"
     resume: bool = False
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0: torch's default
+    update_threads: int = Field(0, ge=0)  # torch threads during the update (nothing else runs); 0: threads
     tensorboard: bool = False
     wandb: bool = False
 

@@ -302,6 +302,9 @@ class Trainer:
             # The update: hold new requests and wait for in-flight ones, then bump the version.
             await gateway.engine("default", "pause")
             await gateway.engine("default", "drain")
+            threads = torch.get_num_threads()
+            if cfg.trainer.update_threads:  # the engine is drained: the update has the cores
+                torch.set_num_threads(cfg.trainer.update_threads)
             try:
                 updates = await asyncio.to_thread(
                     ppo_update, self.policy, self.optimizer, batch, adv, cfg,
@@ -309,6 +312,7 @@ class Trainer:
                 )
                 engine.update_weights(None, engine.model_version + 1)
             finally:
+                torch.set_num_threads(threads)
                 await gateway.engine("default", "resume")
             metrics["loss"] = sum(u.loss for u in updates) / len(updates)
             metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
