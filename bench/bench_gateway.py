@@ -10,18 +10,22 @@ Everything runs on loopback, each server in its own process:
   agentlightning  clients -> its gateway (agentlightning.server.app:create_app, in bench/.venv-peers)
            -> fake /v1/chat/completions (events kept in memory); twice: "tuned" (the same uvicorn
            settings as tracetrain, logs off) and "as shipped" (as its __main__ runs it)
-For each: requests/s with --concurrency clients, p50/p99 latency and the latency added to the
-direct call; p50 added latency with one client; the server's CPU time per request (user + system
-of its process during the concurrent run, from /proc), which other load on a shared machine moves
-least. Then each gateway is killed with SIGKILL and
-restarted on the same storage, and we count what survived. Without the peers env the Agent
-Lightning rows say so.
+Requests are a 4-message chat (max_tokens 8) whose last user message is new every time (the
+history repeats, as in a multi-turn chat, but no whole prompt does); --same-prompt sends one chat
+every time instead (like the n rollouts of a group opening on one task: tracetrain then answers
+from its prompt cache without rendering). For each: requests/s with --concurrency clients, p50/p99
+latency and the latency added to the direct call; p50 added latency with one client; the server's
+CPU time per request (user + system of its process during the concurrent run, from /proc), which
+other load on a shared machine moves least. Then each gateway is killed with SIGKILL and restarted
+on the same storage, and we count what survived. Without the peers env the Agent Lightning rows
+say so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import secrets
@@ -65,13 +69,31 @@ uvicorn.run(create_app(config), host="127.0.0.1", port=int(sys.argv[1]), workers
 # ------------------------------------------------------------------------------ load generator
 
 
-async def load(targets: list[tuple[str, dict]], n_requests: int) -> tuple[float, list[float], int]:
+_SERIAL = itertools.count()  # numbers the last messages across runs: none is sent twice
+
+
+def payloads(n: int, same: bool) -> list[bytes]:
+    """The request bodies: the same chat for every request (`same`), or the same history with a
+    last user message of its own per request (default), so that no gateway can answer from a
+    cache of whole prompts: only what a multi-turn chat repeats (the history) is seen before."""
+    if same:
+        return [json.dumps(BODY).encode()] * n
+    out = []
+    for _ in range(n):
+        last = {"role": "user", "content": f"Higher. Guess again, try {next(_SERIAL)}."}
+        out.append(json.dumps({**BODY, "messages": MESSAGES[:-1] + [last]}).encode())
+    return out
+
+
+async def load(
+    targets: list[tuple[str, dict]], n_requests: int, same: bool = False
+) -> tuple[float, list[float], int]:
     """len(targets) clients (one keep-alive connection each: url, headers) share n_requests.
     Returns (requests/s, latencies in s of the 2xx answers, number of non-2xx/failed)."""
     latencies: list[float] = []
     failed = 0
     left = n_requests
-    payload = json.dumps(BODY).encode()
+    bodies = payloads(n_requests, same)
 
     async def client(url: str, headers: dict) -> None:
         nonlocal left, failed
@@ -79,6 +101,7 @@ async def load(targets: list[tuple[str, dict]], n_requests: int) -> tuple[float,
         async with aiohttp.ClientSession(connector=conn, headers=headers) as s:
             while left > 0:
                 left -= 1
+                payload = bodies[left]
                 t0 = time.perf_counter()
                 try:
                     async with s.post(
@@ -109,11 +132,11 @@ def cpu_s(pid: int) -> float:
 
 
 def measure(name: str, targets: list[tuple[str, dict]], args, pid: int | None = None) -> dict:
-    asyncio.run(load(targets, min(200, args.requests)))  # warm up connections and caches
+    asyncio.run(load(targets, min(200, args.requests), args.same_prompt))  # warm up
     cpu0 = cpu_s(pid) if pid else 0.0
-    rps, lat, failed = asyncio.run(load(targets, args.requests))
+    rps, lat, failed = asyncio.run(load(targets, args.requests, args.same_prompt))
     cpu = (cpu_s(pid) - cpu0) / max(len(lat), 1) if pid else float("nan")
-    _, lat1, failed1 = asyncio.run(load(targets[:1], args.single))
+    _, lat1, failed1 = asyncio.run(load(targets[:1], args.single, args.same_prompt))
     out = {
         "name": name,
         "rps": rps,
@@ -332,11 +355,18 @@ def main(argv=None) -> None:
     p.add_argument("--requests", type=int, default=4000, help="requests per concurrent run")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--single", type=int, default=300, help="requests of the one-client run")
+    p.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="send the same chat every time (like the n rollouts of one task opening a group) "
+        "instead of a new last message per request",
+    )
     p.add_argument("--no-peer", action="store_true", help="skip Agent Lightning")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     print(
         f"{args.concurrency} clients x {args.requests} requests, then 1 client x {args.single}; "
+        f"{'the same chat' if args.same_prompt else 'a new last message'} per request; "
         f"{os.cpu_count()} CPUs",
         flush=True,
     )

@@ -1,5 +1,6 @@
 """Bounded memory: turns live in the store, not in the process. The gateway (a subprocess, upstream
-mode against the fake vLLM server) serves 10,000 requests from 32 concurrent agents; its resident
+mode against the fake vLLM server) serves 10,000 requests from 32 concurrent agents (completions,
+and chats whose last message is new each time, which fill its bounded prompt caches); its resident
 memory grows by less than 100 MB (a peer's in-memory gateway grew from 64 MB to 930 MB over 12,000)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fake_upstream import spawn_fake_upstream
 from gateway_fixtures import save_tiny_tokenizer, spawn_gateway
 
 N_REQUESTS, N_AGENTS, WARMUP = 10_000, 32, 500
+SYSTEM = {"role": "system", "content": "You are playing a game. Guess the secret number. " * 8}
 
 
 def rss_mb(pid: int) -> float:
@@ -37,8 +39,12 @@ async def drive(rollouts: list[dict], n: int) -> int:
         async with aiohttp.ClientSession(headers=headers) as s:
             while left > 0:
                 left -= 1
-                body = {"prompt": prompt, "max_tokens": 16, "seed": left}
-                async with s.post(r["base_url"] + "/completions", json=body) as resp:
+                if left % 2:  # a completion from token ids
+                    route, body = "/completions", {"prompt": prompt, "max_tokens": 16, "seed": left}
+                else:  # a chat whose last message is new: fills the gateway's prompt caches
+                    messages = [SYSTEM, {"role": "user", "content": f"Guess again, try {left}."}]
+                    route, body = "/chat/completions", {"messages": messages, "max_tokens": 16}
+                async with s.post(r["base_url"] + route, json=body) as resp:
                     await resp.read()
                     ok += resp.status == 200
 

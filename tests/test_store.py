@@ -191,6 +191,59 @@ def test_concurrent_turns_are_dense_ordered_and_group_committed(store):
     assert store.commits - commits_before < n_rollouts * n_turns
 
 
+def test_a_refused_write_fails_alone_in_its_group_and_a_group_of_one_rolls_back(store):
+    run(store.create_rollouts([new("ok"), new("over")]))
+    run(store.set_state("over", "failed"))
+    commits = store.commits
+
+    async def group():  # issued in one loop iteration: one group, one commit
+        return await asyncio.gather(
+            store.add_turn("ok", [1], [2], None, 0, "stop"),
+            store.add_turn("over", [1], [2], None, 0, "stop"),
+            store.create_rollouts([new("fresh"), new("ok", task="other")]),  # conflict: none
+            store.add_turn("ok", [3], [4], None, 0, "stop"),
+            return_exceptions=True,
+        )
+
+    first, ended, conflict, second = run(group())
+    assert (first, second) == (0, 1) and store.commits == commits + 1
+    assert isinstance(ended, RolloutEnded) and isinstance(conflict, RolloutConflict)
+    assert store.get_rollout("fresh") is None and store.get_turns("over") == []
+    # Alone in its group (no savepoint), a refused batch leaves nothing either.
+    with pytest.raises(RolloutConflict):
+        run(store.create_rollouts([new("fresh"), new("ok", task="other")]))
+    assert store.get_rollout("fresh") is None
+    assert run(store.add_turn("ok", [5], [6], None, 0, "stop")) == 2
+    assert [t.prompt_ids for t in store.get_turns("ok")] == [[1], [3], [5]]
+
+
+def test_key_lookups_follow_the_stores_writes(store):
+    """head_by_key_hash is answered from memory after the first read; every write through the
+    store that changes what it returns is seen by the next lookup."""
+    run(store.create_rollouts([new("k")]))
+    head = store.head_by_key_hash(b"hash-k")
+    assert (head.rollout_id, head.state) == ("k", RolloutState.queued)
+    assert store.head_by_key_hash(b"hash-k") is head  # from memory
+    run(store.add_turn("k", [1], [2], None, 0, "stop"))
+    assert store.head_by_key_hash(b"hash-k").state == RolloutState.running
+    run(store.set_state("k", "succeeded"))
+    assert store.head_by_key_hash(b"hash-k").state == RolloutState.succeeded
+    with pytest.raises(RolloutEnded):
+        run(store.add_turn("k", [1], [2], None, 0, "stop"))
+    assert store.head_by_key_hash(b"hash-k").state == RolloutState.succeeded
+    run(store.rekey_rollout("k", b"salt-2", b"hash-k2"))
+    assert store.head_by_key_hash(b"hash-k") is None
+    assert store.head_by_key_hash(b"hash-k2").rollout_id == "k"
+    run(store.delete_rollout("k"))
+    assert store.head_by_key_hash(b"hash-k2") is None
+    # What this store reads matches the file, as another connection sees it.
+    run(store.create_rollouts([new("k2")]))
+    run(store.start("k2"))
+    with sqlite3.connect(store.path) as other:
+        (state,) = other.execute("SELECT state FROM rollouts WHERE rollout_id = 'k2'").fetchone()
+    assert store.head_by_key_hash(b"hash-k2").state.value == state == "running"
+
+
 def test_load_rollouts_gives_validated_finished_rollouts(store):
     run(store.create_rollouts([new("done", group_id="G"), new("live", group_id="G")]))
     run(store.add_turn("done", [1, 2], [3, 2], [-0.5, -0.25], 3, "stop"))

@@ -9,14 +9,20 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
   it is acknowledged, which survives the death of the process; `synchronous="FULL"` also fsyncs
   the WAL on every commit, which survives power loss at the cost of one fsync per group commit.
 - Group commit: the writes that coroutines of one event loop issue during one loop iteration are
-  run together, each in its own SAVEPOINT (one refused write does not undo the others), committed
-  once, then each caller's future is resolved. With NORMAL this happens inline on the loop (a WAL
+  run together, each in its own SAVEPOINT (one refused write does not undo the others; a group
+  of one needs none), committed once, then each caller's future is resolved. With NORMAL this happens inline on the loop (a WAL
   append costs tens of microseconds; a hand-off to a writer thread cost more, and a millisecond of
   scheduling on a busy machine); with FULL the fsyncing commit runs in a worker thread. Checkpoints
   run in a background thread. Writes are serialised (one lock): a turn's index is `n_turns` of its
   rollout read and bumped inside the same transaction, so indices are dense, unique and in the
   order the writes reached the store.
 - Reads use one read-only connection per thread; in WAL mode they never wait for the writer.
+  The key lookup of every agent call (`head_by_key_hash`) is answered from memory after the first
+  time: an indexed read costs ~20-30 µs here, mostly WAL locking. The cache is kept right by this
+  store's own writes (a state change, rekey or delete drops the rollout's entry; a turn marks it
+  running), so it assumes what the gateway assumes: one process writes the file, through one
+  `SQLiteStore`. (A change made past it is still caught where it matters: a turn for a rollout
+  that ended or is gone is refused inside its transaction.)
 - Token ids are stored as little-endian int32 BLOBs and logprobs as little-endian float32 BLOBs
   (4 bytes per token; float32 keeps a logprob to ~1e-7 relative, the precision engines compute in).
 - Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1.
@@ -28,6 +34,7 @@ A rollout's reward is its `reward_override` when the trainer set one, else the v
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import sys
@@ -574,7 +581,8 @@ class _GroupCommit:
     """Commits the writes of one event-loop iteration together (see the module docstring).
 
     `submit` queues a write on its event loop and schedules one flush for that loop; the flush runs
-    the queued writes in one transaction, one SAVEPOINT each, commits, and resolves their futures.
+    the queued writes in one transaction, one SAVEPOINT each (none for a group of one), commits,
+    and resolves their futures.
     With synchronous=NORMAL the commit is an append to the WAL (no fsync), done inline on the loop:
     no thread hand-off. With FULL it fsyncs, so the flush runs in a worker thread, and the writes
     that arrive meanwhile form the next group. A lock serialises flushes from several loops.
@@ -636,19 +644,23 @@ class _GroupCommit:
         """Run and commit one group; the caller holds the lock."""
         results: list[tuple[asyncio.Future, Any, BaseException | None]] = []
         conn = self.conn
+        savepoints = len(group) > 1  # a group of one needs none: its failure is the rollback
         try:
             conn.execute("BEGIN IMMEDIATE")
             for fn, args, fut in group:
-                conn.execute("SAVEPOINT op")
+                if savepoints:
+                    conn.execute("SAVEPOINT op")
                 try:
                     value = fn(conn, *args)
                 except Exception as e:  # this write fails alone; the group goes on
-                    conn.execute("ROLLBACK TO op")
+                    conn.execute("ROLLBACK TO op" if savepoints else "ROLLBACK")
                     results.append((fut, None, e))
                 else:
                     results.append((fut, value, None))
-                conn.execute("RELEASE op")
-            conn.execute("COMMIT")
+                if savepoints:
+                    conn.execute("RELEASE op")
+            if conn.in_transaction:
+                conn.execute("COMMIT")
         except Exception as e:  # the commit itself failed (disk full, I/O error): nothing holds
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -701,6 +713,8 @@ class _GroupCommit:
 class SQLiteStore(Store):
     """See the module docstring. `path` is a file (":memory:" cannot be shared between threads)."""
 
+    MAX_CACHED_HEADS = 100_000  # ~200 bytes each; the cache starts over when full
+
     def __init__(self, path: str | Path, *, synchronous: str = "NORMAL"):
         synchronous = synchronous.upper()
         if synchronous not in ("NORMAL", "FULL"):
@@ -715,6 +729,10 @@ class SQLiteStore(Store):
         migrate(conn, self.path)
         self._writer = _GroupCommit(conn, self.path, synchronous)
         self._local = threading.local()
+        self._heads: dict[bytes, RolloutHead] = {}  # key hash -> head (see the docstring)
+        self._key_of: dict[str, bytes] = {}  # rollout id -> key hash, for _heads
+        self._heads_lock = threading.Lock()
+        self._generation = 0
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
         self._closed = False
@@ -747,26 +765,44 @@ class SQLiteStore(Store):
         return await self._write(_op_create, list(rollouts))
 
     async def rekey_rollout(self, rollout_id, key_salt, key_hash):
-        await self._write(_op_rekey, rollout_id, key_salt, key_hash)
+        try:
+            await self._write(_op_rekey, rollout_id, key_salt, key_hash)
+        finally:
+            self._forget(rollout_id)
 
     async def set_state(self, rollout_id, state, error=None):
-        return await self._write(_op_set_state, rollout_id, RolloutState(state), error)
+        try:
+            return await self._write(_op_set_state, rollout_id, RolloutState(state), error)
+        finally:
+            self._forget(rollout_id)
 
     async def start(self, rollout_id):
-        return await self._write(_op_start, rollout_id)
+        try:
+            record = await self._write(_op_start, rollout_id)
+        except StoreError:
+            self._forget(rollout_id)
+            raise
+        self._running(rollout_id)
+        return record
 
     async def add_turn(
         self, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason
     ):
-        return await self._write(
-            _op_add_turn,
-            rollout_id,
-            prompt_ids,
-            response_ids,
-            response_logprobs,
-            model_version,
-            finish_reason,
-        )
+        try:
+            index = await self._write(
+                _op_add_turn,
+                rollout_id,
+                prompt_ids,
+                response_ids,
+                response_logprobs,
+                model_version,
+                finish_reason,
+            )
+        except StoreError:
+            self._forget(rollout_id)
+            raise
+        self._running(rollout_id)
+        return index
 
     async def add_event(self, rollout_id, kind, payload=None, reward=None, *, allow_ended=True):
         if (kind == "reward") != (reward is not None):
@@ -777,7 +813,28 @@ class SQLiteStore(Store):
         return await self._write(_op_set_override, rollout_id, reward)
 
     async def delete_rollout(self, rollout_id):
-        return await self._write(_op_delete, rollout_id)
+        try:
+            return await self._write(_op_delete, rollout_id)
+        finally:
+            self._forget(rollout_id)
+
+    # -- the head cache (module docstring). A read that missed fills it only if no write touched
+    # a head while it read (`_generation`), so a reader thread cannot put back what a write dropped.
+    def _forget(self, rollout_id: str) -> None:
+        with self._heads_lock:
+            self._generation += 1
+            key_hash = self._key_of.pop(rollout_id, None)
+            if key_hash is not None:
+                self._heads.pop(key_hash, None)
+
+    def _running(self, rollout_id: str) -> None:
+        """A turn or start committed: the rollout is running (it was queued or running)."""
+        with self._heads_lock:
+            self._generation += 1
+            key_hash = self._key_of.get(rollout_id)
+            head = None if key_hash is None else self._heads.get(key_hash)
+            if head is not None and head.state != RolloutState.running:
+                self._heads[key_hash] = dataclasses.replace(head, state=RolloutState.running)
 
     async def put_engine(self, name, spec):
         await self._write(_op_put_engine, name, spec)
@@ -803,6 +860,10 @@ class SQLiteStore(Store):
         return None if row is None else RolloutHead(row[0], RolloutState(row[1]), row[2], row[3])
 
     def head_by_key_hash(self, key_hash):
+        head = self._heads.get(key_hash)
+        if head is not None:
+            return head
+        generation = self._generation
         row = (
             self._reader()
             .execute(
@@ -811,7 +872,17 @@ class SQLiteStore(Store):
             )
             .fetchone()
         )
-        return None if row is None else RolloutHead(row[0], RolloutState(row[1]), row[2], row[3])
+        if row is None:
+            return None
+        head = RolloutHead(row[0], RolloutState(row[1]), row[2], row[3])
+        with self._heads_lock:
+            if generation == self._generation:
+                if len(self._heads) >= self.MAX_CACHED_HEADS:
+                    self._heads.clear()
+                    self._key_of.clear()
+                self._heads[head.key_hash] = head
+                self._key_of[head.rollout_id] = head.key_hash
+        return head
 
     def get_turns(self, rollout_id):
         rows = (

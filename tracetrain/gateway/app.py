@@ -3,6 +3,7 @@
     app.state.gateway   the Gateway below: store, engine slots, keys, settings
     routes              rollout_routes (rollouts, rewards, events), openai_routes (per-rollout
                         OpenAI API), engine_routes (register, pause, resume, drain)
+    hot                 the two model routes, answered before the middleware stack (GatewayApp)
     limits              request bodies over max_body_bytes are refused (413) without being read
     errors              every error is a JSON body; no client mistake is a 5xx
 
@@ -19,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.types import Receive, Scope, Send
 
 from tracetrain.engines.base import Engine, EngineError
-from tracetrain.gateway import engine_routes, errors, openai_routes, rollout_routes
+from tracetrain.gateway import engine_routes, errors, hot, openai_routes, rollout_routes
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.store import RolloutHead, Store
@@ -39,6 +41,7 @@ class Gateway:
     pause_wait_s: float = 60.0
     public_url: str | None = None
     engine_factory: EngineFactory | None = None
+    max_body_bytes: int = 8 << 20
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
@@ -69,6 +72,19 @@ class Gateway:
     def base_url(self, request: Request, rollout_id: str) -> str:
         root = self.public_url or str(request.base_url)
         return f"{root.rstrip('/')}/rollouts/{rollout_id}/v1"
+
+
+class GatewayApp(FastAPI):
+    """FastAPI, except that a POST to a model route goes to hot.serve first."""
+
+    gateway: Gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = hot.HOT_PATH.fullmatch(scope["path"])
+            if match is not None:
+                return await hot.serve(self.gateway, match, scope, receive, send)
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -103,7 +119,9 @@ def create_app(
         raise ValueError(
             f"default_engine {default_engine!r} is not among the engines {sorted(engines)}"
         )
-    gw = Gateway(store, admin_key, default_engine, pause_wait_s, public_url, engine_factory)
+    gw = Gateway(
+        store, admin_key, default_engine, pause_wait_s, public_url, engine_factory, max_body_bytes
+    )
     for name, engine in engines.items():
         gw.add_engine(name, engine)
         if close_engines:
@@ -123,13 +141,13 @@ def create_app(
         for engine in gw.owned:
             await engine.aclose()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="tracetrain gateway",
         version="1",
         description="OpenAI-compatible endpoint per rollout that records exact token ids.",
         lifespan=lifespan,
     )
-    app.state.gateway = gw
+    app.state.gateway = app.gateway = gw
     errors.install(app)
     app.include_router(rollout_routes.router)
     openai_routes.install(app)

@@ -98,10 +98,25 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, f"internal error: {type(exc).__name__}")
 
 
+HANDLERS = {
+    HTTPException: _http,
+    RequestValidationError: _validation,
+    StoreError: _store,
+    EngineError: _engine,
+    PromptTooLong: _too_long,
+    Exception: _bug,
+}
+
+
+async def handle(request: Request, exc: Exception) -> JSONResponse:
+    """The error answer for `exc`, chosen as Starlette does: the handler of the nearest class in
+    its MRO (for routes served outside Starlette's middleware, see hot.py)."""
+    for cls in type(exc).__mro__:
+        if cls in HANDLERS:
+            return await HANDLERS[cls](request, exc)
+    raise exc  # a BaseException that is not an Exception (cancellation): not ours to answer
+
+
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(HTTPException, _http)
-    app.add_exception_handler(RequestValidationError, _validation)
-    app.add_exception_handler(StoreError, _store)
-    app.add_exception_handler(EngineError, _engine)
-    app.add_exception_handler(PromptTooLong, _too_long)
-    app.add_exception_handler(Exception, _bug)
+    for cls, handler in HANDLERS.items():
+        app.add_exception_handler(cls, handler)

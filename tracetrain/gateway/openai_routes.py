@@ -8,24 +8,24 @@ The turn is in the store before the first byte of the answer is sent. The answer
 from the response ids. Extra fields: "tracetrain" {rollout_id, turn_index, model_version} always;
 "prompt_token_ids" and choices[0].token_ids when the request sets return_token_ids.
 
-These two routes are the hot path, so they are plain Starlette routes (auth, then the body parsed
-by pydantic straight from JSON) rather than FastAPI dependency-injected ones, which cost about
-three times as much per request here; `install` also registers them with FastAPI, with the same
-body schema, so the OpenAPI document describes them.
+These two routes are the hot path: `chat_turn` and `completion_turn` take the gateway, the path's
+rollout id, the Authorization header and the raw body, and return the answer; hot.py calls them
+straight from ASGI, before FastAPI's middleware stack and router, which cost more than the rest of
+a call. `install` also registers them as FastAPI routes, with the body schema, so the OpenAPI
+document describes them (and an app mounted under a prefix still serves them, the slower way).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.routing import Route
 
 from tracetrain.engines.base import EngineError, Generation, PromptTooLong, SamplingParams
 from tracetrain.gateway import keys, render
@@ -41,11 +41,9 @@ router = APIRouter(tags=["openai"])
 _ID = re.compile(ID_PATTERN)
 
 
-def _rollout(request: Request) -> RolloutHead:
+def _rollout(gw, authorization: str | None, rid: str) -> RolloutHead:
     """Auth first (401/403/404), like the FastAPI routes' dependencies."""
-    gw = request.app.state.gateway
-    who = keys.identify(gw, request.headers.get("authorization"))
-    rid = request.path_params["rollout_id"]
+    who = keys.identify(gw, authorization)
     if len(rid) > 200 or not _ID.fullmatch(rid):
         raise ApiError(
             422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
@@ -62,14 +60,14 @@ def _parse(model: type[BaseModel], raw: bytes):
 
 
 async def generate_turn(
-    request: Request,
+    gw,
     rollout: RolloutHead,
     slot: EngineSlot,
     prompt_ids: list[int],
     params: SamplingParams,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index)."""
-    store = request.app.state.gateway.store
+    store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
         raise RolloutEnded(
@@ -117,10 +115,14 @@ def _meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
     return {"rollout_id": rollout_id, "turn_index": index, "model_version": gen.model_version}
 
 
+def _json(content: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(content), media_type="application/json")
+
+
 def _sse(chunks: list[dict[str, Any]]) -> Response:
-    body = "".join(f"data: {json.dumps(c, separators=(',', ':'))}\n\n" for c in chunks)
+    body = b"".join(b"data: %s\n\n" % orjson.dumps(c) for c in chunks)
     return Response(
-        body + "data: [DONE]\n\n",
+        body + b"data: [DONE]\n\n",
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )
@@ -133,15 +135,14 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     ]
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
-    rollout = _rollout(request)
-    body: ChatCompletionIn = _parse(ChatCompletionIn, await request.body())
-    gw = request.app.state.gateway
+    rollout = _rollout(gw, authorization, rollout_id)
+    body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
-    prompt_ids, params = render.chat_request(tok, slot.engine, body)
-    gen, index = await generate_turn(request, rollout, slot, prompt_ids, params)
+    prompt_ids, params = render.chat_request(tok, slot.engine, body, slot.prompts)
+    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params)
 
     text = _text(tok, gen, params)
     tool_calls: list[dict[str, Any]] = []
@@ -171,7 +172,7 @@ async def chat_completions(request: Request) -> Response:
             "finish_reason": finish,
             **ids,
         }
-        return JSONResponse(
+        return _json(
             {
                 **base,
                 "object": "chat.completion",
@@ -200,15 +201,14 @@ async def chat_completions(request: Request) -> Response:
     return _sse(chunks)
 
 
-async def completions(request: Request) -> Response:
+async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI text completion: one turn of the rollout."""
-    rollout = _rollout(request)
-    body: CompletionIn = _parse(CompletionIn, await request.body())
-    gw = request.app.state.gateway
+    rollout = _rollout(gw, authorization, rollout_id)
+    body: CompletionIn = _parse(CompletionIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
-    gen, index = await generate_turn(request, rollout, slot, prompt_ids, params)
+    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params)
 
     text = _text(tok, gen, params)
     logprobs = None
@@ -239,9 +239,7 @@ async def completions(request: Request) -> Response:
             "finish_reason": gen.finish_reason,
             **ids,
         }
-        return JSONResponse(
-            {**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra}
-        )
+        return _json({**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra})
     chunks = [
         {
             **base,
@@ -264,6 +262,26 @@ async def completions(request: Request) -> Response:
     if body.stream_options is not None and body.stream_options.include_usage:
         chunks.append({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
     return _sse(chunks)
+
+
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completion: one turn of the rollout."""
+    return await chat_turn(
+        request.app.state.gateway,
+        request.path_params["rollout_id"],
+        request.headers.get("authorization"),
+        await request.body(),
+    )
+
+
+async def completions(request: Request) -> Response:
+    """OpenAI text completion: one turn of the rollout."""
+    return await completion_turn(
+        request.app.state.gateway,
+        request.path_params["rollout_id"],
+        request.headers.get("authorization"),
+        await request.body(),
+    )
 
 
 @router.get("/rollouts/{rollout_id}/v1/models", summary="OpenAI model list (the rollout's engine)")
@@ -298,12 +316,14 @@ HOT_ROUTES = [
     ("/rollouts/{rollout_id}/v1/chat/completions", chat_completions, ChatCompletionIn),
     ("/rollouts/{rollout_id}/v1/completions", completions, CompletionIn),
 ]
+# What hot.py serves before the middleware stack: path -> (rollout id, route)
+HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions)")
+TURNS = {"chat/completions": chat_turn, "completions": completion_turn}
 
 
 def install(app: FastAPI) -> None:
-    """Serve the hot routes as plain Starlette routes (matched first) and document them."""
+    """Register and document the model routes (hot.py answers them first)."""
     for path, endpoint, model in HOT_ROUTES:
-        app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))
         app.add_api_route(
             path,
             endpoint,

@@ -3,8 +3,10 @@
 Chat messages are rendered with the engine tokenizer's chat template: the ids are those of
 `apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)` (computed as
 transformers does it: render to text, then encode without adding special tokens), so the ids
-recorded for a turn are the ids the model saw. Nothing the engine cannot honour is dropped silently:
-n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop strings are 400s.
+recorded for a turn are the ids the model saw. With a prompt_cache.PromptEncoder, prompts and
+pieces of prompts seen before are not rendered or encoded again (exact by construction). Nothing the engine
+cannot honour is dropped silently: n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop
+strings are 400s.
 """
 
 from __future__ import annotations
@@ -13,22 +15,30 @@ from typing import Any
 
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
 from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
 
 
-def chat_prompt_ids(tokenizer: Any, body: ChatCompletionIn) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, body: ChatCompletionIn, prompts: PromptEncoder | None = None
+) -> list[int]:
     messages = [m.model_dump() for m in body.messages]
     kwargs = {"tools": body.tools} if body.tools else {}
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
-    except Exception as e:  # a template raising on the messages is the client's input at fault
-        raise ApiError(
-            400, f"the chat template cannot render these messages: {e}", "messages"
-        ) from e
+
+    def render() -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception as e:  # a template raising on the messages is the client's input at fault
+            raise ApiError(
+                400, f"the chat template cannot render these messages: {e}", "messages"
+            ) from e
+
+    if prompts is not None:
+        return prompts.chat_ids(messages, body.tools or None, render)
     # What apply_chat_template(tokenize=True) does after rendering, minus its BatchEncoding.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(render(), add_special_tokens=False)
 
 
 def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
@@ -113,7 +123,12 @@ def sampling_params(
     )
 
 
-def chat_request(tokenizer: Any, engine: Engine, body: ChatCompletionIn):
+def chat_request(
+    tokenizer: Any,
+    engine: Engine,
+    body: ChatCompletionIn,
+    prompts: PromptEncoder | None = None,
+):
     """(prompt_ids, SamplingParams) for a chat completion."""
     _reject(body, {"top_logprobs": 0})
     mt, mct = body.max_tokens, body.max_completion_tokens
@@ -121,7 +136,7 @@ def chat_request(tokenizer: Any, engine: Engine, body: ChatCompletionIn):
         raise ApiError(
             400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens"
         )
-    prompt_ids = chat_prompt_ids(tokenizer, body)
+    prompt_ids = chat_prompt_ids(tokenizer, body, prompts)
     return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), mct or mt)
 
 

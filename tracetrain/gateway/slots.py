@@ -6,7 +6,8 @@
               turns recorded)
 
 A weight update is `await slot.drain(); update weights; slot.resume()`. Methods run on the
-gateway's event loop (from another thread use the HTTP routes).
+gateway's event loop (from another thread use the HTTP routes). `slot.prompts` encodes rendered
+prompts for this engine's tokenizer (prompt_cache.PromptEncoder), built on first use.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from tracetrain.engines.base import Engine, EngineError
+from tracetrain.gateway.prompt_cache import PromptEncoder
 
 
 class EngineSlot:
@@ -31,6 +33,13 @@ class EngineSlot:
         self._open.set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._prompts: PromptEncoder | None = None
+
+    @property
+    def prompts(self) -> PromptEncoder:
+        if self._prompts is None or self._prompts.tokenizer is not self.engine.tokenizer:
+            self._prompts = PromptEncoder(self.engine.tokenizer)
+        return self._prompts
 
     @property
     def paused(self) -> bool:

@@ -1,0 +1,48 @@
+"""The model routes answered straight from ASGI, before FastAPI's middleware stack and router.
+
+    POST /rollouts/{rollout_id}/v1/chat/completions | /v1/completions
+      -> size limit (limits.declared_error, limits.read_body) -> openai_routes.chat_turn or
+         completion_turn -> the answer; an exception -> errors.handle, as the FastAPI routes do
+
+Every agent call takes this path; on the shared 2-core machine the middleware stack (five layers)
+and the route matching over every route cost about as much as rendering the prompt. The behaviour
+is that of the FastAPI routes, which stay registered (documented, and used if the app is mounted
+under a prefix): same auth, limits, validation and error bodies.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive, Scope, Send
+
+from tracetrain.gateway import errors, limits
+from tracetrain.gateway.openai_routes import HOT_PATH, TURNS
+
+log = logging.getLogger("tracetrain.gateway")
+
+
+async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer one model call; `match` is HOT_PATH's match of the path."""
+    try:
+        headers = scope["headers"]
+        refused = limits.declared_error(headers, gw.max_body_bytes)
+        if refused is not None:
+            return await refused(scope, receive, send)
+        authorization = None
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        raw = await limits.read_body(receive, gw.max_body_bytes)
+        response = await TURNS[match[2]](gw, match[1], authorization, raw)
+    except ClientDisconnect:
+        return
+    except Exception as exc:
+        response = await errors.handle(Request(scope, receive), exc)
+    await response(scope, receive, send)
+
+
+__all__ = ["HOT_PATH", "serve"]
