@@ -23,6 +23,11 @@ the same shape (the strict like-for-like comparison); `2048` = max_prompt_length
 max_response_length = 2048, a typical config: the peer always pads to the limits, tracetrain pads to
 the batch maxima (its default). Nothing is dropped or truncated in either.
 
+Floor (row 'floor', --no-floor to skip): `touch_floor` does only the work tracetrain's method
+cannot avoid on these Python-list inputs (compare every prompt with the previous context, read
+each chain's last ids and every logprob once, write the outputs once), so peer / floor is the
+most any implementation of that method could reach on this machine at that moment.
+
     .venv/bin/python bench/bench_aggregate.py [--repeat 5] [--limits exact 2048] [--only CASE ...]
 """
 
@@ -38,6 +43,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / "bench" / ".venv-peers" / "bin" / "python"
@@ -133,6 +140,53 @@ def limits(traces, level):
     return max_p, max_r
 
 
+def touch_floor(rollouts, level: str, width_p: int, width_r: int) -> SimpleNamespace:
+    """The Python-object and memory work tracetrain's method cannot avoid, and nothing else.
+
+    1. Compare every prompt with the previous context (list slice compares): this decides the
+       rows of the trajectory level, and the chains that let either level read a token once.
+    2. Read every token id of each chain's last context, and every logprob, once into arrays
+       (struct.pack_into, the cheapest bulk list -> array copy in the standard library).
+    3. Write the output tensors once (3 x int64 [rows, P+R], bool and float32 [rows, R]).
+    Returns the outputs, rows and trained tokens. Assumes no length splits (true here).
+    """
+    import struct
+
+    import numpy as np
+
+    n_rows = n_ids = n_lps = 0
+    ends, lps = [], []
+    for r in rollouts:
+        turns, prev_extends = r.turns, False
+        for k, t in enumerate(turns):
+            nxt = turns[k + 1].prompt_ids if k + 1 < len(turns) else None
+            lp, lr = len(t.prompt_ids), len(t.response_ids)
+            extends = (
+                nxt is not None and nxt[lp : lp + lr] == t.response_ids and nxt[:lp] == t.prompt_ids
+            )
+            if not extends:  # t ends a chain
+                ends.append(t)
+                n_ids += lp + lr
+            n_rows += level == "transition" or k == 0 or not prev_extends
+            prev_extends = extends
+            lps.append(t.response_logprobs)
+            n_lps += lr
+    ids, at = np.empty(n_ids, dtype=np.int64), 0
+    for t in ends:
+        for part in (t.prompt_ids, t.response_ids):
+            struct.pack_into(f"{len(part)}q", ids, 8 * at, *part)
+            at += len(part)
+    values, at = np.empty(n_lps, dtype=np.float32), 0
+    for part in lps:
+        struct.pack_into(f"{len(part)}f", values, 4 * at, *part)
+        at += len(part)
+    width = width_p + width_r
+    outputs = [np.full((n_rows, width), 1, dtype=np.int64) for _ in range(3)]
+    outputs += [np.ones((n_rows, width_r), dtype=np.bool_)]
+    outputs += [np.full((n_rows, width_r), -1.0, dtype=np.float32)]
+    return SimpleNamespace(outputs=outputs, rows=n_rows, trained=at)
+
+
 # ---------------------------------------------------------------- one measured run (child)
 
 
@@ -147,9 +201,15 @@ def _tensor_bytes(obj) -> int:
 
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if type(obj).__name__ == "ndarray":  # the floor's numpy outputs
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
     if hasattr(obj, "batch"):  # verl DataProto -> TensorDict
         return sum(_tensor_bytes(v) for v in obj.batch.values())
-    return sum(_tensor_bytes(v) for v in vars(obj).values() if isinstance(v, torch.Tensor))
+    if hasattr(obj, "__dict__"):
+        return sum(_tensor_bytes(v) for v in vars(obj).values())
+    return 0
 
 
 def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> dict:
@@ -176,6 +236,19 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
 
         def count(batch):  # rows and trained tokens (after the measurement)
             return batch.n_rows, int(batch.response_mask.sum())
+
+        tiny = to_tracetrain(traces[:16])
+    elif impl == "floor":
+        width_p, width_r = limits(traces, level)  # the batch widths, whatever the limits
+
+        def prepare():
+            return to_tracetrain(traces)
+
+        def call(inputs):
+            return touch_floor(inputs, level, width_p, width_r)
+
+        def count(out):
+            return out.rows, out.trained
 
         tiny = to_tracetrain(traces[:16])
     else:
@@ -255,13 +328,18 @@ def peer_available() -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=5, help="timed calls per case (best is reported)")
+    ap.add_argument(
+        "--repeat", type=int, default=5, help="timed calls per case (best and median are reported)"
+    )
     ap.add_argument("--only", nargs="*", choices=list(CASES), default=list(CASES))
     ap.add_argument("--limits", nargs="*", choices=["exact", "2048"], default=["exact", "2048"])
     ap.add_argument(
         "--threads", type=int, default=1, help="torch/OpenMP threads, same for both sides"
     )
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument(
+        "--no-floor", action="store_true", help="skip the 'floor' row (touch_floor's work alone)"
+    )
     ap.add_argument("--child", nargs=3, metavar=("CASE", "IMPL", "LIMITS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -273,17 +351,19 @@ def main() -> None:
     print(
         f"{RESPONSE} response tokens; breaks: {BREAK_FRACTION:.0%} of turns change a context token."
     )
-    print(f"Best of {args.repeat} calls; peak RSS above baseline on the first call in a fresh")
+    print(f"Best and median of {args.repeat} calls; peak RSS above baseline on the first call in")
     print(
-        f"process; 'out' = output tensor bytes; torch/OpenMP threads: {args.threads} on both sides."
+        f"a fresh process; 'out' = output tensor bytes; torch/OpenMP threads: {args.threads} on all"
     )
+    print("sides. speed-up = peer / tracetrain (best, median); on the 'floor' row, peer / floor:")
+    print("the most any implementation that does touch_floor's work could reach.")
     if args.no_peer:
         print("peer: skipped (--no-peer): tracetrain figures only")
     elif not peer:
         print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken;")
         print("bench/setup_peers.sh builds it): tracetrain figures only")
-    head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'wall s':>7} {'rows/s':>8}"
-    head += f" {'peak MB':>8} {'out MB':>7} {'peak/out':>8} {'speed-up':>9}"
+    head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'best s':>7} {'med s':>7}"
+    head += f" {'rows/s':>8} {'peak MB':>8} {'out MB':>7} {'peak/out':>8} {'speed-up':>13}"
     print("\n" + head)
     for mode in args.limits:
         for case in args.only:
@@ -293,18 +373,22 @@ def main() -> None:
                 if peer
                 else None
             )
-            for r in (ours, theirs):
+            floor = (
+                None
+                if args.no_floor
+                else run_child(sys.executable, case, "floor", mode, args.repeat, args.threads)
+            )
+            for r in (ours, theirs, floor):
                 if r is None:
                     continue
-                mb, ratio = 2**20, r["peak_above"] / r["out_bytes"]
+                mb, ratio, med = 2**20, r["peak_above"] / r["out_bytes"], median(r["walls"])
                 line = f"{case:<18} {r['limits']:<10} {r['impl']:<14} {r['rows']:>5} "
-                line += (
-                    f"{r['wall']:>7.3f} {r['rows'] / r['wall']:>8.0f} {r['peak_above'] / mb:>8.1f} "
-                )
-                line += f"{r['out_bytes'] / mb:>7.1f} {ratio:>8.2f}"
-                if r is ours and theirs is not None:
-                    line += f" {theirs['wall'] / ours['wall']:>8.1f}x"
-                    if (ours["rows"], ours["trained"]) != (theirs["rows"], theirs["trained"]):
+                line += f"{r['wall']:>7.3f} {med:>7.3f} {r['rows'] / r['wall']:>8.0f} "
+                line += f"{r['peak_above'] / mb:>8.1f} {r['out_bytes'] / mb:>7.1f} {ratio:>8.2f}"
+                if r is not theirs and theirs is not None:
+                    best_x, med_x = theirs["wall"] / r["wall"], median(theirs["walls"]) / med
+                    line += f" {best_x:>5.1f}x {med_x:>5.1f}x"
+                    if (r["rows"], r["trained"]) != (theirs["rows"], theirs["trained"]):
                         line += (
                             f"  (MISMATCH: peer rows {theirs['rows']}, trained {theirs['trained']})"
                         )

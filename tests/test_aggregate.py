@@ -213,6 +213,15 @@ def assert_layout(batch, rows, pad, rollouts):
     by_id = {r.rollout_id: r for r in rollouts}
     assert batch.group_ids == [by_id[row[0]].group_id for row in rows]
     assert batch.rollout_index.tolist() == [batch.rollouts.index(row[0]) for row in rows]
+    # model_version: the oldest version of the row's turns (first turn .. the next row's first)
+    starts = [(row[0], row[1]) for row in rows]
+    versions = []
+    for n, (rid, first) in enumerate(starts):
+        nxt = starts[n + 1][1] if n + 1 < len(starts) and starts[n + 1][0] == rid else None
+        turns = by_id[rid].turns[first:nxt]
+        vs = [t.model_version for t in turns]
+        versions.append(-1 if None in vs else min(vs))
+    assert batch.model_version.tolist() == versions
 
 
 @settings(max_examples=100, deadline=None)
@@ -236,9 +245,10 @@ def test_layout_matches_slow_reference(rollouts, level, pad, chunk):
     max_p=st.integers(1, 12),
     max_r=st.integers(1, 12),
     chunk=st.sampled_from([1, 7, aggregate_module.CHUNK_TOKENS]),
+    pad=st.sampled_from([0, 3]),
 )
 def test_layout_with_small_limits_matches_slow_reference(
-    rollouts, level, overlong, max_p, max_r, chunk
+    rollouts, level, overlong, max_p, max_r, chunk, pad
 ):
     """Rows cut by length inside a chain, truncated prompts and responses, dropped rollouts."""
     with mock.patch.object(aggregate_module, "CHUNK_TOKENS", chunk):
@@ -248,12 +258,13 @@ def test_layout_with_small_limits_matches_slow_reference(
             max_prompt_length=max_p,
             max_response_length=max_r,
             overlong=overlong,
+            pad_token_id=pad,
         )
     rows = reference_rows(rollouts, level, max_p, max_r, overlong)
     if not rows:
         assert batch.n_rows == 0 and batch.rollouts == []
         return
-    assert_layout(batch, rows, 0, rollouts)
+    assert_layout(batch, rows, pad, rollouts)
     assert m["tokens/trained"] == sum(sum(row[4]) for row in rows)
     dropped = len(rollouts) - len({row[0] for row in rows})
     assert (
@@ -354,6 +365,16 @@ def test_per_row_and_per_rollout_fields():
     # the one logprob-less turn... none here; drop logprobs of one turn -> no logprob tensor
     r3 = Rollout("c", "g", [Turn([1], [2], None)])
     assert agg([r1, r3])[0].rollout_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "versions,want", [([0, 5, 2], 0), ([5, 0, 2], 0), ([3, None, 1], -1), ([None, 4, 4], -1)]
+)
+def test_model_version_of_a_merged_row_is_its_oldest(versions, want):
+    prompts = [[1], [1, 2, 3], [1, 2, 3, 4, 5]]  # each extends the previous context: one row
+    turns = [Turn(p, [p[-1] + 1], None, v) for p, v in zip(prompts, versions, strict=True)]
+    batch, _ = agg([Rollout("a", "g", turns)])
+    assert batch.n_rows == 1 and batch.model_version.tolist() == [want]
 
 
 def test_pad_to_limits_gives_fixed_widths():
@@ -518,6 +539,27 @@ def test_bad_turn_changed_after_validation_is_caught_by_aggregate(rollouts, word
     # What is cheap to re-check is re-checked; element types are trusted to Turn validation.
     with pytest.raises(TraceError) as e:
         agg(rollouts, level=level)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("prompt_ids", [1, 2, 2.5, 4], ["rollout 'a', turn 1: prompt_ids[2] is 2.5", "float"]),
+        ("response_ids", ["5"], ["rollout 'a', turn 1: response_ids[0] is '5'", "str"]),
+        ("response_logprobs", ["x"], ["rollout 'a', turn 1: response_logprobs[0] is 'x'"]),
+        ("prompt_ids", [1, 2, 3, 2**70], ["rollout 'a', turn 1: token ids", "int64"]),
+    ],
+)
+@pytest.mark.parametrize("level", ["transition", "trajectory"])
+def test_ids_and_logprobs_that_are_no_numbers_changed_after_validation_are_named(
+    field, value, words, level
+):
+    # Every token id and logprob that lands in the batch is read as a C number: a value that is
+    # not one (or an id beyond int64) raises, naming the turn, instead of being coerced.
+    with pytest.raises(TraceError) as e:
+        agg(mutate(field, value), level=level)
     for w in words:
         assert w in str(e.value)
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetrain.aggregate import aggregate
-from tracetrain.drift import classify_break, first_difference
+from tracetrain.drift import break_position, classify_break, first_difference
 from tracetrain.rows_demo import build_demo_tokenizer
 from tracetrain.types import Rollout, Turn
 
@@ -135,6 +135,23 @@ def test_first_difference_matches_a_naive_scan(a, b_tail, cut):
     b = a[: min(cut, len(a))] + b_tail  # long shared prefixes exercise the bisection
     assert first_difference(a, b) == naive_first_difference(a, b)
     assert first_difference(b, a) == naive_first_difference(a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prev_prompt=st.lists(st.integers(0, 3), min_size=1, max_size=120),
+    prev_response=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    tail=st.lists(st.integers(0, 3), max_size=40),
+    cut=st.integers(0, 200),
+)
+def test_break_position_matches_a_naive_scan_of_the_joined_context(
+    prev_prompt, prev_response, tail, cut
+):
+    """The break position found over (prompt, response) without joining them is the naive one."""
+    context = prev_prompt + prev_response
+    prompt = context[: min(cut, len(context))] + tail  # edits anywhere, or a clean extension
+    want = naive_first_difference(context, prompt)
+    assert break_position(prev_prompt, prev_response, prompt) == want
 
 
 # ------------------------------------------------------------------ with a real tokenizer

@@ -73,6 +73,17 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return hi
 
 
+def break_position(
+    prev_prompt: Sequence[int], prev_response: Sequence[int], prompt: Sequence[int]
+) -> int:
+    """first_difference(prev_prompt + prev_response, prompt), without building the context."""
+    position = first_difference(prev_prompt, prompt)
+    if position < len(prev_prompt):
+        return position
+    end = position + len(prev_response)
+    return position + first_difference(prev_response, prompt[position:end])
+
+
 def decode(tokenizer: Any, ids: Sequence[int]) -> str:
     """Text of `ids` exactly as the tokenizer maps them: special tokens kept, no space clean-up."""
     return tokenizer.decode(
@@ -98,6 +109,11 @@ def in_spans(i: int, spans: Sequence[tuple[int, int]]) -> bool:
     return k >= 0 and spans[k][0] <= i < spans[k][1]
 
 
+def classify_position(position: int, response_spans: Sequence[tuple[int, int]]) -> str:
+    """Kind of a break from the ids alone: where the first changed context token lies."""
+    return ASSISTANT_REWRITE if in_spans(position, response_spans) else CONTEXT_REWRITE
+
+
 def classify_break(
     context: Sequence[int],
     prompt: Sequence[int],
@@ -121,8 +137,7 @@ def classify_break(
             return RETOKENIZATION, position
         char = first_difference(context_text, prompt_text)
         changed = max(position, _token_at_char(tokenizer, context, char))
-    kind = ASSISTANT_REWRITE if in_spans(changed, response_spans) else CONTEXT_REWRITE
-    return kind, position
+    return classify_position(changed, response_spans), position
 
 
 def snippet(
