@@ -30,6 +30,7 @@ BAD_TURN_FIELDS = [
     ("response_ids", [], ["response_ids is empty"]),
     ("prompt_ids", [1, -3], ["prompt_ids[1] is -3", ">= 0"]),
     ("response_ids", [-1, 2], ["response_ids[0] is -1"]),
+    ("response_ids", [5, 2**63], ["response_ids[1] is 9223372036854775808", "< 2**63"]),
     ("prompt_ids", [1, 2.0], ["prompt_ids[1] is 2.0", "float", "must be int"]),
     ("prompt_ids", [True, 2], ["prompt_ids[0] is True", "bool"]),
     ("response_ids", ["4", 5], ["response_ids[0] is '4'", "str"]),

@@ -70,9 +70,11 @@ def _check_ids(ids: object, name: str, where: str, *, allow_empty: bool) -> list
     if set(map(type, ids)) != {int}:
         i, t = next((i, t) for i, t in enumerate(ids) if type(t) is not int)
         raise TraceError(f"{where}{name}[{i}] is {t!r} ({type(t).__name__}); token ids must be int")
-    lo = min(ids)
+    lo, hi = min(ids), max(ids)
     if lo < 0:
         raise TraceError(f"{where}{name}[{ids.index(lo)}] is {lo}; token ids must be >= 0")
+    if hi >= 2**63:  # rows hold int64
+        raise TraceError(f"{where}{name}[{ids.index(hi)}] is {hi}; token ids must be < 2**63")
     return ids
 
 
