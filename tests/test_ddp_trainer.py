@@ -10,16 +10,14 @@ import copy
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, run_ranks
 
 from tracetrain import tiny
 from tracetrain.aggregate import aggregate
@@ -31,12 +29,6 @@ from tracetrain.types import Rollout, Turn
 WORLD = 2
 DEADLINE_S = 240
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def step_batches():
@@ -101,18 +93,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.slow
 def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-process gloo run did not finish in {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S)
     expected, expected_results = train_two_steps(DataParallel())
     initial, _ = models()
     assert len(expected_results) == 4  # 2 steps x 2 mini-batches

@@ -4,16 +4,13 @@ gradient average) equals the single-process gradient of the same mini-batch."""
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
 
 from tracetrain.loss import RowWeights, policy_loss
@@ -98,27 +95,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_gradient(tmp_path):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-process gloo run did not finish in {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S)
     ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(WORLD)]
     rows, old, ref, adv = step_data()
     model = tiny_causal_lm(seed=0)
