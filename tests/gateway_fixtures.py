@@ -15,6 +15,7 @@ import os
 import secrets
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,3 +178,27 @@ def spawn_gateway(
             break
     proc.kill()
     raise RuntimeError(f"gateway subprocess did not start within {timeout} s")
+
+
+# A command agent (run as a subprocess by the runners): "hang" writes its pid and sleeps,
+# "exit" fails with status 3 after one call, anything else posts task["reward"] to the gateway.
+COMMAND_AGENT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    task = json.loads(os.environ["TRACETRAIN_TASK"])
+    if task["kind"] == "hang":  # before the slow imports: the pid is written at once
+        open(task["pidfile"], "w").write(str(os.getpid()))
+        time.sleep(3600)
+    import httpx
+    from openai import OpenAI
+    client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the runner
+    client.chat.completions.create(model=os.environ["TRACETRAIN_MODEL"],
+                                   messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    if task["kind"] == "exit":
+        print("the environment broke", file=sys.stderr)
+        sys.exit(3)
+    r = httpx.post(os.environ["TRACETRAIN_ROLLOUT_URL"] + "/rewards", json={"reward": task["reward"]},
+                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+    r.raise_for_status()
+    """
+)

@@ -11,21 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import run_ranks
-from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
+from tiny_model import (
+    logprobs_and_entropy,
+    make_rows,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    tiny_causal_lm,
+)
 
 from tracetrain.loss import RowWeights, policy_loss
 from tracetrain.minibatch import plan_step
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are small: one torch thread is faster for them, and does not stall
-    when the machine's cores are shared (a 2-thread op waits for its slower half)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 MODES = ["rollout-mean", "seq-mean-token-mean"]
 WORLD = 2

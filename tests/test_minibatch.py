@@ -7,21 +7,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_model import logprobs_and_entropy, make_rows, tiny_causal_lm
+from tiny_model import (
+    logprobs_and_entropy,
+    make_rows,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    tiny_causal_lm,
+)
 
 from tracetrain.loss import RowWeights, policy_loss, token_weights
 from tracetrain.minibatch import balanced_bins, micro_batches, plan_step
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The tiny model's ops are small: one torch thread is faster for them, and does not stall
-    when the machine's cores are shared (a 2-thread op waits for its slower half)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 ALL_MODES = [
     "rollout-mean",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import textwrap
 import time
 
-from gateway_fixtures import live_gateway
+from gateway_fixtures import COMMAND_AGENT_SCRIPT, live_gateway
 from openai import AsyncOpenAI
 
 from tracetrain.advantage import batch_advantages
@@ -94,31 +93,11 @@ def test_states_rewards_and_failures(tmp_path):
         assert adv.shape == (6,)
 
 
-AGENT_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    import httpx
-    from openai import OpenAI
-    task = json.loads(os.environ["TRACETRAIN_TASK"])
-    if task["kind"] == "hang":
-        open(task["pidfile"], "w").write(str(os.getpid()))
-        time.sleep(3600)
-    client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the runner
-    out = client.chat.completions.create(model=os.environ["TRACETRAIN_MODEL"],
-                                         messages=[{"role": "user", "content": "hi"}], max_tokens=8)
-    if task["kind"] == "exit":
-        print("the environment broke", file=sys.stderr)
-        sys.exit(3)
-    r = httpx.post(os.environ["TRACETRAIN_ROLLOUT_URL"] + "/rewards", json={"reward": task["reward"]},
-                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
-    r.raise_for_status()
-    """
-)
 
 
 def test_command_agents(tmp_path):
     script = tmp_path / "agent.py"
-    script.write_text(AGENT_SCRIPT)
+    script.write_text(COMMAND_AGENT_SCRIPT)
     pidfile = str(tmp_path / "hung.pid")
     specs = [
         {"rollout_id": "ok", "group_id": "g", "task": {"kind": "ok", "reward": 0.75}},

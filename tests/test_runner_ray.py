@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
-from gateway_fixtures import FakeEngine, live_gateway
+from gateway_fixtures import COMMAND_AGENT_SCRIPT, FakeEngine, live_gateway
 from openai import AsyncOpenAI
 
 from tracetrain.runner import GatewayClient, load_agent, rollout_seed
@@ -193,26 +192,6 @@ def test_fifty_agents_with_a_crash_and_a_hang(tmp_path, local_ray):
         assert len(gw.engine.calls) == sum(s["task"]["calls"] for s in specs)
 
 
-AGENT_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    task = json.loads(os.environ["TRACETRAIN_TASK"])
-    if task["kind"] == "hang":  # before the slow imports: the pid is written at once
-        open(task["pidfile"], "w").write(str(os.getpid()))
-        time.sleep(3600)
-    import httpx
-    from openai import OpenAI
-    client = OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the runner
-    client.chat.completions.create(model=os.environ["TRACETRAIN_MODEL"],
-                                   messages=[{"role": "user", "content": "hi"}], max_tokens=8)
-    if task["kind"] == "exit":
-        print("the environment broke", file=sys.stderr)
-        sys.exit(3)
-    r = httpx.post(os.environ["TRACETRAIN_ROLLOUT_URL"] + "/rewards", json={"reward": task["reward"]},
-                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
-    r.raise_for_status()
-    """
-)
 
 
 @pytest.mark.slow
@@ -221,7 +200,7 @@ def test_command_agents_through_ray(tmp_path, local_ray):
     stderr kept), and a hang stopped by the worker's own timeout (the process group is killed,
     the worker survives: no force-cancel needed)."""
     script = tmp_path / "agent.py"
-    script.write_text(AGENT_SCRIPT)
+    script.write_text(COMMAND_AGENT_SCRIPT)
     pidfile = str(tmp_path / "hung.pid")
     specs = [
         {"rollout_id": "ok", "group_id": "g", "task": {"kind": "ok", "reward": 0.75}},

@@ -18,13 +18,12 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_model import logprobs_and_entropy, tiny_causal_lm
@@ -392,8 +391,6 @@ def _dp_worker(rank: int, port: int, out: str, model_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_data_parallel_ranks_give_the_single_process_gradient(tmp_path):
-    from verl_cpu import free_port
-
     from tracetrain.tiny import build_tokenizer
 
     model_dir = tmp_path / "tiny"
@@ -410,22 +407,7 @@ def test_two_data_parallel_ranks_give_the_single_process_gradient(tmp_path):
             rows_multiple=1 if micro == "dynamic" else micro,
         )
         torch.save(proto, tmp_path / f"{mode}.pt")
-    ctx = mp.start_processes(
-        _dp_worker,
-        args=(free_port(), str(tmp_path), str(model_dir)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-rank verl run did not finish in {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
+    run_ranks(_dp_worker, (str(tmp_path), str(model_dir)), WORLD, DEADLINE_S)
     ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(WORLD)]
     for mode, n_mb, _ in DP_CASES:
         expected = tracetrain_gradients(batch, rows, adv, ref, mode=mode, n_mini_batches=n_mb)

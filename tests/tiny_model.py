@@ -1,13 +1,25 @@
 """A real tiny causal LM (Qwen2 built from a config, random weights) and rows laid out like a
 TrainingBatch, for the loss / partition / distributed tests (helpers for test_loss, test_minibatch,
-test_distributed; not fixtures, so other test files are not affected)."""
+test_distributed). `one_torch_thread` is an autouse fixture only in the test files that import it
+by name."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The tiny model's ops are small: one torch thread is faster for them, and does not stall
+    when the machine's cores are shared (a 2-thread op waits for its slower half)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_causal_lm(seed: int = 0) -> Qwen2ForCausalLM:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 import torch.distributed as dist
+from gloo_ranks import free_port
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_base import PlatformBase
 
@@ -109,12 +109,6 @@ def use_cpu() -> None:
     for backend in ("fsdp", "fsdp2"):
         if "cpu" not in registry[backend]:
             EngineRegistry.register("language_model", backend, device="cpu")(FSDPEngineWithLMHead)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
