@@ -32,7 +32,6 @@ from tracetrain.runner import (
     agent_client,
     call_agent,
     finish_rollout,
-    rollout_seed,
 )
 
 HANG_MARGIN_S = 10.0  # past the agents' timeout, a worker that has not answered is killed
@@ -182,8 +181,7 @@ async def run_rollouts_in_workers(
     extra = dict(client_extra or {})
     jobs = []
     for k, (c, spec) in enumerate(zip(created, rollouts, strict=True)):
-        mine = extra if extra.get("seed") is None else {**extra, "seed": rollout_seed(extra["seed"], k)}
-        jobs.append((spec["task"], agent_client(c, mine), timeout_s))
+        jobs.append((spec["task"], agent_client(c, extra, k), timeout_s))
     try:
         outcomes = await workers.run(jobs, concurrency)
     except BrokenProcessPool as e:  # the pool died before it took the jobs

@@ -181,11 +181,14 @@ class CommandAgent:
         return None  # the command reports its reward through the gateway
 
 
-def agent_client(created: dict, client_extra: dict) -> dict:
-    """The `client` an agent gets for the rollout `created` (the gateway's record of it)."""
+def agent_client(created: dict, client_extra: dict, position: int) -> dict:
+    """The `client` an agent gets for the rollout `created` (the gateway's record of it), the
+    rollout at `position` of its call: a given `seed` becomes that rollout's (`rollout_seed`)."""
     base_url = created["base_url"]
+    seed = client_extra.get("seed")
     return {
         **client_extra,
+        **({} if seed is None else {"seed": rollout_seed(seed, position)}),
         "base_url": base_url,
         "api_key": created["api_key"],
         "rollout_id": created["rollout_id"],
@@ -230,9 +233,11 @@ async def run_one(
     agent: AgentFn,
     client_extra: dict,
     timeout_s: float,
+    position: int = 0,
 ) -> RolloutResult:
     start = time.monotonic()
-    state, reward, error = await call_agent(agent, task, agent_client(created, client_extra), timeout_s)
+    client = agent_client(created, client_extra, position)
+    state, reward, error = await call_agent(agent, task, client, timeout_s)
     return await finish_rollout(gateway, created, state, reward, error, time.monotonic() - start)
 
 
@@ -268,9 +273,8 @@ async def run_rollouts(
     extra = {**(client_extra or {}), "http_client": http_client}
 
     async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
-        mine = extra if extra.get("seed") is None else {**extra, "seed": rollout_seed(extra["seed"], k)}
         async with sem:
-            return await run_one(gateway, c, task, agent, mine, timeout_s)
+            return await run_one(gateway, c, task, agent, extra, timeout_s, k)
 
     runs = (bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
     return list(await asyncio.gather(*runs))

@@ -63,7 +63,6 @@ from tracetrain.runner import (
     agent_http_client,
     call_agent,
     finish_rollout,
-    rollout_seed,
 )
 
 
@@ -190,16 +189,11 @@ async def run_rollouts_ray(
     extra = dict(client_extra or {})
 
     async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
-        mine = (
-            extra
-            if extra.get("seed") is None
-            else {**extra, "seed": rollout_seed(extra["seed"], k)}
-        )
         async with sem:
             state, reward, error, seconds = await _run_remote(
                 agent_ref,
                 task,
-                agent_client(c, mine),
+                agent_client(c, extra, k),
                 timeout_s,
                 kill_grace_s,
                 start_timeout_s,
