@@ -77,7 +77,7 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
-ADDITIVE_METRICS = ("pg_loss", "weight_mass", "rollout_mass_min", "rollout_mass_max", "n_rollouts")
+ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
 
 
 @dataclass
