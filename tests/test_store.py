@@ -253,9 +253,13 @@ def test_load_rollouts_gives_validated_finished_rollouts(store):
     (r,) = store.load_rollouts(group_id="G")
     assert isinstance(r, Rollout)
     assert (r.rollout_id, r.group_id, r.reward, r.state) == ("done", "G", 1.0, "succeeded")
-    assert [(t.prompt_ids, t.response_ids, t.model_version) for t in r.turns] == [
+    assert [(list(t.prompt_ids), list(t.response_ids), t.model_version) for t in r.turns] == [
         ([1, 2], [3, 2], 3)
     ]
+    # The stored bytes, as arrays: int32 ids, float32 logprobs (-0.5 and -0.25 are exact there).
+    (t,) = r.turns
+    assert (t.prompt_ids.typecode, t.response_ids.typecode, t.response_logprobs.typecode) == ("i", "i", "f")
+    assert list(t.response_logprobs) == [-0.5, -0.25]
     with pytest.raises(UnknownRollout):
         store.load_rollouts(rollout_ids=["done", "ghost"])
 

@@ -2,6 +2,7 @@
 
 import copy
 import math
+from array import array
 
 import pytest
 
@@ -129,3 +130,31 @@ def test_states_and_legal_transitions():
         assert LEGAL_TRANSITIONS[s] == frozenset()
     assert RolloutState.succeeded not in LEGAL_TRANSITIONS[RolloutState.queued]
     assert RolloutState.succeeded in LEGAL_TRANSITIONS[RolloutState.running]
+
+
+# --- ids and logprobs as array.array (the store's form): the same checks, the same messages
+BAD_ARRAY_FIELDS = [
+    ("prompt_ids", array("i"), ["prompt_ids is empty"]),
+    ("prompt_ids", array("i", [1, -3]), ["prompt_ids[1] is -3", ">= 0"]),
+    ("response_ids", array("Q", [5, 2**63]), ["response_ids[1] is 9223372036854775808", "< 2**63"]),
+    ("prompt_ids", array("f", [1.0, 2.0]), ["prompt_ids is an array of type code 'f'", "integer"]),
+    ("response_logprobs", array("f", [-0.5]), ["response_logprobs has 1 values", "response_ids has 2"]),
+    ("response_logprobs", array("d", [-0.5, math.nan]), ["response_logprobs[1] is nan", "finite"]),
+    ("response_logprobs", array("f", [-math.inf, -1.0]), ["response_logprobs[0] is -inf", "finite"]),
+    ("response_logprobs", array("d", [-0.5, 0.7]), ["response_logprobs[1] is 0.7", "<= 0"]),
+    ("response_logprobs", array("i", [0, 0]), ["type code 'i'", "'f' or 'd'"]),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_ARRAY_FIELDS)
+def test_bad_array_field_raises_naming_the_field(field, value, words):
+    with pytest.raises(TraceError) as e:
+        good_turn(**{field: value})
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_arrays_are_kept_as_given():
+    p, r, lp = array("i", [1, 2, 3]), array("q", [4, 5]), array("f", [-0.5, -1.0])
+    t = good_turn(prompt_ids=p, response_ids=r, response_logprobs=lp)
+    assert t.prompt_ids is p and t.response_ids is r and t.response_logprobs is lp

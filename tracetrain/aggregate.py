@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -66,7 +67,15 @@ from tracetrain.drift import (
     classify_position,
     snippet,
 )
-from tracetrain.types import LOGPROB_TOLERANCE, Rollout, RolloutState, TraceError, check_rollouts
+from tracetrain.types import (
+    LOGPROB_TOLERANCE,
+    Rollout,
+    RolloutState,
+    TraceError,
+    check_rollouts,
+    joined,
+    values_of,
+)
 
 LEVELS = ("transition", "trajectory")
 OVERLONG_POLICIES = ("drop_rollout", "truncate", "error")
@@ -128,14 +137,16 @@ class _Limits:
     overlong: str
 
 
-def _extends(prev, prompt: list[int]) -> bool:
-    """Whether `prompt` starts with prev.prompt_ids + prev.response_ids (C-speed slice compares)."""
-    lp, lr = len(prev.prompt_ids), len(prev.response_ids)
-    return (
-        len(prompt) >= lp + lr
-        and prompt[lp : lp + lr] == prev.response_ids
-        and prompt[:lp] == prev.prompt_ids
-    )
+def _extends(prev, prompt: Sequence[int]) -> bool:
+    """Whether `prompt` starts with prev.prompt_ids + prev.response_ids (C-speed slice compares:
+    lists look at object identity first, arrays compare their memory)."""
+    pp, pr = prev.prompt_ids, prev.response_ids
+    lp, lr = len(pp), len(pr)
+    if len(prompt) < lp + lr:
+        return False
+    if not isinstance(prompt, array) == isinstance(pp, array) == isinstance(pr, array):
+        prompt, pp, pr = list(prompt), list(pp), list(pr)  # a list never equals an array
+    return prompt[lp : lp + lr] == pr and prompt[:lp] == pp
 
 
 def _start_row(r: Rollout, k: int, chain: int, lim: _Limits, counts: _Counts) -> _Row:
@@ -207,10 +218,10 @@ def plan_rollout(
                 position = break_position(prev.prompt_ids, prev.response_ids, p)
                 kind = classify_position(position, spans)
             else:
-                context = prev.prompt_ids + prev.response_ids
+                context = joined(prev.prompt_ids, prev.response_ids)
                 kind, position = classify_break(context, p, spans, tokenizer)
             if want_records:
-                context = context or prev.prompt_ids + prev.response_ids
+                context = context if context is not None else joined(prev.prompt_ids, prev.response_ids)
                 brk = (kind, position, snippet(context, p, position, tokenizer))
             else:
                 brk = (kind, position, "")
@@ -264,6 +275,9 @@ def _copy_rows(
     """Read the chunk's chains into int64 once, then copy each row's slice into place."""
     buf = np.empty(chunk.n_tokens, dtype=np.int64)
     for at, ri, k, ids in chunk.pieces:
+        if isinstance(ids, array):  # one memory copy (Turn validated the type code)
+            buf[at : at + len(ids)] = values_of(ids)
+            continue
         try:  # the cheapest bulk list -> int64 copy in the standard library
             struct.pack_into(f"{len(ids)}q", buf, at * 8, *ids)
         except struct.error as e:  # not an int, or one too large for int64
@@ -404,8 +418,11 @@ def aggregate(
                         if lps is None:
                             have_logprobs = False
                         elif have_logprobs:
-                            values = lps if n == len(lps) else lps[:n]
-                            struct.pack_into(f"{n}f", lp_flat, 4 * to, *values)
+                            if isinstance(lps, array):
+                                lp_flat[to : to + n] = values_of(lps)[:n]
+                            else:
+                                values = lps if n == len(lps) else lps[:n]
+                                struct.pack_into(f"{n}f", lp_flat, 4 * to, *values)
                         to += n
                         end = len(t.prompt_ids) + len(t.response_ids)
                         v = t.model_version

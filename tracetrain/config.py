@@ -113,8 +113,8 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     run_dir: str = "runs/default"
     resume: bool = False
-    threads: int = Field(0, ge=0)  # torch intra-op threads; 0: torch's default
-    update_threads: int = Field(0, ge=0)  # torch threads during the update (nothing else runs); 0: threads
+    threads: int = Field(0, ge=0)  # torch intra-op threads (engine decode); 0: torch's default
+    update_threads: int = Field(0, ge=0)  # torch threads for warm start + update (nothing else runs); 0: threads
     tensorboard: bool = False
     wandb: bool = False
 

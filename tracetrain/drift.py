@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tracetrain.types import same_kind
+
 RETOKENIZATION = "retokenization"
 ASSISTANT_REWRITE = "assistant_rewrite"
 CONTEXT_REWRITE = "context_rewrite"
@@ -57,6 +59,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
 
     Bisects with slice comparisons (C speed), then scans the last short window.
     """
+    a, b = same_kind(a, b)
     lo, hi = (
         0,
         min(len(a), len(b)),

@@ -262,9 +262,13 @@ class Store(ABC):
         for r in records:
             if r.state not in wanted or (group_id is not None and r.group_id != group_id):
                 continue
-            turns = [t.to_turn() for t in self.get_turns(r.rollout_id)]
-            out.append(Rollout(r.rollout_id, r.group_id, turns, r.reward, r.state))
+            out.append(Rollout(r.rollout_id, r.group_id, self.training_turns(r.rollout_id), r.reward,
+                               r.state))
         return out
+
+    def training_turns(self, rollout_id: str) -> list[Turn]:
+        """A rollout's turns as validated `Turn`s, for the trainer."""
+        return [t.to_turn() for t in self.get_turns(rollout_id)]
 
     @abstractmethod
     def close(self) -> None: ...
@@ -290,12 +294,17 @@ def ids_to_blob(ids: Sequence[int]) -> bytes:
     return a.tobytes()
 
 
-def blob_to_ids(blob: bytes) -> list[int]:
+def blob_to_id_array(blob: bytes) -> array:
+    """Little-endian int32 bytes -> array('i') (one copy, no Python ints)."""
     a = array("i")
     a.frombytes(blob)
     if _BIG_ENDIAN:
         a.byteswap()
-    return a.tolist()
+    return a
+
+
+def blob_to_ids(blob: bytes) -> list[int]:
+    return blob_to_id_array(blob).tolist()
 
 
 def floats_to_blob(xs: Sequence[float]) -> bytes:
@@ -306,12 +315,17 @@ def floats_to_blob(xs: Sequence[float]) -> bytes:
     return a.tobytes()
 
 
-def blob_to_floats(blob: bytes) -> list[float]:
+def blob_to_float_array(blob: bytes) -> array:
+    """Little-endian float32 bytes -> array('f')."""
     a = array("f")
     a.frombytes(blob)
     if _BIG_ENDIAN:
         a.byteswap()
-    return a.tolist()
+    return a
+
+
+def blob_to_floats(blob: bytes) -> list[float]:
+    return blob_to_float_array(blob).tolist()
 
 
 # -------------------------------------------------------------------------------- schema
@@ -905,6 +919,24 @@ class SQLiteStore(Store):
                 ts,
             )
             for idx, p, r, lp, mv, fr, ts in rows
+        ]
+
+    def training_turns(self, rollout_id):
+        """Turns with ids as int32 arrays and logprobs as float32 arrays: the stored bytes, copied
+        once, never turned into Python numbers (aggregate reads them as memory)."""
+        rows = (
+            self._reader()
+            .execute(
+                "SELECT prompt_ids, response_ids, logprobs, model_version FROM turns"
+                " WHERE rollout_id = ? ORDER BY idx",
+                (rollout_id,),
+            )
+            .fetchall()
+        )
+        return [
+            Turn(blob_to_id_array(p), blob_to_id_array(r),
+                 None if lp is None else blob_to_float_array(lp), mv)
+            for p, r, lp, mv in rows
         ]
 
     def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):

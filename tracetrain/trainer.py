@@ -77,6 +77,21 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
+def run_with_threads(threads: int, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) with torch's intra-op threads set to `threads` (0: as they are).
+
+    torch's thread count is per OS thread (OpenMP), so it is set here, in the thread that runs
+    `fn` -- a count set in the event loop's thread does not reach `asyncio.to_thread` workers."""
+    if not threads:
+        return fn(*args, **kwargs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)
+
+
 ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
 
 
@@ -193,6 +208,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        # Threads of the model's worker threads (torch's count is per thread, see run_with_threads):
+        # the engine's decode thread uses `threads`, the warm start and the update `update_threads`.
+        self.threads = cfg.trainer.threads or torch.get_num_threads()
+        self.update_threads = cfg.trainer.update_threads or self.threads
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
@@ -270,11 +289,16 @@ class Trainer:
     async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        engine_before = dict(getattr(engine, "stats", {}))
         tasks = step_tasks(self.task, cfg, self.step)
         results = await self.collect(gateway, tasks, f"{self.nonce}-s{self.step}", cfg.rollout.n_per_task,
                                      cfg.rollout.temperature)
         t_collect = time.perf_counter() - t0
+        # The engine's work in this step: decode loops, forward passes, prompt tokens forwarded.
+        engine_work = {k: engine.stats[k] - engine_before[k]
+                       for k in ("batches", "requests", "forward_calls", "prefill_tokens") if k in engine_before}
         ids = [r.rollout_id for r in results]
+        t_rows = time.perf_counter()
         rollouts = self.store.load_rollouts(rollout_ids=ids)
         rollouts, n_stale = drop_stale(rollouts, engine.model_version, cfg.trainer.max_staleness)
         ac = cfg.aggregate
@@ -289,6 +313,7 @@ class Trainer:
         metrics["n_failed"] = states.count("failed")
         metrics["n_timed_out"] = states.count("timed_out")
         metrics["n_stale_rollouts"] = n_stale
+        metrics.update({f"engine/{k}": v for k, v in engine_work.items()})
         metrics.update({f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))})
         t1 = time.perf_counter()
         if batch.n_rows:
@@ -296,23 +321,22 @@ class Trainer:
             batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
                                                        failed_rollouts=ad.failed_rollouts)
             metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        metrics["time/rows_s"] = time.perf_counter() - t_rows  # store read, aggregate, advantages
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             await asyncio.to_thread(from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
             # The update: hold new requests and wait for in-flight ones, then bump the version.
             await gateway.engine("default", "pause")
             await gateway.engine("default", "drain")
-            threads = torch.get_num_threads()
-            if cfg.trainer.update_threads:  # the engine is drained: the update has the cores
-                torch.set_num_threads(cfg.trainer.update_threads)
             try:
-                updates = await asyncio.to_thread(
-                    ppo_update, self.policy, self.optimizer, batch, adv, cfg,
-                    ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
+                t_update = time.perf_counter()
+                updates = await asyncio.to_thread(  # the engine is drained: the cores are free
+                    run_with_threads, self.update_threads, ppo_update, self.policy, self.optimizer,
+                    batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
                 )
+                metrics["time/update_s"] = time.perf_counter() - t_update
                 engine.update_weights(None, engine.model_version + 1)
             finally:
-                torch.set_num_threads(threads)
                 await gateway.engine("default", "resume")
             metrics["loss"] = sum(u.loss for u in updates) / len(updates)
             metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
@@ -371,21 +395,21 @@ class Trainer:
             if not callable(make):
                 raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
             transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
-            losses = await asyncio.to_thread(warm_start, self.model, self.tokenizer, transcripts,
-                                             steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
-                                             seed=cfg.trainer.seed)
+            losses = await asyncio.to_thread(  # nothing else runs yet: the update's threads
+                run_with_threads, self.update_threads, warm_start, self.model, self.tokenizer,
+                transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed)
             self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                      f"in {time.perf_counter() - t:.1f} s")
         self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
         if cfg.loss.kl_coef > 0 and self.ref_model is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if not self.dp.is_main:
-            await asyncio.to_thread(self.follow)
+            await asyncio.to_thread(run_with_threads, self.update_threads, self.follow)
             return self.history
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
         engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
-                             seed=cfg.trainer.seed)
+                             seed=cfg.trainer.seed, threads=self.threads)
         if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),

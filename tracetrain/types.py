@@ -2,14 +2,22 @@
 
 Validation is strict and nothing is coerced: a bad value raises `TraceError` naming the rollout,
 the turn and the field. Checks run once, when a `Turn` or `Rollout` is built; later stages trust them.
+
+Token ids are a `list[int]` or an `array.array` of an integer type code (IDS_TYPECODES);
+logprobs a `list[float]` or an `array.array` of 'f'/'d'. The store hands turns out as int32 /
+float32 arrays (its columns are those bytes), which stages read without touching a Python int.
+A turn's values are kept exactly as given: a list stays the caller's list, an array the array.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+
+import numpy as np
 
 # A log-probability is <= 0; engines in low precision may return a hair above it.
 LOGPROB_TOLERANCE = 1e-3
@@ -59,9 +67,53 @@ def _where(rollout_id: str | None, turn_index: int | None) -> str:
     return ", ".join(parts) + ": " if parts else ""
 
 
-def _check_ids(ids: object, name: str, where: str, *, allow_empty: bool) -> list[int]:
+IDS_TYPECODES = frozenset("bBhHiIlLqQ")  # array.array type codes of integers
+LOGPROB_TYPECODES = frozenset("fd")
+
+
+def values_of(a: array) -> np.ndarray:
+    """A read-only numpy view of an array.array (no copy)."""
+    return np.frombuffer(a, dtype=a.typecode)
+
+
+def joined(a: Sequence, b: Sequence) -> Sequence:
+    """a + b: an array when both are arrays of one type code, else a list."""
+    if isinstance(a, array) and isinstance(b, array) and a.typecode == b.typecode:
+        return a + b
+    return (a if isinstance(a, list) else list(a)) + (b if isinstance(b, list) else list(b))
+
+
+def same_kind(a: Sequence, b: Sequence) -> tuple[Sequence, Sequence]:
+    """(a, b) in forms that compare by value with == and slices: a list never equals an array,
+    so a list/array pair is compared as two lists (arrays of any type codes compare by value)."""
+    if isinstance(a, array) == isinstance(b, array):
+        return a, b
+    return list(a), list(b)
+
+
+def _check_id_array(ids: array, name: str, where: str, *, allow_empty: bool) -> array:
+    if ids.typecode not in IDS_TYPECODES:
+        raise TraceError(f"{where}{name} is an array of type code {ids.typecode!r}; token ids need an "
+                         f"integer type code ({''.join(sorted(IDS_TYPECODES))})")
+    if not ids:
+        if allow_empty:
+            return ids
+        raise TraceError(f"{where}{name} is empty; a turn needs at least one token id")
+    v = values_of(ids)
+    lo, hi = int(v.min()), int(v.max())
+    if lo < 0:
+        raise TraceError(f"{where}{name}[{int(v.argmin())}] is {lo}; token ids must be >= 0")
+    if hi >= 2**63:  # rows hold int64
+        raise TraceError(f"{where}{name}[{int(v.argmax())}] is {hi}; token ids must be < 2**63")
+    return ids
+
+
+def _check_ids(ids: object, name: str, where: str, *, allow_empty: bool) -> list[int] | array:
+    if isinstance(ids, array):
+        return _check_id_array(ids, name, where, allow_empty=allow_empty)
     if not isinstance(ids, list):
-        raise TraceError(f"{where}{name} must be a list of int token ids, got {type(ids).__name__}")
+        raise TraceError(f"{where}{name} must be a list (or array.array) of int token ids, "
+                         f"got {type(ids).__name__}")
     if not ids:
         if allow_empty:
             return ids
@@ -86,17 +138,30 @@ def _check_finite(x: object, name: str, where: str) -> float:
     return x
 
 
+def _check_logprob_array(lp: array, where: str) -> None:
+    if lp.typecode not in LOGPROB_TYPECODES:
+        raise TraceError(f"{where}response_logprobs is an array of type code {lp.typecode!r}; "
+                         "logprobs need 'f' or 'd'")
+    v = values_of(lp)
+    bad = ~np.isfinite(v) | (v > LOGPROB_TOLERANCE)
+    if bad.any():
+        j = int(bad.argmax())
+        why = "it must be a finite float" if not math.isfinite(v[j]) else "a log-probability is <= 0"
+        raise TraceError(f"{where}response_logprobs[{j}] is {float(v[j])!r}; {why}")
+
+
 @dataclass
 class Turn:
     """One model call: the prompt ids the policy saw, the response ids it produced.
 
     `response_logprobs[j]` is the sampling log-probability of `response_ids[j]`; None when the
     engine did not return them. `model_version` is the policy version that produced the response.
+    Ids are lists or integer `array.array`s, logprobs lists or 'f'/'d' arrays (module docstring).
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float] | None = None
+    prompt_ids: list[int] | array
+    response_ids: list[int] | array
+    response_logprobs: list[float] | array | None = None
     model_version: int | None = None
 
     def __post_init__(self) -> None:
@@ -108,14 +173,17 @@ class Turn:
         _check_ids(self.response_ids, "response_ids", where, allow_empty=False)
         lp = self.response_logprobs
         if lp is not None:
-            if not isinstance(lp, list):
-                raise TraceError(f"{where}response_logprobs must be a list of float or None, got {type(lp).__name__}")
+            if not isinstance(lp, (list, array)):
+                raise TraceError(f"{where}response_logprobs must be a list (or array.array) of float "
+                                 f"or None, got {type(lp).__name__}")
             if len(lp) != len(self.response_ids):
                 raise TraceError(
                     f"{where}response_logprobs has {len(lp)} values but response_ids has "
                     f"{len(self.response_ids)} tokens; they must match one to one"
                 )
-            if not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
+            if isinstance(lp, array):
+                _check_logprob_array(lp, where)
+            elif not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
                 for j, v in enumerate(lp):
                     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                         raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; it must be a finite float")

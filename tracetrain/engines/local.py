@@ -110,7 +110,8 @@ class LocalEngine:
     `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
     (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
     `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens forwarded
-    (padding included, a shared prefix once) and decode row-steps ("tokens").
+    (padding included, a shared prefix once) and decode row-steps ("tokens"). `threads`: torch
+    intra-op threads of the decode thread (0: the creating thread's count).
     """
 
     def __init__(
@@ -126,6 +127,7 @@ class LocalEngine:
         device: str | torch.device | None = None,
         model_version: int = 0,
         seed: int | None = None,
+        threads: int = 0,
     ):
         if (
             isinstance(max_batch_size, bool)
@@ -167,6 +169,8 @@ class LocalEngine:
         )
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
+        # torch's thread count is per OS thread: the decode thread sets its own (0: torch's default)
+        self.threads = threads if threads > 0 else torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[_Request] = []
         self._wakeup: asyncio.Event | None = None
@@ -234,7 +238,8 @@ class LocalEngine:
         take turns on it, and the event loop never runs a forward pass."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"engine-{self.name}"
+                max_workers=1, thread_name_prefix=f"engine-{self.name}",
+                initializer=torch.set_num_threads, initargs=(self.threads,),
             )
         return self._executor
 
