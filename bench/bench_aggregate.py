@@ -23,6 +23,11 @@ the same shape (the strict like-for-like comparison); `2048` = max_prompt_length
 max_response_length = 2048, a typical config: the peer always pads to the limits, tracetrain pads to
 the batch maxima (its default). Nothing is dropped or truncated in either.
 
+Two tracetrain rows: `tracetrain` gets turns whose ids and logprobs are Python lists (what a
+user builds by hand); `tracetrain-store` gets the same turns in the form the trainer reads them
+from its store (`SQLiteStore.training_turns`: ids as array('i'), logprobs as array('f'), the
+stored bytes), which aggregate copies as memory. The peer gets lists, its own form.
+
 Floor (row 'floor', --no-floor to skip): `touch_floor` does only the work tracetrain's method
 cannot avoid on these Python-list inputs (compare every prompt with the previous context, read
 each chain's last ids and every logprob once, write the outputs once), so peer / floor is the
@@ -98,6 +103,24 @@ def to_tracetrain(traces):
     return [
         Rollout(
             rid, f"group-{n // 8}", [Turn(p, r, lp, model_version=1) for p, r, lp in turns], reward
+        )
+        for n, (rid, reward, turns) in enumerate(traces)
+    ]
+
+
+def to_tracetrain_arrays(traces):
+    """The same rollouts in the form the trainer gets them from the store
+    (`SQLiteStore.training_turns`): ids as array('i'), logprobs as array('f')."""
+    from array import array
+
+    from tracetrain.types import Rollout, Turn
+
+    return [
+        Rollout(
+            rid,
+            f"group-{n // 8}",
+            [Turn(array("i", p), array("i", r), array("f", lp), model_version=1) for p, r, lp in turns],
+            reward,
         )
         for n, (rid, reward, turns) in enumerate(traces)
     ]
@@ -221,11 +244,13 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
     max_p, max_r = (
         limits(traces, level) if limit_mode == "exact" else (int(limit_mode), int(limit_mode))
     )
-    if impl == "tracetrain":
+    if impl in ("tracetrain", "tracetrain-store"):
         from tracetrain.aggregate import aggregate
 
+        convert = to_tracetrain if impl == "tracetrain" else to_tracetrain_arrays
+
         def prepare():
-            return to_tracetrain(traces)
+            return convert(traces)
 
         def call(inputs):
             batch, m = aggregate(
@@ -237,7 +262,7 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
         def count(batch):  # rows and trained tokens (after the measurement)
             return batch.n_rows, int(batch.response_mask.sum())
 
-        tiny = to_tracetrain(traces[:16])
+        tiny = convert(traces[:16])
     elif impl == "floor":
         width_p, width_r = limits(traces, level)  # the batch widths, whatever the limits
 
@@ -362,7 +387,7 @@ def main() -> None:
     elif not peer:
         print(f"peer: Agent Lightning unavailable ({PEER_PYTHON} missing or broken;")
         print("bench/setup_peers.sh builds it): tracetrain figures only")
-    head = f"{'case':<18} {'limits':<10} {'impl':<14} {'rows':>5} {'best s':>7} {'med s':>7}"
+    head = f"{'case':<18} {'limits':<10} {'impl':<16} {'rows':>5} {'best s':>7} {'med s':>7}"
     head += f" {'rows/s':>8} {'peak MB':>8} {'out MB':>7} {'peak/out':>8} {'speed-up':>13}"
     print("\n" + head)
     for mode in args.limits:
@@ -378,11 +403,12 @@ def main() -> None:
                 if args.no_floor
                 else run_child(sys.executable, case, "floor", mode, args.repeat, args.threads)
             )
-            for r in (ours, theirs, floor):
+            stored = run_child(sys.executable, case, "tracetrain-store", mode, args.repeat, args.threads)
+            for r in (ours, stored, theirs, floor):
                 if r is None:
                     continue
                 mb, ratio, med = 2**20, r["peak_above"] / r["out_bytes"], median(r["walls"])
-                line = f"{case:<18} {r['limits']:<10} {r['impl']:<14} {r['rows']:>5} "
+                line = f"{case:<18} {r['limits']:<10} {r['impl']:<16} {r['rows']:>5} "
                 line += f"{r['wall']:>7.3f} {med:>7.3f} {r['rows'] / r['wall']:>8.0f} "
                 line += f"{r['peak_above'] / mb:>8.1f} {r['out_bytes'] / mb:>7.1f} {ratio:>8.2f}"
                 if r is not theirs and theirs is not None:

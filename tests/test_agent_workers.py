@@ -89,3 +89,55 @@ def test_agents_in_two_workers_keep_the_runner_contract(tmp_path):
         assert {r.state for r in blocked} <= {"succeeded", "timed_out"}
         # A fresh pool serves the next call.
         assert [r.state for r in after] == ["succeeded"] * 4
+
+
+DRIVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from tracetrain.agent_workers import AgentRef, AgentWorkers
+
+    async def main():
+        workers = AgentWorkers(AgentRef(sys.argv[1], None, "agent"), 2, max_connections=4)
+        pool = await workers._get_pool()
+        print(" ".join(str(p) for p in pool._processes), flush=True)
+        await asyncio.sleep(3600)
+
+    if __name__ == "__main__":  # the workers are spawned: they import this file again
+        asyncio.run(main())
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_workers_exit_when_the_trainer_is_killed(tmp_path, sig):
+    """A trainer killed with no chance to shut its pool down leaves no worker running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    module = tmp_path / "task_mod.py"
+    module.write_text(TASK_MODULE)
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(module)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        os.kill(proc.pid, getattr(signal, sig))
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in pids), f"workers {pids} outlived the trainer"
+    finally:
+        proc.kill()

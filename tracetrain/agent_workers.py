@@ -54,8 +54,22 @@ _loop: asyncio.AbstractEventLoop | None = None
 _http = None
 
 
-def _init(ref: AgentRef, max_connections: int) -> None:
+def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """A daemon thread that ends this worker once the process that started it is gone (killed
+    with SIGKILL or SIGTERM, it cannot shut the pool down): no orphan keeps running agents."""
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init(ref: AgentRef, max_connections: int, parent: int) -> None:
     global _agent, _loop, _http
+    _exit_with_parent(parent)
     from tracetrain.runner import agent_http_client
     from tracetrain.trainer import load_task, resolve_agent
 
@@ -108,7 +122,7 @@ class AgentWorkers:
         if self._pool is None:
             pool = ProcessPoolExecutor(
                 self.n, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init, initargs=(self.ref, self.max_connections),
+                initializer=_init, initargs=(self.ref, self.max_connections, os.getpid()),
             )
             loop = asyncio.get_running_loop()
             try:  # n concurrent pings: the pool spawns a process for each while none is idle

@@ -34,7 +34,9 @@ context, and every row, at either level, is one contiguous slice [lo, hi) of it.
 chain's last context is read from Python ints, once, into an int64 buffer (`struct.pack_into`,
 the cheapest bulk list -> int64 copy in the standard library; the transition level reads 0.8 M
 ints instead of 3.5 M on the benchmark), and each row is one numpy slice copy out of it into the
-padded output. The response mask and the logprobs are written per turn, straight from the
+padded output. Turns whose ids and logprobs are `array.array`s (how the store hands them to the
+trainer) skip the Python ints altogether: their compares are memory compares and their reads
+memory copies (`types.values_of`). The response mask and the logprobs are written per turn, straight from the
 lists, into the row's region. position_ids and attention_mask take one vectorized pass each (a
 window of a template; a broadcast compare). Outputs are allocated by numpy, which asks the
 kernel for huge pages for large blocks (a third of the page-fault time of a plain allocation

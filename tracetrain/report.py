@@ -45,8 +45,10 @@ def plot_curves(history: list[dict], path: str | Path, *, window: int = 10, titl
     return path
 
 
-def summary(history: list[dict], *, window: int = 10) -> dict:
-    """First and last `window`-step mean reward, the gain, the best moving average, totals."""
+def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) -> dict:
+    """First and last `window`-step mean reward, the gain, the best moving average, totals, and
+    the first step whose `window`-step mean is >= the first window's mean + `target_gain`
+    (with its `time/elapsed_s`: seconds since the run started, warm start included), or None."""
     reward = [m["reward_mean"] for m in history]
     ma = moving_average(reward, window)
     first = ma[min(window, len(ma)) - 1] if ma else float("nan")
@@ -62,6 +64,10 @@ def summary(history: list[dict], *, window: int = 10) -> dict:
         "failed_rollouts": sum(m.get("n_failed", 0) for m in history),
         "timed_out_rollouts": sum(m.get("n_timed_out", 0) for m in history),
     }
+    hit = next((k for k, v in enumerate(ma) if k >= window - 1 and v >= start + target_gain - 1e-9), None)
+    out["target_gain"] = target_gain
+    out["target_gain_step"] = None if hit is None else history[hit]["step"]
+    out["target_gain_elapsed_s"] = None if hit is None else history[hit].get("time/elapsed_s")
     evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
     if evals:
         out["eval_first"], out["eval_last"], out["eval_best"] = evals[0], evals[-1], max(evals)

@@ -383,6 +383,7 @@ class Trainer:
         from tracetrain.warmstart import warm_start
 
         cfg = self.cfg
+        self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)
         if cfg.trainer.resume and self.checkpoint_path().is_file():
@@ -409,7 +410,8 @@ class Trainer:
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
         engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
-                             seed=cfg.trainer.seed, threads=self.threads)
+                             seed=cfg.trainer.seed, threads=self.threads,
+                             batch_window_ms=cfg.rollout.batch_window_ms)
         if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
@@ -427,6 +429,7 @@ class Trainer:
                         m = await self.train_step(gateway, engine)
                         if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
                             m["eval/reward_mean"] = await self.evaluate(gateway)
+                        m["time/elapsed_s"] = time.perf_counter() - self.started
                         self.history.append(m)
                         with self.metrics_path.open("a") as f:
                             f.write(json.dumps(m) + "\n")
@@ -557,7 +560,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
         return {}
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
-    name = Path(cfg.task).parent.name if cfg.task.endswith(".py") else cfg.task
+    task_file = getattr(task, "__file__", None) if cfg.task.endswith(".py") else None
+    name = Path(task_file).resolve().parent.name if task_file else cfg.task
     png = plot_curves(history, trainer.run_dir / "curve.png", title=f"{name}: {cfg.agent} ({cfg.trainer.run_dir})")
     out["curve"] = str(png)
     (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
