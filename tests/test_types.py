@@ -48,7 +48,21 @@ BAD_TURN_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("field,value,words", BAD_TURN_FIELDS)
+# --- ids and logprobs as array.array (the store's form): the same checks, the same messages
+BAD_ARRAY_FIELDS = [
+    ("prompt_ids", array("i"), ["prompt_ids is empty"]),
+    ("prompt_ids", array("i", [1, -3]), ["prompt_ids[1] is -3", ">= 0"]),
+    ("response_ids", array("Q", [5, 2**63]), ["response_ids[1] is 9223372036854775808", "< 2**63"]),
+    ("prompt_ids", array("f", [1.0, 2.0]), ["prompt_ids is an array of type code 'f'", "integer"]),
+    ("response_logprobs", array("f", [-0.5]), ["response_logprobs has 1 values", "response_ids has 2"]),
+    ("response_logprobs", array("d", [-0.5, math.nan]), ["response_logprobs[1] is nan", "finite"]),
+    ("response_logprobs", array("f", [-math.inf, -1.0]), ["response_logprobs[0] is -inf", "finite"]),
+    ("response_logprobs", array("d", [-0.5, 0.7]), ["response_logprobs[1] is 0.7", "<= 0"]),
+    ("response_logprobs", array("i", [0, 0]), ["type code 'i'", "'f' or 'd'"]),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_TURN_FIELDS + BAD_ARRAY_FIELDS)
 def test_bad_turn_field_raises_naming_the_field(field, value, words):
     with pytest.raises(TraceError) as e:
         good_turn(**{field: value})
@@ -56,7 +70,7 @@ def test_bad_turn_field_raises_naming_the_field(field, value, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("field,value,words", BAD_TURN_FIELDS)
+@pytest.mark.parametrize("field,value,words", BAD_TURN_FIELDS + BAD_ARRAY_FIELDS)
 def test_bad_turn_inside_rollout_names_rollout_and_turn(field, value, words):
     bad = good_turn()
     setattr(bad, field, value)  # changed after its own check: the Rollout check catches it
@@ -131,27 +145,6 @@ def test_states_and_legal_transitions():
     assert RolloutState.succeeded not in LEGAL_TRANSITIONS[RolloutState.queued]
     assert RolloutState.succeeded in LEGAL_TRANSITIONS[RolloutState.running]
 
-
-# --- ids and logprobs as array.array (the store's form): the same checks, the same messages
-BAD_ARRAY_FIELDS = [
-    ("prompt_ids", array("i"), ["prompt_ids is empty"]),
-    ("prompt_ids", array("i", [1, -3]), ["prompt_ids[1] is -3", ">= 0"]),
-    ("response_ids", array("Q", [5, 2**63]), ["response_ids[1] is 9223372036854775808", "< 2**63"]),
-    ("prompt_ids", array("f", [1.0, 2.0]), ["prompt_ids is an array of type code 'f'", "integer"]),
-    ("response_logprobs", array("f", [-0.5]), ["response_logprobs has 1 values", "response_ids has 2"]),
-    ("response_logprobs", array("d", [-0.5, math.nan]), ["response_logprobs[1] is nan", "finite"]),
-    ("response_logprobs", array("f", [-math.inf, -1.0]), ["response_logprobs[0] is -inf", "finite"]),
-    ("response_logprobs", array("d", [-0.5, 0.7]), ["response_logprobs[1] is 0.7", "<= 0"]),
-    ("response_logprobs", array("i", [0, 0]), ["type code 'i'", "'f' or 'd'"]),
-]
-
-
-@pytest.mark.parametrize("field,value,words", BAD_ARRAY_FIELDS)
-def test_bad_array_field_raises_naming_the_field(field, value, words):
-    with pytest.raises(TraceError) as e:
-        good_turn(**{field: value})
-    for w in words:
-        assert w in str(e.value)
 
 
 def test_arrays_are_kept_as_given():
