@@ -898,8 +898,9 @@ class SQLiteStore(Store):
                 self._key_of[head.rollout_id] = head.key_hash
         return head
 
-    def get_turns(self, rollout_id):
-        rows = (
+    def _turn_rows(self, rollout_id: str) -> list[tuple]:
+        """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at)."""
+        return (
             self._reader()
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
@@ -908,6 +909,8 @@ class SQLiteStore(Store):
             )
             .fetchall()
         )
+
+    def get_turns(self, rollout_id):
         return [
             TurnRecord(
                 idx,
@@ -918,25 +921,16 @@ class SQLiteStore(Store):
                 fr,
                 ts,
             )
-            for idx, p, r, lp, mv, fr, ts in rows
+            for idx, p, r, lp, mv, fr, ts in self._turn_rows(rollout_id)
         ]
 
     def training_turns(self, rollout_id):
         """Turns with ids as int32 arrays and logprobs as float32 arrays: the stored bytes, copied
         once, never turned into Python numbers (aggregate reads them as memory)."""
-        rows = (
-            self._reader()
-            .execute(
-                "SELECT prompt_ids, response_ids, logprobs, model_version FROM turns"
-                " WHERE rollout_id = ? ORDER BY idx",
-                (rollout_id,),
-            )
-            .fetchall()
-        )
         return [
             Turn(blob_to_id_array(p), blob_to_id_array(r),
                  None if lp is None else blob_to_float_array(lp), mv)
-            for p, r, lp, mv in rows
+            for _, p, r, lp, mv, _, _ in self._turn_rows(rollout_id)
         ]
 
     def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):

@@ -289,14 +289,14 @@ class Trainer:
     async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        engine_before = dict(getattr(engine, "stats", {}))
+        engine_before = dict(engine.stats)
         tasks = step_tasks(self.task, cfg, self.step)
         results = await self.collect(gateway, tasks, f"{self.nonce}-s{self.step}", cfg.rollout.n_per_task,
                                      cfg.rollout.temperature)
         t_collect = time.perf_counter() - t0
         # The engine's work in this step: decode loops, forward passes, prompt tokens forwarded.
         engine_work = {k: engine.stats[k] - engine_before[k]
-                       for k in ("batches", "requests", "forward_calls", "prefill_tokens") if k in engine_before}
+                       for k in ("batches", "requests", "forward_calls", "prefill_tokens")}
         ids = [r.rollout_id for r in results]
         t_rows = time.perf_counter()
         rollouts = self.store.load_rollouts(rollout_ids=ids)

@@ -169,7 +169,7 @@ class LocalEngine:
         )
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
-        # torch's thread count is per OS thread: the decode thread sets its own (0: torch's default)
+        # torch's thread count is per OS thread: the decode thread sets its own (0: this thread's)
         self.threads = threads if threads > 0 else torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[_Request] = []
