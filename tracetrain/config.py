@@ -5,6 +5,8 @@ Unknown keys and bad values are errors that name the key (`ConfigError`), never 
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +35,9 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0)
     num_kv_heads: int = Field(2, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The attention kernel (transformers' name); None: transformers' default (sdpa). "eager" is
+    # the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times slower).
+    attn_implementation: Literal["sdpa", "eager"] | None = None
 
     @model_validator(mode="after")
     def _needs_path(self) -> ModelConfig:
@@ -116,7 +121,14 @@ class TrainerConfig(_Section):
     run_dir: str = "runs/default"
     resume: bool = False
     threads: int = Field(0, ge=0)  # torch intra-op threads (engine decode); 0: torch's default
-    update_threads: int = Field(0, ge=0)  # torch threads for warm start + update (nothing else runs); 0: threads
+    update_threads: int = Field(0, ge=0)  # torch threads of the update (the warm start: the larger of the two); 0: threads
+    # The training forward passes (warm start, update, reference): "bf16-mixed" runs them under
+    # torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected.
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    # Collect step k+1's rollouts while step k's update runs (with the policy before that update:
+    # its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
+    # copy of the weights and takes the new ones between two collects.
+    overlap_collect: bool = False
     tensorboard: bool = False
     wandb: bool = False
 
@@ -142,9 +154,22 @@ class TrainConfig(_Section):
     verl: VerlConfig = Field(default_factory=VerlConfig)  # backend: verl only
 
     @model_validator(mode="after")
+    def _embedded_only(self) -> TrainConfig:
+        if self.trainer.precision != "fp32" and self.backend != "embedded":
+            raise ValueError("trainer.precision: 'bf16-mixed' is for backend 'embedded' "
+                             "(verl's workers take their precision from the verl section)")
+        if self.trainer.overlap_collect:
+            if self.backend != "embedded":
+                raise ValueError("trainer.overlap_collect: for backend 'embedded' only")
+            if self.trainer.max_staleness < 1:
+                raise ValueError("trainer.max_staleness: must be >= 1 with trainer.overlap_collect "
+                                 "(it trains on rollouts one version old)")
+        return self
+
+    @model_validator(mode="after")
     def _norm_length(self) -> TrainConfig:
         if self.loss.mode == "seq-mean-token-sum-norm" and self.loss.norm_length is None:
-            raise ValueError("loss.norm_length is required when loss.mode is 'seq-mean-token-sum-norm'")
+            raise ValueError("loss.norm_length: required when loss.mode is 'seq-mean-token-sum-norm'")
         return self
 
 
@@ -192,11 +217,17 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[a-z_]+)+): (.*)$", re.S)
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        if e["type"] == "extra_forbidden":
+        keyed = _KEYED.match(e["msg"]) if not e["loc"] else None
+        if keyed:  # a check across sections ("KEY: why"): the input is the whole config, not shown
+            lines.append(f"config key {keyed[1]!r}: {keyed[2]}")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"config key {key!r}: unknown key")
         else:
             lines.append(f"config key {key!r}: {e['msg']} (got {e.get('input')!r})")

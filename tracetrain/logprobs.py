@@ -4,11 +4,27 @@ For row i and response column t (absolute position P + t), with logits z = model
     logprob[i, t] = z[y] - logsumexp(z)          y = input_ids[i, P + t]
     entropy[i, t] = logsumexp(z) - sum_v softmax(z)_v * z_v
 T is the sampling temperature, so these are the same quantities the local engine records.
+
+precision "bf16-mixed" runs the model under torch.autocast(bfloat16): matmuls in bf16 (AMX /
+tensor cores), weights, gradients and everything from the logits on in fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
+def autocast(precision: str, device: torch.device | str = "cpu"):
+    """The context of a training forward pass under `precision` (see the module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def response_logprobs(
@@ -20,10 +36,12 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (logprobs [rows, R], entropy [rows, R] or None); R = response_length."""
     R = response_length
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    with autocast(precision, input_ids.device):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     # The logit at position j predicts token j+1: the response columns are predicted by [-R-1, -1).
     logits = out.logits[:, -R - 1 : -1, :].float()
     if temperature > 0 and temperature != 1.0:

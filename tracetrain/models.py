@@ -36,6 +36,8 @@ def load_policy(mc: ModelConfig, *, seed: int = 0):
         model, tokenizer = load_gguf(mc.path, mc.gguf_file, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if mc.attn_implementation is not None:
+        model.set_attn_implementation(mc.attn_implementation)
     return model.to(dtype).eval(), tokenizer
 
 

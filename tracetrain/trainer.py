@@ -10,6 +10,11 @@
 The policy module is shared by the engine and the optimizer: the weight update is in place, so the
 "sync" is a version bump done while the gateway holds new requests (pause) and no request is in
 flight (drain).
+
+trainer.overlap_collect: the engine keeps its own copy of the weights, and step k+1's rollouts are
+collected while step k's update runs, by the policy before that update (one version old: PPO's
+ratio uses the logprobs the engine recorded). Between two collects the engine takes the new
+weights (pause, drain, load, resume). On two cores this fills the core the update leaves idle.
 """
 
 from __future__ import annotations
@@ -92,6 +97,21 @@ def run_with_threads(threads: int, fn, /, *args, **kwargs):
         torch.set_num_threads(before)
 
 
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens")  # engine.stats per step
+
+
+@dataclass
+class Collected:
+    """The rollouts of one step: results, seconds, the engine's work and the model version that
+    generated them (the engine's at the start of the collect)."""
+
+    step: int
+    results: list[RolloutResult]
+    seconds: float
+    engine_work: dict[str, int]
+    engine_version: int = 0
+
+
 ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
 
 
@@ -121,13 +141,15 @@ def ppo_update(
     micro-batch), so the update equals the one-process update. Metrics are summed over ranks."""
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
+    precision = cfg.trainer.precision
     adv_rows = advantages[batch.rollout_index]
     R = batch.response_length
     old_all = batch.rollout_logprobs
     if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
         with torch.no_grad():
             old_all, _ = response_logprobs(model, batch.input_ids, batch.attention_mask,
-                                           batch.position_ids, R, temperature=cfg.rollout.temperature)
+                                           batch.position_ids, R, temperature=cfg.rollout.temperature,
+                                           precision=precision)
     results = []
     model.train()
     for _epoch in range(oc.ppo_epochs):
@@ -155,12 +177,13 @@ def ppo_update(
                     ids = batch.input_ids[rows, start:]
                     att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
                     lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
-                                                with_entropy=need_entropy)
+                                                with_entropy=need_entropy, precision=precision)
                     ref = None
                     if ref_model is not None:
                         with torch.no_grad():
                             ref, _ = response_logprobs(ref_model, ids, att, pos, R,
-                                                       temperature=cfg.rollout.temperature)
+                                                       temperature=cfg.rollout.temperature,
+                                                       precision=precision)
                     loss, m = policy_loss(
                         lp, old_all[rows], adv_rows[rows], RowWeights(batch.response_mask[rows], micro.row_scales),
                         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
@@ -209,7 +232,8 @@ class Trainer:
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
         # Threads of the model's worker threads (torch's count is per thread, see run_with_threads):
-        # the engine's decode thread uses `threads`, the warm start and the update `update_threads`.
+        # the engine's decode thread uses `threads`, the update `update_threads`, the warm start (it
+        # runs alone) the larger of the two.
         self.threads = cfg.trainer.threads or torch.get_num_threads()
         self.update_threads = cfg.trainer.update_threads or self.threads
         torch.manual_seed(cfg.trainer.seed)
@@ -217,6 +241,13 @@ class Trainer:
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
         self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
         self.step = 0
+        self.version = 0  # the policy's model version: one bump per update step
+        # overlap_collect: the engine decodes with its own copy of the weights (one version behind
+        # while the update runs); otherwise it shares self.model and the update is in place.
+        self.engine_model: torch.nn.Module | None = None
+        self.engine_version = 0
+        self.behind: tuple[int, dict] | None = None  # (version, weights) before the last update
+        self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
         )
@@ -236,13 +267,20 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoint.pt"
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
+        """Everything a resumed run needs to continue identically. overlap_collect: also the weights
+        the next step's rollouts come from (the policy before the last update) and, when that
+        collect has already run, its results (the rollouts themselves are in the store)."""
         path = self.checkpoint_path()
         tmp = path.with_suffix(".tmp")
         torch.save(
             {
                 "step": self.step,
+                "version": self.version,
                 "model": self.model.state_dict(),
+                "engine": None if self.engine_model is None else {
+                    "model": self.behind[1], "version": self.behind[0]},
+                "next_collected": next_collected,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "ref_model": None if self.ref_model is None else self.ref_model.state_dict(),
@@ -265,15 +303,23 @@ class Trainer:
         torch.set_rng_state(ck["rng"]["torch"])
         random.setstate(ck["rng"]["python"])
         self.step = ck["step"]
+        self.version = ck.get("version", ck["step"])
         self.history = ck["history"]
+        if ck.get("engine") is not None:  # the weights the next step's rollouts come from
+            self.engine_model = copy.deepcopy(self.model)
+            self.engine_model.load_state_dict(ck["engine"]["model"])
+            self.engine_version = ck["engine"]["version"]
+            self.behind = (self.engine_version, ck["engine"]["model"])
+        self.next_collected = ck.get("next_collected")
 
     # -- one step ------------------------------------------------------------------------
     async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
-                      temperature: float) -> list[RolloutResult]:
+                      temperature: float, step: int | None = None) -> list[RolloutResult]:
         rc = self.cfg.rollout
         specs = rollout_specs(tasks, n_per_task, prefix)
+        step = self.step if step is None else step
         client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
-                        "seed": self.cfg.trainer.seed * 1_000_003 + self.step}
+                        "seed": self.cfg.trainer.seed * 1_000_003 + step}
         if self.cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
             from tracetrain.runner_ray import run_rollouts_ray
 
@@ -286,21 +332,28 @@ class Trainer:
                                   timeout_s=rc.timeout_s, client_extra=client_extra,
                                   http_client=self.http_client)
 
-    async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
+    async def collect_step(self, gateway: GatewayClient, engine: LocalEngine, step: int) -> Collected:
+        """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        engine_before = dict(engine.stats)
-        tasks = step_tasks(self.task, cfg, self.step)
-        results = await self.collect(gateway, tasks, f"{self.nonce}-s{self.step}", cfg.rollout.n_per_task,
-                                     cfg.rollout.temperature)
-        t_collect = time.perf_counter() - t0
-        # The engine's work in this step: decode loops, forward passes, prompt tokens forwarded.
-        engine_work = {k: engine.stats[k] - engine_before[k]
-                       for k in ("batches", "requests", "forward_calls", "prefill_tokens")}
+        before, version = {k: engine.stats[k] for k in ENGINE_WORK}, engine.model_version
+        results = await self.collect(gateway, step_tasks(self.task, cfg, step), f"{self.nonce}-s{step}",
+                                     cfg.rollout.n_per_task, cfg.rollout.temperature, step)
+        return Collected(step, results, time.perf_counter() - t0,
+                         {k: engine.stats[k] - before[k] for k in ENGINE_WORK}, version)
+
+    async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
+        """Collect this step's rollouts, then learn from them."""
+        return await self.learn(gateway, engine, await self.collect_step(gateway, engine, self.step))
+
+    async def learn(self, gateway: GatewayClient, engine: LocalEngine, collected: Collected) -> dict:
+        """Rows -> advantages -> PPO update -> version bump, for the rollouts of one step."""
+        cfg = self.cfg
+        results = collected.results
         ids = [r.rollout_id for r in results]
         t_rows = time.perf_counter()
         rollouts = self.store.load_rollouts(rollout_ids=ids)
-        rollouts, n_stale = drop_stale(rollouts, engine.model_version, cfg.trainer.max_staleness)
+        rollouts, n_stale = drop_stale(rollouts, self.version, cfg.trainer.max_staleness)
         ac = cfg.aggregate
         batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                                max_response_length=ac.max_response_length,
@@ -313,7 +366,8 @@ class Trainer:
         metrics["n_failed"] = states.count("failed")
         metrics["n_timed_out"] = states.count("timed_out")
         metrics["n_stale_rollouts"] = n_stale
-        metrics.update({f"engine/{k}": v for k, v in engine_work.items()})
+        # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
+        metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
         metrics.update({f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))})
         t1 = time.perf_counter()
         if batch.n_rows:
@@ -325,33 +379,94 @@ class Trainer:
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             await asyncio.to_thread(from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
-            # The update: hold new requests and wait for in-flight ones, then bump the version.
-            await gateway.engine("default", "pause")
-            await gateway.engine("default", "drain")
+            shared = engine.model is self.model  # else (overlap_collect) the engine has its own copy
+            if shared:  # hold new requests and wait for in-flight ones while the weights change
+                await gateway.engine("default", "pause")
+                await gateway.engine("default", "drain")
+            else:  # what the next step's rollouts come from, kept for a checkpoint
+                self.behind = (self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
             try:
                 t_update = time.perf_counter()
-                updates = await asyncio.to_thread(  # the engine is drained: the cores are free
+                updates = await asyncio.to_thread(
                     run_with_threads, self.update_threads, ppo_update, self.policy, self.optimizer,
                     batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
                 )
                 metrics["time/update_s"] = time.perf_counter() - t_update
-                engine.update_weights(None, engine.model_version + 1)
+                self.version += 1
+                if shared:
+                    engine.update_weights(None, self.version)
             finally:
-                await gateway.engine("default", "resume")
+                if shared:
+                    await gateway.engine("default", "resume")
             metrics["loss"] = sum(u.loss for u in updates) / len(updates)
             metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
             for k in updates[0].metrics:
                 metrics[f"loss/{k}"] = sum(u.metrics[k] for u in updates) / len(updates)
-        metrics["model_version"] = engine.model_version
+        metrics["model_version"] = self.version
+        metrics["rollout_model_version"] = collected.engine_version
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         t_train = time.perf_counter() - t1
         n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
+        t_collect = collected.seconds
         metrics.update({"time/collect_s": t_collect, "time/train_s": t_train,
                         "rollouts_per_s": len(results) / max(t_collect, 1e-9),
                         "trained_tokens_per_s": n_tokens / max(t_train, 1e-9),
                         "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)})
         self.step += 1
         return metrics
+
+    async def sync_engine(self, gateway: GatewayClient, engine: LocalEngine) -> None:
+        """overlap_collect: the engine's own copy of the weights takes the policy's (pause + drain
+        around the swap, so that no request sees half of it)."""
+        if engine.model is self.model or engine.model_version == self.version:
+            return
+        await gateway.engine("default", "pause")
+        await gateway.engine("default", "drain")
+        try:
+            engine.update_weights(self.model.state_dict(), self.version)
+            self.engine_version = self.version
+        finally:
+            await gateway.engine("default", "resume")
+
+    async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
+        """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
+        update runs, by the policy before that update (one version behind); the engine takes the
+        new weights between the two collects, so each step's rollouts come from one version."""
+        cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
+        pending: asyncio.Task | None = None
+        try:
+            while self.step < cfg.trainer.steps:
+                if pending is not None:
+                    collected = await pending
+                elif self.next_collected is not None and self.next_collected.step == self.step:
+                    collected = self.next_collected  # collected before the checkpoint we resumed from
+                else:
+                    collected = await self.collect_step(gateway, engine, self.step)
+                pending, self.next_collected = None, None
+                if overlap:
+                    await self.sync_engine(gateway, engine)
+                    if self.step + 1 < cfg.trainer.steps:
+                        pending = asyncio.create_task(self.collect_step(gateway, engine, self.step + 1))
+                m = await self.learn(gateway, engine, collected)
+                if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+                    if pending is not None:  # the eval sees the policy after this update
+                        await asyncio.wait([pending])
+                    await self.sync_engine(gateway, engine)
+                    m["eval/reward_mean"] = await self.evaluate(gateway)
+                m["time/elapsed_s"] = time.perf_counter() - self.started
+                self.history.append(m)
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+                for sink in sinks:
+                    sink(m)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
+                bar.write(format_step(m))
+                if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
+                    self.save_checkpoint(await pending if pending is not None else None)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
 
     def follow(self) -> None:
         """A rank other than 0: take each step's rows from rank 0 and join its update."""
@@ -397,8 +512,9 @@ class Trainer:
                 raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
             transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
             losses = await asyncio.to_thread(  # nothing else runs yet: the update's threads
-                run_with_threads, self.update_threads, warm_start, self.model, self.tokenizer,
-                transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed)
+                run_with_threads, max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
+                transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
+                precision=cfg.trainer.precision)
             self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                      f"in {time.perf_counter() - t:.1f} s")
         self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
@@ -409,7 +525,13 @@ class Trainer:
             return self.history
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
-        engine = LocalEngine(self.model, self.tokenizer, max_batch_size=4096, model_version=self.step,
+        if cfg.trainer.overlap_collect and self.engine_model is None:
+            self.engine_model = copy.deepcopy(self.model).eval()
+            self.engine_version = self.version
+            self.behind = (self.version, {k: v.clone() for k, v in self.engine_model.state_dict().items()})
+        engine = LocalEngine(self.engine_model if self.engine_model is not None else self.model,
+                             self.tokenizer, max_batch_size=4096,
+                             model_version=self.engine_version if self.engine_model is not None else self.version,
                              seed=cfg.trainer.seed, threads=self.threads,
                              batch_window_ms=cfg.rollout.batch_window_ms)
         if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
@@ -425,21 +547,7 @@ class Trainer:
                 try:
                     bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
                                dynamic_ncols=True)
-                    while self.step < cfg.trainer.steps:
-                        m = await self.train_step(gateway, engine)
-                        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-                            m["eval/reward_mean"] = await self.evaluate(gateway)
-                        m["time/elapsed_s"] = time.perf_counter() - self.started
-                        self.history.append(m)
-                        with self.metrics_path.open("a") as f:
-                            f.write(json.dumps(m) + "\n")
-                        for sink in sinks:
-                            sink(m)
-                        bar.update(1)
-                        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
-                        bar.write(format_step(m))
-                        if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
-                            self.save_checkpoint()
+                    await self.run_steps(gateway, engine, bar, sinks)
                     bar.close()
                 finally:
                     await gateway.aclose()

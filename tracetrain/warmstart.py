@@ -49,8 +49,12 @@ def warm_start(
     batch_size: int,
     lr: float,
     seed: int = 0,
+    precision: str = "fp32",
 ) -> list[float]:
-    """Train `model` in place for `steps` AdamW updates; returns the loss of each step."""
+    """Train `model` in place for `steps` AdamW updates; returns the loss of each step.
+    `precision`: as in `tracetrain.logprobs.autocast`."""
+    from tracetrain.logprobs import autocast
+
     seqs = render(tokenizer, transcripts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(seed)
@@ -59,7 +63,8 @@ def warm_start(
     losses = []
     for _ in range(steps):
         ids, mask = pad_batch(rng.sample(seqs, min(batch_size, len(seqs))), pad_id)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        with autocast(precision, ids.device):
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)

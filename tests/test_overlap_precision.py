@@ -1,0 +1,171 @@
+"""overlap_collect (the next step's rollouts are collected while this step's update runs) and
+bf16-mixed training precision: what each changes and what it must not."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracetrain import tiny
+from tracetrain.aggregate import aggregate
+from tracetrain.config import ConfigError, build_config
+from tracetrain.logprobs import autocast, response_logprobs
+from tracetrain.trainer import Trainer, ppo_update, train
+from tracetrain.types import Rollout, Turn
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess"
+
+
+def small_config(run_dir: Path, steps: int, **extra):
+    overrides = [
+        "task=task.py",
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+        "warm_start.steps=3", "warm_start.batch_size=8",
+        "rollout.tasks_per_step=3", "rollout.n_per_task=4", "rollout.timeout_s=60",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.mini_batches=2",
+        f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", "trainer.seed=3",
+        "trainer.eval_every=2", "trainer.eval_tasks=4",
+        "trainer.overlap_collect=true", "trainer.max_staleness=1",
+    ] + [f"{k}={v}" for k, v in extra.items()]
+    return build_config({"task_args": {"high": 4, "max_turns": 3}}, overrides)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def turn_versions_of_step(run_dir: Path, step: int) -> set[int]:
+    db = sqlite3.connect(run_dir / "traces.db")
+    rows = db.execute(
+        "SELECT DISTINCT t.model_version FROM turns t JOIN rollouts r ON r.rollout_id = t.rollout_id "
+        "WHERE r.group_id LIKE ?", (f"%-s{step}-t%",)).fetchall()
+    db.close()
+    return {v for (v,) in rows}
+
+
+@pytest.mark.slow
+def test_overlap_collect_is_one_version_behind_overlaps_and_resumes_identically(tmp_path, monkeypatch):
+    # Wall-clock intervals of every collect and every update of the run.
+    import tracetrain.trainer as T
+
+    spans = {"collect": [], "update": []}
+    collect_step, update = T.Trainer.collect_step, T.ppo_update
+
+    async def timed_collect(self, gateway, engine, step):
+        t = time.perf_counter()
+        out = await collect_step(self, gateway, engine, step)
+        spans["collect"].append((step, t, time.perf_counter()))
+        return out
+
+    def timed_update(*a, **k):
+        t = time.perf_counter()
+        time.sleep(0.3)  # a slow update: the next step's collect must run meanwhile
+        out = update(*a, **k)
+        spans["update"].append((t, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(T.Trainer, "collect_step", timed_collect)
+    monkeypatch.setattr(T, "ppo_update", timed_update)
+
+    run = tmp_path / "run"
+    train(small_config(run, 2), base_dir=EXAMPLE, log=lambda *_: None)
+    rows = read_metrics(run)
+    assert [m["model_version"] for m in rows] == [1, 2]
+    # Step 1's rollouts come from the policy before step 0's update; they are trained, not dropped.
+    assert [m["rollout_model_version"] for m in rows] == [0, 0]
+    assert turn_versions_of_step(run, 1) == {0}
+    assert all(m["n_stale_rollouts"] == 0 and m["aggregate/n_rollouts"] == 12 for m in rows)
+    # Step 1's collect ran while step 0's update ran.
+    (_, c0, c1), = [s for s in spans["collect"] if s[0] == 1]
+    u0, u1 = spans["update"][0]
+    assert c0 < u1 and u0 < c1, (spans, "the collect of step 1 did not overlap the update of step 0")
+
+    # Resume two more steps; the same as four straight (same rollouts, same updates).
+    train(small_config(run, 4, **{"trainer.resume": "true"}), base_dir=EXAMPLE, log=lambda *_: None)
+    straight = tmp_path / "straight"
+    train(small_config(straight, 4), base_dir=EXAMPLE, log=lambda *_: None)
+    a, b = read_metrics(run), read_metrics(straight)
+    assert [m["rollout_model_version"] for m in b] == [0, 0, 1, 2]
+    assert turn_versions_of_step(straight, 3) == {2}
+    for x, y in zip(a, b, strict=True):
+        assert x["reward_mean"] == y["reward_mean"]
+        assert x["aggregate/n_rows"] == y["aggregate/n_rows"]
+        assert x["rollout_model_version"] == y["rollout_model_version"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
+    assert [x.get("eval/reward_mean") for x in a] == [y.get("eval/reward_mean") for y in b]
+
+
+def test_overlap_collect_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.max_staleness': must be >= 1"):
+        build_config({}, ["trainer.overlap_collect=true"])
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.overlap_collect': for backend 'embedded'"):
+        build_config({}, ["trainer.overlap_collect=true", "trainer.max_staleness=1", "backend=verl"])
+    with pytest.raises(ConfigError, match="trainer.precision"):
+        build_config({}, ["trainer.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.precision': 'bf16-mixed' is for backend"):
+        build_config({}, ["trainer.precision=bf16-mixed", "backend=verl"])
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        build_config({}, ["model.attn_implementation=flash"])
+
+
+def _batch():
+    rollouts = [Rollout(f"r{k}", f"g{k // 4}", [Turn([3, 4, 5 + k, 6, 7, 8], [40 + k, 41, 2 + k], [-1.0, -0.5, -0.2])],
+                        reward=float(k % 2)) for k in range(8)]
+    batch, _ = aggregate(rollouts, max_prompt_length=16, max_response_length=8)
+    return batch, torch.tensor([-1.0, 1.0] * 4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bf16_mixed_update_is_close_to_fp32_and_keeps_the_loss_weights(attn):
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
+    model.set_attn_implementation(attn)
+    batch, adv = _batch()
+    out = {}
+    for precision in ("fp32", "bf16-mixed"):
+        m = copy.deepcopy(model)
+        cfg = build_config({}, [f"trainer.precision={precision}", "optim.grad_clip=1e9", "optim.mini_batches=2"])
+        res = ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv, cfg)
+        grad = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        out[precision] = (res, grad, [p.dtype for p in m.parameters()])
+    (r32, g32, d32), (r16, g16, d16) = out["fp32"], out["bf16-mixed"]
+    assert set(d16) == {torch.float32} == set(d32)  # weights and gradients stay fp32
+    assert not torch.equal(g16, g32)  # the matmuls really ran in bf16 ...
+    cos = torch.nn.functional.cosine_similarity(g16, g32, dim=0)
+    assert cos > 0.99, cos  # ... and the update points the same way
+    for a, b in zip(r32, r16, strict=True):  # the token weights do not depend on the precision
+        assert a.metrics["weight_mass"] == pytest.approx(1.0) and b.metrics["weight_mass"] == pytest.approx(1.0)
+        assert b.metrics["rollout_mass_min"] == pytest.approx(a.metrics["rollout_mass_min"])
+        assert b.metrics["rollout_mass_max"] == pytest.approx(a.metrics["rollout_mass_max"])
+
+
+def test_bf16_mixed_logprobs_are_fp32_tensors_close_to_fp32():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
+    batch, _ = _batch()
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_length)
+    with torch.no_grad():
+        lp32, _ = response_logprobs(*args)
+        lp16, _ = response_logprobs(*args, precision="bf16-mixed")
+    mask = batch.response_mask.bool()
+    assert lp16.dtype == torch.float32
+    diff = (lp16 - lp32)[mask].abs()
+    assert 0 < diff.max() < 0.05, diff.max()
+    with pytest.raises(ValueError, match="precision"):
+        autocast("fp16")
+
+
+def test_attn_implementation_reaches_the_model(tmp_path):
+    cfg = build_config({}, ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+                            "model.num_kv_heads=1", "model.attn_implementation=eager",
+                            f"trainer.run_dir={tmp_path}"])
+    from tracetrain.trainer import load_task
+
+    trainer = Trainer(cfg, load_task("task.py", EXAMPLE))
+    assert trainer.model.config._attn_implementation == "eager"
