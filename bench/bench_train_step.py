@@ -333,7 +333,7 @@ async def run_steps(
     from tracetrain.engines.local import LocalEngine
     from tracetrain.gateway.app import create_app
     from tracetrain.inprocess import serve_in_loop
-    from tracetrain.runner import GatewayClient
+    from tracetrain.runner import GatewayClient, agent_http_client
     from tracetrain.store import SQLiteStore
     from tracetrain.trainer import Trainer, resolve_agent
 
@@ -378,7 +378,9 @@ async def run_steps(
     app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
     tt_rows: list[dict] = []
     try:
-        async with serve_in_loop(app) as url:
+        # The agents' HTTP client, kept across steps (as Trainer.run does).
+        async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
+            trainer.http_client = http
             gateway = GatewayClient(url, admin_key)
             try:
                 await tracetrain_step(trainer, gateway, engine)  # warm-up
