@@ -101,6 +101,21 @@ def test_overlap_collect_is_one_version_behind_overlaps_and_resumes_identically(
     assert [x.get("eval/reward_mean") for x in a] == [y.get("eval/reward_mean") for y in b]
 
 
+@pytest.mark.slow
+def test_a_run_resumed_without_overlap_shares_the_weights_again(tmp_path):
+    """A checkpoint of an overlapping run, resumed with overlap_collect off: the engine decodes
+    with the policy itself again (every step's rollouts from the current version, all trained)."""
+    run = tmp_path / "run"
+    train(small_config(run, 2, **{"trainer.eval_every": 0}), base_dir=EXAMPLE, log=lambda *_: None)
+    train(small_config(run, 4, **{"trainer.eval_every": 0, "trainer.resume": "true",
+                                  "trainer.overlap_collect": "false", "trainer.max_staleness": 0}),
+          base_dir=EXAMPLE, log=lambda *_: None)
+    rows = read_metrics(run)[2:]
+    assert [m["rollout_model_version"] for m in rows] == [2, 3]
+    assert [m["model_version"] for m in rows] == [3, 4]
+    assert all(m["n_stale_rollouts"] == 0 and m["aggregate/n_rollouts"] == 12 for m in rows)
+
+
 def test_overlap_collect_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"^config key 'trainer.max_staleness': must be >= 1"):
         build_config({}, ["trainer.overlap_collect=true"])

@@ -525,7 +525,9 @@ class Trainer:
             return self.history
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
-        if cfg.trainer.overlap_collect and self.engine_model is None:
+        if not cfg.trainer.overlap_collect:  # (a checkpoint of an overlapping run may hold engine weights)
+            self.engine_model, self.behind = None, None
+        elif self.engine_model is None:
             self.engine_model = copy.deepcopy(self.model).eval()
             self.engine_version = self.version
             self.behind = (self.version, {k: v.clone() for k, v in self.engine_model.state_dict().items()})
