@@ -6,7 +6,6 @@ Unknown keys and bad values are errors that name the key (`ConfigError`), never 
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 from typing import Any, Literal
 
