@@ -4,13 +4,14 @@ bf16-mixed training precision: what each changes and what it must not."""
 from __future__ import annotations
 
 import copy
-import json
 import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from test_train_e2e import read_metrics
+from test_train_e2e import small_config as e2e_config
 
 from tracetrain import tiny
 from tracetrain.aggregate import aggregate
@@ -23,21 +24,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess"
 
 
 def small_config(run_dir: Path, steps: int, **extra):
-    overrides = [
-        "task=task.py",
-        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
-        "warm_start.steps=3", "warm_start.batch_size=8",
-        "rollout.tasks_per_step=3", "rollout.n_per_task=4", "rollout.timeout_s=60",
-        "optim.lr=1e-2", "optim.warmup_steps=0", "optim.mini_batches=2",
-        f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", "trainer.seed=3",
-        "trainer.eval_every=2", "trainer.eval_tasks=4",
-        "trainer.overlap_collect=true", "trainer.max_staleness=1",
-    ] + [f"{k}={v}" for k, v in extra.items()]
-    return build_config({"task_args": {"high": 4, "max_turns": 3}}, overrides)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """test_train_e2e's small run of the guess demo, collecting while it updates."""
+    return e2e_config(run_dir, steps, **{"trainer.overlap_collect": "true", "trainer.max_staleness": 1, **extra})
 
 
 def turn_versions_of_step(run_dir: Path, step: int) -> set[int]:

@@ -246,7 +246,9 @@ class Trainer:
         # while the update runs); otherwise it shares self.model and the update is in place.
         self.engine_model: torch.nn.Module | None = None
         self.engine_version = 0
-        self.behind: tuple[int, dict] | None = None  # (version, weights) before the last update
+        # Set only when an eval at the last step made the engine leave the weights the next
+        # step's rollouts come from: the checkpoint keeps those instead of the engine's.
+        self.next_weights: dict | None = None
         self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
@@ -269,8 +271,8 @@ class Trainer:
 
     def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
         """Everything a resumed run needs to continue identically. overlap_collect: also the weights
-        the next step's rollouts come from (the policy before the last update) and, when that
-        collect has already run, its results (the rollouts themselves are in the store)."""
+        the next step's rollouts come from (the engine's: the policy before the last update) and,
+        when that collect has already run, its results (the rollouts themselves are in the store)."""
         path = self.checkpoint_path()
         tmp = path.with_suffix(".tmp")
         torch.save(
@@ -278,8 +280,8 @@ class Trainer:
                 "step": self.step,
                 "version": self.version,
                 "model": self.model.state_dict(),
-                "engine": None if self.engine_model is None else {
-                    "model": self.behind[1], "version": self.behind[0]},
+                "engine": None if self.engine_model is None else self.next_weights or {
+                    "model": self.engine_model.state_dict(), "version": self.engine_version},
                 "next_collected": next_collected,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
@@ -309,7 +311,6 @@ class Trainer:
             self.engine_model = copy.deepcopy(self.model)
             self.engine_model.load_state_dict(ck["engine"]["model"])
             self.engine_version = ck["engine"]["version"]
-            self.behind = (self.engine_version, ck["engine"]["model"])
         self.next_collected = ck.get("next_collected")
 
     # -- one step ------------------------------------------------------------------------
@@ -380,12 +381,8 @@ class Trainer:
             await asyncio.to_thread(from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
             shared = engine.model is self.model  # else (overlap_collect) the engine has its own copy
-            if shared:  # hold new requests and wait for in-flight ones while the weights change
-                await gateway.engine("default", "pause")
-                await gateway.engine("default", "drain")
-            else:  # what the next step's rollouts come from, kept for a checkpoint
-                self.behind = (self.version, {k: v.detach().clone() for k, v in self.model.state_dict().items()})
-            try:
+            # Shared weights change in place: no request may see them change.
+            async with held_engine(gateway) if shared else contextlib.nullcontext():
                 t_update = time.perf_counter()
                 updates = await asyncio.to_thread(
                     run_with_threads, self.update_threads, ppo_update, self.policy, self.optimizer,
@@ -395,9 +392,6 @@ class Trainer:
                 self.version += 1
                 if shared:
                     engine.update_weights(None, self.version)
-            finally:
-                if shared:
-                    await gateway.engine("default", "resume")
             metrics["loss"] = sum(u.loss for u in updates) / len(updates)
             metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
             for k in updates[0].metrics:
@@ -420,13 +414,9 @@ class Trainer:
         around the swap, so that no request sees half of it)."""
         if engine.model is self.model or engine.model_version == self.version:
             return
-        await gateway.engine("default", "pause")
-        await gateway.engine("default", "drain")
-        try:
+        async with held_engine(gateway):
             engine.update_weights(self.model.state_dict(), self.version)
             self.engine_version = self.version
-        finally:
-            await gateway.engine("default", "resume")
 
     async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
         """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
@@ -451,6 +441,9 @@ class Trainer:
                 if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
                     if pending is not None:  # the eval sees the policy after this update
                         await asyncio.wait([pending])
+                    elif overlap:  # the last step: the weights a resumed run collects with next
+                        self.next_weights = {"version": self.engine_version, "model": {
+                            k: v.clone() for k, v in self.engine_model.state_dict().items()}}
                     await self.sync_engine(gateway, engine)
                     m["eval/reward_mean"] = await self.evaluate(gateway)
                 m["time/elapsed_s"] = time.perf_counter() - self.started
@@ -526,11 +519,10 @@ class Trainer:
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
         if not cfg.trainer.overlap_collect:  # (a checkpoint of an overlapping run may hold engine weights)
-            self.engine_model, self.behind = None, None
+            self.engine_model = None
         elif self.engine_model is None:
             self.engine_model = copy.deepcopy(self.model).eval()
             self.engine_version = self.version
-            self.behind = (self.version, {k: v.clone() for k, v in self.engine_model.state_dict().items()})
         engine = LocalEngine(self.engine_model if self.engine_model is not None else self.model,
                              self.tokenizer, max_batch_size=4096,
                              model_version=self.engine_version if self.engine_model is not None else self.version,
@@ -560,6 +552,18 @@ class Trainer:
             self.store.close()
         self.save_checkpoint()
         return self.history
+
+
+@contextlib.asynccontextmanager
+async def held_engine(gateway: GatewayClient, name: str = "default"):
+    """The engine with new requests held (pause) and none in flight (drain), resumed on exit:
+    the window in which its weights may change."""
+    await gateway.engine(name, "pause")
+    await gateway.engine(name, "drain")
+    try:
+        yield
+    finally:
+        await gateway.engine(name, "resume")
 
 
 def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:
