@@ -95,6 +95,50 @@ def test_get_list_patch_delete(gateway):  # noqa: F811
     assert gone.status_code == 401
 
 
+def test_bulk_patch_applies_each_item_and_reports_the_ones_it_cannot(gateway):  # noqa: F811
+    admin = gateway.admin
+    ids = [r["rollout_id"] for r in gateway.create(4)]
+    for rid in ids[:3]:
+        admin.patch(f"/rollouts/{rid}", json={"state": "running"})
+    body = {"rollouts": [
+        {"rollout_id": ids[0], "state": "succeeded", "reward": 0.75},
+        {"rollout_id": ids[1], "state": "failed", "error": "tool exploded"},
+        {"rollout_id": "nobody", "state": "succeeded"},
+        {"rollout_id": ids[3], "state": "succeeded"},  # queued -> succeeded skips running
+        {"rollout_id": ids[2], "reward": 0.25},
+    ]}
+    out = admin.patch("/rollouts", json=body)
+    assert out.status_code == 200, out.text
+    res = out.json()["rollouts"]
+    assert [r["status"] for r in res] == [200, 200, 404, 409, 200]
+    assert "nobody" in res[2]["error"] and res[2]["rollout"] is None
+    assert "queued" in res[3]["error"]
+    stored = {rid: gateway.store.get_rollout(rid) for rid in ids}
+    assert (stored[ids[0]].state.value, stored[ids[0]].reward) == ("succeeded", 0.75)
+    assert (stored[ids[1]].state.value, stored[ids[1]].error) == ("failed", "tool exploded")
+    assert stored[ids[2]].reward == 0.25 and stored[ids[2]].state.value == "running"
+    assert stored[ids[3]].state.value == "queued"  # the refused item changed nothing
+    assert res[0]["rollout"] == {**res[0]["rollout"], "state": "succeeded", "reward": 0.75}
+
+
+@pytest.mark.parametrize("items,status,named", [
+    ([{"rollout_id": "A", "state": "running"}, {"rollout_id": "A", "state": "failed"}], 400,
+     "rollouts[1].rollout_id"),
+    ([{"rollout_id": "A", "state": "running"}, {"rollout_id": "B"}], 400, "rollouts[1]."),
+    ([{"rollout_id": "A", "error": "e"}], 400, "rollouts[0].error"),
+    ([{"rollout_id": "A", "state": "done"}], 422, "rollouts.0.state"),
+    ([{"rollout_id": "A", "state": "running", "colour": 1}], 422, "rollouts.0.colour"),
+    ([], 422, "rollouts"),
+])
+def test_bulk_patch_refuses_a_malformed_item_whole(gateway, items, status, named):  # noqa: F811
+    for rid in ("A", "B"):
+        gateway.admin.post("/rollouts", json={"rollouts": [{"rollout_id": rid}]})
+    r = gateway.admin.patch("/rollouts", json={"rollouts": items})
+    assert r.status_code == status, r.text
+    assert named in r.json()["error"]["message"] or named == r.json()["error"]["param"]
+    assert {gateway.store.get_rollout(x).state.value for x in ("A", "B")} == {"queued"}
+
+
 def test_agent_events_and_turns_in_detail(gateway):  # noqa: F811
     (r,) = gateway.create()
     auth = {"Authorization": f"Bearer {r['api_key']}"}

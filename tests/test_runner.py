@@ -8,12 +8,12 @@ import os
 import sys
 import time
 
-from gateway_fixtures import COMMAND_AGENT_SCRIPT, live_gateway
+from gateway_fixtures import COMMAND_AGENT_SCRIPT, FakeEngine, live_gateway
 from openai import AsyncOpenAI
 
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
-from tracetrain.runner import CommandAgent, GatewayClient, load_agent, run_rollouts
+from tracetrain.runner import CommandAgent, GatewayClient, GatewayError, load_agent, run_rollouts
 
 
 async def one_call(client: dict) -> str:
@@ -160,3 +160,100 @@ def test_agent_that_never_calls_the_model(tmp_path):
         assert (res.state, res.reward) == ("succeeded", 0.5)
         stored = gw.store.get_rollout("q")
         assert (stored.state.value, stored.reward) == ("succeeded", 0.5)
+
+
+def test_finishes_of_a_wave_go_together(tmp_path):
+    """16 agents ending together: fewer PATCH /rollouts calls than rollouts, every one recorded."""
+    specs = [{"rollout_id": f"w{k}", "group_id": "g", "task": {"reward": k / 16}} for k in range(16)]
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            calls = []
+            send = client._call
+
+            async def spy(method, path, **kw):
+                calls.append((method, path, len(kw.get("json", {}).get("rollouts", []))))
+                return await send(method, path, **kw)
+
+            client._call = spy
+            try:
+                return await run_rollouts(client, specs, good, concurrency=16, timeout_s=10.0), calls
+            finally:
+                await client.aclose()
+
+        results, calls = asyncio.run(main())
+        patches = [n for method, path, n in calls if method == "PATCH"]
+        assert all(path == "/rollouts" for method, path, _ in calls if method == "PATCH")
+        assert sum(patches) == 16 and len(patches) < 16
+        for r in results:
+            stored = gw.store.get_rollout(r.rollout_id)
+            assert (r.state, r.reward) == ("succeeded", int(r.rollout_id[1:]) / 16)
+            assert (stored.state.value, stored.reward) == (r.state, r.reward)
+
+
+def test_a_refused_bulk_finish_fails_each_of_its_rollouts(tmp_path):
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, "not-the-admin-key")
+            try:
+                return await asyncio.gather(
+                    *(client.finish(f"r{k}", "succeeded", reward=1.0) for k in range(3)),
+                    return_exceptions=True)
+            finally:
+                await client.aclose()
+
+        errors = asyncio.run(main())
+        assert all(isinstance(e, GatewayError) and e.status == 401 for e in errors), errors
+
+
+def test_drain_waits_for_a_request_past_its_timeout(tmp_path):
+    """A request still decoding (a timed-out agent's) holds the weight update until it ends,
+    however short the drain timeout: the update never runs with a request in flight."""
+    with live_gateway(tmp_path, FakeEngine(delay=0.6)) as gw:
+        (r,) = gw.create()
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                call = asyncio.create_task(one_call({**r, "http_client": None}))
+                while gw.app.state.gateway.slots["default"].in_flight == 0:
+                    await asyncio.sleep(0.01)
+                t = time.monotonic()
+                await client.drain("default", timeout_s=0.1)
+                waited = time.monotonic() - t
+                in_flight = gw.app.state.gateway.slots["default"].in_flight
+                await client.engine("default", "resume")
+                await call
+                return waited, in_flight
+            finally:
+                await client.aclose()
+
+        waited, in_flight = asyncio.run(main())
+        assert in_flight == 0 and waited > 0.3
+
+
+def test_held_engine_in_process_waits_for_the_request_in_flight(caplog):
+    """The trainer's own gateway: the slot is held directly (no HTTP), with the same guarantee."""
+    from tracetrain.gateway.slots import EngineSlot
+    from tracetrain.trainer import held_engine
+
+    async def main():
+        slot = EngineSlot("default", FakeEngine())
+
+        async def request():
+            async with slot.admit():
+                await asyncio.sleep(0.5)
+
+        call = asyncio.create_task(request())
+        await asyncio.sleep(0.05)
+        t = time.monotonic()
+        async with held_engine(None, slot, drain_timeout_s=0.1):
+            inside = (slot.in_flight, slot.paused, time.monotonic() - t)
+        await call
+        return inside, slot.paused
+
+    (in_flight, paused, waited), after = asyncio.run(main())
+    assert (in_flight, paused, after) == (0, True, False) and waited > 0.3
+    assert "still in flight" in caplog.text

@@ -12,6 +12,8 @@ tensor cores), weights, gradients and everything from the logits on in fp32.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 
@@ -27,6 +29,12 @@ def autocast(precision: str, device: torch.device | str = "cpu"):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
+@functools.cache
+def takes_logits_to_keep(model_class: type) -> bool:
+    """Whether the model's forward computes logits for the last k positions only."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def response_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -40,8 +48,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (logprobs [rows, R], entropy [rows, R] or None); R = response_length."""
     R = response_length
+    # Only the last R + 1 positions' logits are needed (transformers' causal LMs skip the rest).
+    keep = {"logits_to_keep": R + 1} if takes_logits_to_keep(type(getattr(model, "module", model))) else {}
     with autocast(precision, input_ids.device):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    **keep)
     # The logit at position j predicts token j+1: the response columns are predicted by [-R-1, -1).
     logits = out.logits[:, -R - 1 : -1, :].float()
     if temperature > 0 and temperature != 1.0:

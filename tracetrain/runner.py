@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -34,6 +35,8 @@ import aiohttp
 import httpx
 
 AgentFn = Callable[[dict, dict], Awaitable[float | None]]
+log = logging.getLogger("tracetrain.runner")
+MAX_BATCH = 10_000  # rollouts per create or bulk patch call (the gateway's limit)
 
 
 class GatewayError(RuntimeError):
@@ -52,6 +55,8 @@ class GatewayClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._finishes: list[tuple[dict, asyncio.Future]] = []  # waiting for the next PATCH /rollouts
+        self._flusher: asyncio.Task | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -82,7 +87,11 @@ class GatewayClient:
             return json.loads(body) if body else None
 
     async def create_rollouts(self, rollouts: list[dict]) -> list[dict]:
-        return (await self._call("POST", "/rollouts", json={"rollouts": rollouts}))["rollouts"]
+        out = []
+        for k in range(0, len(rollouts), MAX_BATCH):
+            body = {"rollouts": rollouts[k : k + MAX_BATCH]}
+            out += (await self._call("POST", "/rollouts", json=body))["rollouts"]
+        return out
 
     async def set_state(self, rollout_id: str, state: str, error: str | None = None) -> dict:
         body: dict[str, Any] = {"state": state}
@@ -92,27 +101,65 @@ class GatewayClient:
 
     async def finish(self, rollout_id: str, state: str, error: str | None = None,
                      reward: float | None = None) -> dict:
-        """End a rollout in one call: its state, and the reward its agent returned (kept as the
-        rollout's reward; None leaves what the agent reported through the gateway). A rollout
-        whose agent never called the model is still queued: it passes through running."""
-        body: dict[str, Any] = {"state": state}
+        """End a rollout: its state, and the reward its agent returned (kept as the rollout's
+        reward; None leaves what the agent reported through the gateway). A rollout whose agent
+        never called the model is still queued: it passes through running. Finishes that come
+        in while one call is on its way go together in the next (one PATCH /rollouts)."""
+        item: dict[str, Any] = {"rollout_id": rollout_id, "state": state}
         if error is not None:
-            body["error"] = error[-100_000:]
+            item["error"] = error[-100_000:]
         if reward is not None:
-            body["reward"] = reward
-        try:
-            return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
-        except GatewayError as e:
-            if e.status != 409:
-                raise
+            item["reward"] = reward
+        done = asyncio.get_running_loop().create_future()
+        self._finishes.append((item, done))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._send_finishes())
+        result = await done
+        if result["status"] == 409:  # queued (no model call yet): through running, then again
             await self.set_state(rollout_id, "running")
+            body = {k: v for k, v in item.items() if k != "rollout_id"}
             return await self._call("PATCH", f"/rollouts/{rollout_id}", json=body)
+        if result["status"] != 200:
+            raise GatewayError(result["status"], f"gateway PATCH /rollouts, rollout {rollout_id!r} "
+                               f"-> {result['status']}: {result['error']}")
+        return result["rollout"]
+
+    async def _send_finishes(self) -> None:
+        await asyncio.sleep(0)  # the finishes of this event-loop turn join the first call
+        while self._finishes:
+            batch, self._finishes = self._finishes[:MAX_BATCH], self._finishes[MAX_BATCH:]
+            try:
+                out = await self._call("PATCH", "/rollouts", json={"rollouts": [i for i, _ in batch]})
+            except asyncio.CancelledError:  # aclose(): nobody waits forever
+                for _, done in batch + self._finishes:
+                    done.cancel()
+                raise
+            except Exception as e:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            for (_, done), result in zip(batch, out["rollouts"], strict=True):
+                if not done.done():  # (its waiter may have been cancelled)
+                    done.set_result(result)
 
     async def engine(self, name: str, action: str) -> dict:
         """action: pause | resume | drain."""
         return await self._call("POST", f"/engines/{name}/{action}")
 
+    async def drain(self, name: str, timeout_s: float = 60.0) -> None:
+        """Pause engine `name` and wait until none of its requests is in flight (a request of a
+        timed-out agent may still be decoding), asking again every `timeout_s`."""
+        while True:
+            out = await self._call("POST", f"/engines/{name}/drain", params={"timeout_s": timeout_s})
+            if out["drained"]:
+                return
+            log.warning("engine %r: %d requests still in flight after %g s; waiting on",
+                        name, out["in_flight"], timeout_s)
+
     async def aclose(self) -> None:
+        if self._flusher is not None and not self._flusher.done():
+            self._flusher.cancel()
         if self._session is not None:
             await self._session.close()
 

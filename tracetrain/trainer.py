@@ -5,7 +5,7 @@
         aggregate(turns) -> rows;  advantages per rollout;  stale turns excluded
         for epoch: for mini-batch (whole rollouts): sum over micro-batches of L_micro -> backward
                    clip grad norm -> AdamW step -> lr schedule
-        pause + drain the engine, bump model_version, resume;  metrics -> JSONL;  checkpoint
+        drain the engine (hold new requests, wait for those in flight), bump model_version, resume;  metrics -> JSONL;  checkpoint
 
 The policy module is shared by the engine and the optimizer: the weight update is in place, so the
 "sync" is a version bump done while the gateway holds new requests (pause) and no request is in
@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import math
 import random
 import time
@@ -38,11 +39,14 @@ from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
 from tracetrain.engines.local import LocalEngine
+from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
 from tracetrain.types import Rollout
+
+log = logging.getLogger("tracetrain.trainer")
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -261,6 +265,7 @@ class Trainer:
         )
         self.ref_model = None
         self.http_client = None
+        self.engine_slot: EngineSlot | None = None  # the in-process gateway's slot of the engine
         self.workers = None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
@@ -382,7 +387,7 @@ class Trainer:
         if batch.n_rows:
             shared = engine.model is self.model  # else (overlap_collect) the engine has its own copy
             # Shared weights change in place: no request may see them change.
-            async with held_engine(gateway) if shared else contextlib.nullcontext():
+            async with held_engine(gateway, self.engine_slot) if shared else contextlib.nullcontext():
                 t_update = time.perf_counter()
                 updates = await asyncio.to_thread(
                     run_with_threads, self.update_threads, ppo_update, self.policy, self.optimizer,
@@ -414,7 +419,7 @@ class Trainer:
         around the swap, so that no request sees half of it)."""
         if engine.model is self.model or engine.model_version == self.version:
             return
-        async with held_engine(gateway):
+        async with held_engine(gateway, self.engine_slot):
             engine.update_weights(self.model.state_dict(), self.version)
             self.engine_version = self.version
 
@@ -534,6 +539,7 @@ class Trainer:
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key)
+        self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
             async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)
@@ -555,15 +561,24 @@ class Trainer:
 
 
 @contextlib.asynccontextmanager
-async def held_engine(gateway: GatewayClient, name: str = "default"):
-    """The engine with new requests held (pause) and none in flight (drain), resumed on exit:
-    the window in which its weights may change."""
-    await gateway.engine(name, "pause")
-    await gateway.engine(name, "drain")
+async def held_engine(gateway: GatewayClient, slot: EngineSlot | None = None, name: str = "default",
+                      drain_timeout_s: float = 60.0):
+    """The engine with new requests held and none in flight (drain), resumed on exit: the window
+    in which its weights may change. `slot`: the engine's slot when the gateway runs in this
+    event loop (the trainer's own), held directly instead of through the admin routes."""
+    if slot is None:
+        await gateway.drain(name, drain_timeout_s)
+    else:
+        while not await slot.drain(drain_timeout_s):
+            log.warning("engine %r: %d requests still in flight after %g s; waiting on",
+                        slot.name, slot.in_flight, drain_timeout_s)
     try:
         yield
     finally:
-        await gateway.engine(name, "resume")
+        if slot is None:
+            await gateway.engine(name, "resume")
+        else:
+            slot.resume()
 
 
 def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:

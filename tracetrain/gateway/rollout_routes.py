@@ -1,5 +1,6 @@
 """Rollout routes: create (idempotent on ids), get with turns, list by state with paging, patch
-state (legal transitions only, 409 otherwise) and reward override, delete; rewards and events.
+state (legal transitions only, 409 otherwise) and reward override, one or many in a call;
+delete; rewards and events.
 
 Admin key: everything. A rollout's own key: only POST its rewards and events, while it is open.
 """
@@ -30,7 +31,10 @@ from tracetrain.gateway.schemas import (
     EventIn,
     EventOut,
     EventsOut,
+    PatchResultOut,
     PatchRolloutIn,
+    PatchRolloutsIn,
+    PatchRolloutsOut,
     RewardIn,
     RolloutDetailOut,
     RolloutOut,
@@ -38,7 +42,16 @@ from tracetrain.gateway.schemas import (
     State,
     TurnOut,
 )
-from tracetrain.store import EventRecord, NewRollout, RolloutHead, RolloutRecord, UnknownRollout
+from tracetrain.store import (
+    EventRecord,
+    IllegalTransition,
+    NewRollout,
+    RolloutConflict,
+    RolloutEnded,
+    RolloutHead,
+    RolloutRecord,
+    UnknownRollout,
+)
 
 router = APIRouter(tags=["rollouts"])
 admin = [Depends(require_admin)]
@@ -147,21 +160,55 @@ async def get_rollout(rollout_id: RolloutIdPath, request: Request, turns: bool =
     return out
 
 
-@router.patch("/rollouts/{rollout_id}", dependencies=admin, response_model=RolloutOut)
-async def patch_rollout(rollout_id: RolloutIdPath, body: PatchRolloutIn, request: Request):
-    """Change state (legal transitions only; 409 otherwise) and/or override the reward."""
-    store = request.app.state.gateway.store
-    fields = body.model_fields_set
+def _check_patch(body: PatchRolloutIn, where: str = "") -> None:
+    fields = body.model_fields_set - {"rollout_id"}
     if not fields:
-        raise ApiError(400, "nothing to change: give state, error or reward")
+        raise ApiError(400, f"{where}nothing to change: give state, error or reward")
     if "error" in fields and body.state is None:
-        raise ApiError(400, "error is set together with a state", "error")
+        raise ApiError(400, f"{where}error is set together with a state", f"{where}error")
+
+
+async def _patch(request: Request, rollout_id: str, body: PatchRolloutIn) -> RolloutRecord:
+    store = request.app.state.gateway.store
     r = _existing(request, rollout_id)
     if body.state is not None:
         r = await store.set_state(rollout_id, body.state, body.error)
-    if "reward" in fields:
+    if "reward" in body.model_fields_set:
         r = await store.set_reward_override(rollout_id, body.reward)
-    return rollout_out(r)
+    return r
+
+
+@router.patch("/rollouts/{rollout_id}", dependencies=admin, response_model=RolloutOut)
+async def patch_rollout(rollout_id: RolloutIdPath, body: PatchRolloutIn, request: Request):
+    """Change state (legal transitions only; 409 otherwise) and/or override the reward."""
+    _check_patch(body)
+    return rollout_out(await _patch(request, rollout_id, body))
+
+
+@router.patch("/rollouts", dependencies=admin, response_model=PatchRolloutsOut)
+async def patch_rollouts(body: PatchRolloutsIn, request: Request):
+    """Many PATCH /rollouts/{id} in one call (a runner ending a wave of rollouts). A malformed
+    item fails the whole call (400, naming its index) and changes nothing; an unknown rollout or
+    an illegal state change fails only its own item (status 404 / 409 in its result)."""
+    seen: set[str] = set()
+    for k, item in enumerate(body.rollouts):
+        _check_patch(item, f"rollouts[{k}].")
+        if item.rollout_id in seen:
+            raise ApiError(400, f"rollouts[{k}].rollout_id {item.rollout_id!r} appears twice in "
+                           "the batch", f"rollouts[{k}].rollout_id")
+        seen.add(item.rollout_id)
+
+    async def one(item) -> PatchResultOut:
+        try:
+            r = await _patch(request, item.rollout_id, item)
+        except UnknownRollout as e:
+            return PatchResultOut(status=404, rollout=None, error=str(e))
+        except (IllegalTransition, RolloutEnded, RolloutConflict) as e:
+            return PatchResultOut(status=409, rollout=None, error=str(e))
+        return PatchResultOut(status=200, rollout=RolloutOut(**rollout_out(r)), error=None)
+
+    # Concurrent: the store commits the writes of one event-loop turn together.
+    return PatchRolloutsOut(rollouts=list(await asyncio.gather(*(one(i) for i in body.rollouts))))
 
 
 @router.delete("/rollouts/{rollout_id}", dependencies=admin, status_code=204)

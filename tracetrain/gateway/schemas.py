@@ -90,6 +90,27 @@ class PatchRolloutIn(Strict):
     )
 
 
+class PatchRolloutItemIn(PatchRolloutIn):
+    rollout_id: Id
+
+
+class PatchRolloutsIn(Strict):
+    rollouts: list[PatchRolloutItemIn] = Field(min_length=1, max_length=10_000)
+
+
+class PatchResultOut(BaseModel):
+    """One item of a bulk patch: the rollout after it (status 200), or why it was not changed
+    (404: no such rollout, 409: an illegal state change); the other items still apply."""
+
+    status: int
+    rollout: RolloutOut | None
+    error: str | None
+
+
+class PatchRolloutsOut(BaseModel):
+    rollouts: list[PatchResultOut]
+
+
 class RewardIn(Strict):
     reward: float
     info: JsonValue = None

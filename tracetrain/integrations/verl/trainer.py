@@ -205,7 +205,7 @@ class VerlRun:
                 http_client=http,
             )
         for name in engines:
-            await gateway.engine(name, "drain")  # pauses, waits for in-flight requests
+            await gateway.drain(name)  # holds new requests, waits for those in flight
         await asyncio.to_thread(cm.sleep_replicas)  # free the servers' GPU memory for training
         t_collect = time.perf_counter() - t0
 
