@@ -5,14 +5,16 @@ trained-forward tokens of trajectory vs transition aggregation on 8-turn rollout
     .venv/bin/python bench/bench_train_step.py --repeats 20       # the figures in docs/bench-train.md
     .venv/bin/python bench/bench_train_step.py --threads 0        # torch's default thread count
     .venv/bin/python bench/bench_train_step.py --no-trl           # tracetrain figures only
+    .venv/bin/python bench/bench_train_step.py --overlap --trl-threads 2   # both sides on 2 cores
 
 The work of one step (both sides): the tiny Llama of `tracetrain.tiny` (hidden 256, 4 layers,
 4 heads / 2 KV heads, tied embeddings: 3.08M parameters, the same initial weights), CPU, fp32;
 1 prompt ("Write a long number." as a chat message, the same prompt ids) x 8 samples x exactly 64
 new tokens at temperature 1; reward = fraction of digits in the decoded reply
 (bench/tasks/one_turn.py, the same function on both sides); group-normalised advantages; one
-forward + backward over the 8 rows, gradient clipping at 1.0, one AdamW step (torch.optim.AdamW
-on both sides). No reference model (KL coefficient 0), no gradient checkpointing.
+forward + backward over the 8 rows, gradient clipping at 1.0, one fused AdamW step (torch's
+kernel on both sides: TRL's default optim `adamw_torch_fused`, tracetrain's `optim.adamw`). No
+reference model (KL coefficient 0), no gradient checkpointing.
 
 Equal work, 64 tokens every time: tracetrain's engine is given no stop ids (an eos may be sampled
 but does not end the row); TRL gets `generation_kwargs={"min_new_tokens": 64}` (eos masked until
@@ -21,7 +23,7 @@ fails if either is not 8 x 64.
 
 tracetrain's step is `Trainer.train_step`, whole: the runner creates the 8 rollouts on the
 in-process gateway (uvicorn on 127.0.0.1), 8 agents call it with the openai SDK, the local engine
-decodes them as one batch, turns go to SQLite, then aggregate -> advantages -> pause/drain ->
+decodes them as one batch, turns go to SQLite, then aggregate -> advantages -> drain ->
 PPO update -> version bump. TRL's step is the time between its `on_step_begin` and `on_step_end`
 callbacks (generation with transformers `generate`, reward, advantages, loss forward + backward,
 clip, optimizer step); TRL's work between two steps (logging hooks, the next batch from the
@@ -29,8 +31,10 @@ dataloader) is printed apart as "between steps".
 
 TRL runs in a child process with the interpreter of the peers env (bench/.venv-peers, see
 bench/setup_peers.sh), driven one step at a time over a pipe, so the two sides never run at the
-same time: round r = one tracetrain step, then one TRL step. One warm-up step each first. The
-machine is shared: min and median are printed, and the ratios of both.
+same time: round r = one tracetrain step and one TRL step, back to back, who goes first
+alternating. One warm-up step each first. The machine is shared: min and median are printed,
+their ratios, and the median over rounds of the round's own ratio (the two steps of a round see
+about the same load).
 
 Threads: both sides use 1 torch thread by default (--threads). On a small shared machine, 2
 intra-op threads made these tiny matmuls 5-10x slower and erratic whenever other jobs ran (OpenMP
@@ -38,7 +42,7 @@ workers waiting on busy cores), which would measure the load, not the trainers.
 
 Generated tokens/s = generated tokens / the generation phase (tracetrain: the collect phase, from
 the first rollout created to the last agent done; TRL: `_generate_and_score_completions`);
-trained tokens/s = trained tokens / the training phase (tracetrain: advantages + pause/drain + PPO
+trained tokens/s = trained tokens / the training phase (tracetrain: advantages + drain + PPO
 update + version bump; TRL: the rest of its step). tracetrain's step is also split into engine
 decode (timed around the engine's decode loops), the gateway/runner/agent work around it, store
 read + aggregate, and the update; a step whose 8 requests were decoded in more than one loop is
@@ -124,7 +128,7 @@ def trl_worker(args: argparse.Namespace) -> None:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # TRL's default; tracetrain's optim.adamw is fused too
         max_steps=steps,
         logging_strategy="no",
         save_strategy="no",
@@ -207,7 +211,7 @@ class TRLPeer:
             str(args.lr),
             "--seed",
             str(args.seed),
-        ] + (["--threads", str(args.threads)] if args.threads else [])
+        ] + ["--threads", str(args.trl_threads)]
         err = work / "trl.stderr"
         err_file = err.open("wb")
         env = {
@@ -283,7 +287,8 @@ def bench_config(run_dir: Path, args: argparse.Namespace):
                 "mini_batches": 1,
                 "ppo_epochs": 1,
             },
-            "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir)},
+            "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir),
+                        "overlap_collect": args.overlap, "max_staleness": int(args.overlap)},
         }
     )
 
@@ -303,16 +308,30 @@ def time_decoding(engine) -> None:
     engine._run = timed
 
 
-async def tracetrain_step(trainer, gateway, engine) -> dict:
+async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
+    """One step: `Trainer.train_step`; with --overlap, one steady-state round of the overlapping
+    loop (`Trainer.run_steps`): the engine takes the last update's weights, step k+1's collect
+    runs while step k's update does, and the round ends when both have (so that nothing of ours
+    runs during TRL's step)."""
     before = dict(engine.stats)
     t = time.perf_counter()
-    m = await trainer.train_step(gateway, engine)
+    if not trainer.cfg.trainer.overlap_collect:
+        m = await trainer.train_step(gateway, engine)
+    else:
+        if "next" not in state:  # the first collect, before the rounds overlap
+            state["next"] = await trainer.collect_step(gateway, engine, trainer.step)
+            t = time.perf_counter()
+        await trainer.sync_engine(gateway, engine)
+        pending = asyncio.create_task(trainer.collect_step(gateway, engine, trainer.step + 1))
+        m = await trainer.learn(gateway, engine, state["next"])
+        state["next"] = await pending
     step_s = time.perf_counter() - t
     n_tok = int(m["aggregate/tokens/trained"])
     return {
         "step_s": step_s,
         "gen_s": m["time/collect_s"],
         "train_s": m["time/train_s"],
+        "update_s": m["time/update_s"],
         "decode_s": engine.stats["decode_s"] - before["decode_s"],
         "decode_loops": engine.stats["batches"] - before["batches"],
         "gen_tokens": n_tok,
@@ -350,6 +369,7 @@ async def run_steps(
         [{"role": "user", "content": task.PROMPT}], add_generation_prompt=True
     )["input_ids"]
     info = {
+        "overlap": args.overlap,
         "params": n_params,
         "threads": torch.get_num_threads(),
         "prompt_tokens": len(prompt_ids),
@@ -369,13 +389,19 @@ async def run_steps(
     trainer.nonce = secrets.token_hex(3)
     trainer.agent = resolve_agent(task, trainer.cfg.agent)
     trainer.store = SQLiteStore(work / "run" / "traces.db")
+    if args.overlap:  # the engine decodes with its own copy of the weights (as Trainer.run)
+        import copy
+
+        trainer.engine_model = copy.deepcopy(trainer.model).eval()
     engine = LocalEngine(
-        trainer.model, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=args.seed
+        trainer.engine_model if args.overlap else trainer.model, trainer.tokenizer,
+        max_batch_size=4096, model_version=0, seed=args.seed,
     )
     engine.stop_ids = frozenset()  # no stop: every sample is exactly N_NEW tokens
     time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)
     app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
+    trainer.engine_slot = app.state.gateway.slots["default"]  # as Trainer.run: held in-process
     tt_rows: list[dict] = []
     try:
         # The agents' HTTP client, kept across steps (as Trainer.run does).
@@ -383,7 +409,8 @@ async def run_steps(
             trainer.http_client = http
             gateway = GatewayClient(url, admin_key)
             try:
-                await tracetrain_step(trainer, gateway, engine)  # warm-up
+                state: dict = {}
+                await tracetrain_step(trainer, gateway, engine, state)  # warm-up
                 if peer is not None:
                     try:
                         ready = await peer.read(600)
@@ -393,22 +420,25 @@ async def run_steps(
                         await peer.close()
                         trl_rows, peer = f"failed: {e}", None
                 for r in range(args.repeats):
-                    tt_rows.append(await tracetrain_step(trainer, gateway, engine))
-                    x = tt_rows[-1]
-                    print(
-                        f"  round {r + 1}/{args.repeats}: tracetrain {x['step_s']:.3f} s "
-                        f"({x['decode_loops']} decode loop{'s' * (x['decode_loops'] > 1)})",
-                        end="",
-                        flush=True,
-                    )
-                    if peer is not None:
-                        try:
-                            trl_rows.append(await peer.step())
-                            print(f", TRL {trl_rows[-1]['step_s']:.3f} s", end="")
-                        except (RuntimeError, TimeoutError) as e:
-                            await peer.close()
-                            trl_rows, peer = f"failed: {e}", None
-                    print(f"  (load average {os.getloadavg()[0]:.1f})", flush=True)
+                    # Alternate who goes first (ABBA...), so neither side always runs right
+                    # after the other: a slow patch of the shared machine hits both alike.
+                    order = ("tt", "trl") if r % 2 == 0 else ("trl", "tt")
+                    line = []
+                    for side in order:
+                        if side == "tt":
+                            tt_rows.append(await tracetrain_step(trainer, gateway, engine, state))
+                            x = tt_rows[-1]
+                            line.append(f"tracetrain {x['step_s']:.3f} s ({x['decode_loops']} decode "
+                                        f"loop{'s' * (x['decode_loops'] > 1)})")
+                        elif peer is not None:
+                            try:
+                                trl_rows.append(await peer.step())
+                                line.append(f"TRL {trl_rows[-1]['step_s']:.3f} s")
+                            except (RuntimeError, TimeoutError) as e:
+                                await peer.close()
+                                trl_rows, peer = f"failed: {e}", None
+                    print(f"  round {r + 1}/{args.repeats}: {', '.join(line)}  "
+                          f"(load average {os.getloadavg()[0]:.1f})", flush=True)
             finally:
                 await gateway.aclose()
     finally:
@@ -513,7 +543,8 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
     trl_threads = f" / {info['trl_threads']} (TRL)" if "trl_threads" in info else ""
     print(
         f"\nmodel {info['params'] / 1e6:.2f}M params (tracetrain){trl_params}, fp32, CPU, "
-        f"torch threads {info['threads']}{trl_threads}; "
+        f"torch threads {info['threads']}{' decode + 1 update, overlapped' if info['overlap'] else ''}"
+        f"{trl_threads}; "
         f"1 prompt ({info['prompt_tokens']} tokens) x {N_SAMPLES} samples x {N_NEW} new tokens; "
         f"{len(tt)} timed steps per side"
     )
@@ -531,7 +562,7 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
         print(f"{name:28s} {lo:10.3f} {med:8.3f} {g:9.3f} {rest:10.3f} {n / g:9.0f} {n / tr:11.0f}")
         return lo, med
 
-    tt_lo, tt_med = line("tracetrain Trainer.train_step", tt)
+    tt_lo, tt_med = line("tracetrain overlapped step" if info["overlap"] else "tracetrain Trainer.train_step", tt)
     if isinstance(trl, list) and trl:
         check_work("TRL", trl)
         for r in trl:
@@ -542,23 +573,30 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
             print(
                 f"{'  (TRL between steps)':28s} {min(between):10.3f} {statistics.median(between):8.3f}"
             )
+        # The two steps of one round ran back to back: their ratio cancels slow drifts of load.
+        paired = statistics.median(b["step_s"] / a["step_s"] for a, b in zip(tt, trl, strict=False))
         print(
-            f"ratio TRL / tracetrain step time: {trl_lo / tt_lo:.2f}x (min), {trl_med / tt_med:.2f}x (median)"
-            f"  -> tracetrain is {'faster' if trl_med > tt_med else 'slower'} (goal: >= 1.00x)"
+            f"ratio TRL / tracetrain step time: {trl_lo / tt_lo:.2f}x (min), {trl_med / tt_med:.2f}x "
+            f"(median), {paired:.2f}x (median of the rounds' ratios)  -> tracetrain is "
+            f"{'faster' if paired > 1 else 'slower'} (goal: >= 1.00x)"
         )
     else:
         print(f"TRL GRPOTrainer: {trl}")
+    if info["overlap"]:
+        print("  (overlapped: a step's wall time is the weight swap + the longer of its update and "
+              "the next step's collect; gen s is that collect alone, rest s is not a phase)")
     for r in tt:  # per step, then the median of each part
         r["around_s"] = r["gen_s"] - r["decode_s"]
         r["store_s"] = r["step_s"] - r["gen_s"] - r["train_s"]
     med = {
         k: statistics.median(r[k] for r in tt)
-        for k in ("decode_s", "around_s", "store_s", "train_s")
+        for k in ("decode_s", "around_s", "store_s", "train_s", "update_s")
     }
     print(
         f"tracetrain step parts, medians: engine decode {med['decode_s']:.3f} s | gateway + runner + "
         f"agents around it {med['around_s']:.3f} s | store read + aggregate {med['store_s']:.3f} s | "
-        f"advantages + pause/drain + PPO update + version bump {med['train_s']:.3f} s"
+        f"advantages + drain + PPO update + version bump {med['train_s']:.3f} s, of which the "
+        f"update (ppo_update) {med['update_s']:.3f} s"
     )
     split = [r for r in tt if r["decode_loops"] > 1]
     if split:
@@ -599,6 +637,14 @@ def main() -> None:
         default=1,
         help="torch threads on both sides (0: torch's default; see the module docstring)",
     )
+    ap.add_argument(
+        "--trl-threads", type=int, default=None, help="TRL's torch threads (default: --threads)"
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="tracetrain with trainer.overlap_collect (the next step's collect during the update)",
+    )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trl", action="store_true", help="tracetrain figures only")
@@ -606,6 +652,8 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.trl_threads is None:
+        args.trl_threads = args.threads
     if args.trl_worker:
         trl_worker(args)
         return

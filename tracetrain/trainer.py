@@ -43,6 +43,7 @@ from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
+from tracetrain.optim import adamw
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
 from tracetrain.types import Rollout
 
@@ -254,9 +255,7 @@ class Trainer:
         # step's rollouts come from: the checkpoint keeps those instead of the engine's.
         self.next_weights: dict | None = None
         self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

@@ -12,6 +12,8 @@ import random
 import torch
 import torch.nn.functional as F
 
+from tracetrain.optim import adamw
+
 
 def render(tokenizer, transcripts: list[list[dict]]) -> list[list[int]]:
     """Chat transcripts -> token ids with the model's chat template (each distinct one rendered once:
@@ -58,7 +60,7 @@ def warm_start(
     seqs = render(tokenizer, transcripts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = adamw(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for _ in range(steps):
