@@ -174,3 +174,30 @@ def test_reference_kl_enters_the_update():
     assert far.metrics["kl_ref"] > 1e-3
     _, g_plain = update(other, 0.0)
     assert not torch.allclose(g_kl, g_plain)
+
+
+def test_a_new_run_never_writes_into_an_earlier_one(tmp_path):
+    """Fresh run into a used run_dir: refused, naming the key, the earlier files untouched.
+    resume=true: from the checkpoint, metrics.jsonl holds each step once (lines logged after the
+    checkpoint are dropped and run again); with no checkpoint, the run starts over."""
+    from tracetrain.config import ConfigError
+
+    run = tmp_path / "run"
+    train(small_config(run, 2, **{"trainer.eval_every": 0}), base_dir=EXAMPLE, log=lambda *a: None)
+    before = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "config.json")}
+    with pytest.raises(ConfigError, match=r"trainer\.run_dir.*already holds a run.*metrics\.jsonl"):
+        train(small_config(run, 2, **{"optim.lr": 1e-3}), base_dir=EXAMPLE, log=lambda *a: None)
+    assert {n: (run / n).read_bytes() for n in before} == before
+
+    # A crash after the checkpoint of step 1 but after logging step 2: resume redoes step 2.
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 2, "reward_mean": -1.0}) + "\n")
+    train(small_config(run, 3, **{"trainer.eval_every": 0, "trainer.resume": "true"}), base_dir=EXAMPLE,
+          log=lambda *a: None)
+    steps = [m["step"] for m in read_metrics(run)]
+    assert steps == [0, 1, 2] and read_metrics(run)[2]["reward_mean"] >= 0
+
+    (run / "checkpoint.pt").unlink()  # a run that died before its first checkpoint
+    train(small_config(run, 1, **{"trainer.eval_every": 0, "trainer.resume": "true"}), base_dir=EXAMPLE,
+          log=lambda *a: None)
+    assert [m["step"] for m in read_metrics(run)] == [0]

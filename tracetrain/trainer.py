@@ -5,7 +5,8 @@
         aggregate(turns) -> rows;  advantages per rollout;  stale turns excluded
         for epoch: for mini-batch (whole rollouts): sum over micro-batches of L_micro -> backward
                    clip grad norm -> AdamW step -> lr schedule
-        drain the engine (hold new requests, wait for those in flight), bump model_version, resume;  metrics -> JSONL;  checkpoint
+        drain the engine (hold new requests, wait for those in flight), bump model_version,
+        resume;  metrics -> JSONL;  checkpoint
 
 The policy module is shared by the engine and the optimizer: the weight update is in place, so the
 "sync" is a version bump done while the gateway holds new requests (pause) and no request is in
@@ -87,6 +88,19 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
+def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
+    """A new run never writes into an earlier one's files (its metrics would be mixed in)."""
+    earlier = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if not earlier:
+        return
+    how = "give a new or empty directory"
+    if resumable:
+        how = ("trainer.resume=true continues it" if "checkpoint.pt" in earlier else
+               "trainer.resume=true starts it over (it has no checkpoint)") + "; or " + how
+    raise ConfigError(f"config key 'trainer.run_dir': {run_dir} already holds a run "
+                      f"({', '.join(earlier)}); {how}")
+
+
 def run_with_threads(threads: int, fn, /, *args, **kwargs):
     """fn(*args, **kwargs) with torch's intra-op threads set to `threads` (0: as they are).
 
@@ -102,6 +116,7 @@ def run_with_threads(threads: int, fn, /, *args, **kwargs):
         torch.set_num_threads(before)
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
 ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens")  # engine.stats per step
 
 
@@ -498,10 +513,19 @@ class Trainer:
         self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)
-        if cfg.trainer.resume and self.checkpoint_path().is_file():
+        resumed = cfg.trainer.resume and self.checkpoint_path().is_file()
+        if resumed:
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
-        elif cfg.warm_start.steps and self.dp.is_main:
+            if self.dp.is_main:  # the checkpoint's steps; any logged after it are run again
+                self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        elif self.dp.is_main and cfg.trainer.resume:  # nothing to resume from: start over
+            self.metrics_path.unlink(missing_ok=True)
+        elif self.dp.is_main:
+            refuse_earlier_run(self.run_dir, resumable=True)
+        if self.dp.is_main:
+            (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        if not resumed and cfg.warm_start.steps and self.dp.is_main:
             t = time.perf_counter()
             ws = cfg.warm_start
             make = getattr(self.task, ws.transcripts, None)
@@ -678,8 +702,6 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     dp = distributed.init_from_env()  # under torchrun: one process per rank (distributed.py)
     try:
         trainer = Trainer(cfg, task, log=log, dp=dp)
-        if dp.is_main:
-            (trainer.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         t = time.perf_counter()
         history = asyncio.run(trainer.run())
     finally:

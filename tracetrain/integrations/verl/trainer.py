@@ -349,12 +349,13 @@ def train_verl(
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     from tracetrain.report import summary
-    from tracetrain.trainer import load_task
+    from tracetrain.trainer import load_task, refuse_earlier_run
 
     v = verl or getattr(cfg, "verl", None) or VerlConfig()
     task = load_task(cfg.task, base_dir)
     conf = build_verl_config(cfg, v)
     run_dir = Path(cfg.trainer.run_dir)
+    refuse_earlier_run(run_dir, resumable=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     OmegaConf.save(conf, run_dir / "verl_config.yaml")
