@@ -332,7 +332,7 @@ def kl_k3(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch
 # ---------------------------------------------------------------------------------------------
 
 # Per-block sums, in this order; metrics are built from their totals.
-_SUMS = ("pg", "mass", "kept_mass", "dual_mass", "ratio_w", "logratio_w", "kl_w", "entropy_w")
+_SUMS = ("pg", "mass", "clip_mass", "dual_mass", "ratio_w", "logratio_w", "kl_w", "entropy_w")
 
 
 class _Cfg(NamedTuple):
@@ -370,7 +370,7 @@ def _block(lp, old, adv, w, isw, ref, ent, cfg: _Cfg, grad_out):
     sums = [
         torch.dot(surrogate.view(-1), w.view(-1)),
         zero,  # the mass, filled in by the caller
-        torch.dot(kept.view(-1), w.view(-1)),
+        torch.dot(torch.sub(1.0, kept).view(-1), w.view(-1)),  # clipped: exactly 0 when none is
         dual_w,
         torch.dot(ratio.view(-1), w.view(-1)),
         torch.dot(logratio.view(-1), w.view(-1)),
@@ -587,7 +587,7 @@ def policy_loss(
     metrics = {
         "pg_loss": s["pg"],
         "weight_mass": mass,
-        "clip_frac": mean(mass - s["kept_mass"]),
+        "clip_frac": mean(s["clip_mass"]),
         "dual_clip_frac": mean(s["dual_mass"]),
         "approx_kl": mean(s["ratio_w"] - mass - s["logratio_w"]),
     }
