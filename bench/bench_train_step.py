@@ -578,7 +578,7 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
         print(
             f"ratio TRL / tracetrain step time: {trl_lo / tt_lo:.2f}x (min), {trl_med / tt_med:.2f}x "
             f"(median), {paired:.2f}x (median of the rounds' ratios)  -> tracetrain is "
-            f"{'faster' if paired > 1 else 'slower'} (goal: >= 1.00x)"
+            f"{'faster' if paired > 1 else 'as fast' if paired == 1 else 'slower'} (goal: >= 1.00x)"
         )
     else:
         print(f"TRL GRPOTrainer: {trl}")
@@ -592,9 +592,10 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
         k: statistics.median(r[k] for r in tt)
         for k in ("decode_s", "around_s", "store_s", "train_s", "update_s")
     }
+    store = "overlapped" if info["overlap"] else f"{med['store_s']:.3f} s"
     print(
         f"tracetrain step parts, medians: engine decode {med['decode_s']:.3f} s | gateway + runner + "
-        f"agents around it {med['around_s']:.3f} s | store read + aggregate {med['store_s']:.3f} s | "
+        f"agents around it {med['around_s']:.3f} s | store read + aggregate {store} | "
         f"advantages + drain + PPO update + version bump {med['train_s']:.3f} s, of which the "
         f"update (ppo_update) {med['update_s']:.3f} s"
     )
