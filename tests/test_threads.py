@@ -78,3 +78,23 @@ def test_local_engine_decodes_with_its_own_thread_count(main_threads, n):
     engine = LocalEngine(build_model(tok, seed=0), tok, threads=n)
     assert engine._worker().submit(omp_threads).result() == n
     assert omp_threads() == 2  # the caller's count is untouched
+
+
+def test_trainer_runs_all_model_work_on_one_update_thread(main_threads, tmp_path):
+    """Warm start and updates share one OS thread, with the thread count each asks for."""
+    from test_train_e2e import EXAMPLE, small_config
+
+    from tracetrain.trainer import Trainer, load_task
+
+    trainer = Trainer(small_config(tmp_path, 1), load_task("task.py", EXAMPLE))
+
+    def where():
+        return threading.get_ident(), omp_threads()
+
+    async def calls():
+        return [await trainer.on_update_thread(n, where) for n in (1, 3, 1)]
+
+    seen = asyncio.run(calls())
+    assert len({ident for ident, _ in seen}) == 1 and seen[0][0] != threading.get_ident()
+    assert [n for _, n in seen] == [1, 3, 1]
+    trainer.update_executor.shutdown()
