@@ -130,16 +130,17 @@ class GatewayClient:
             batch, self._finishes = self._finishes[:MAX_BATCH], self._finishes[MAX_BATCH:]
             try:
                 out = await self._call("PATCH", "/rollouts", json={"rollouts": [i for i, _ in batch]})
+                results = list(zip(batch, out["rollouts"], strict=True))
             except asyncio.CancelledError:  # aclose(): nobody waits forever
                 for _, done in batch + self._finishes:
                     done.cancel()
                 raise
-            except Exception as e:
+            except Exception as e:  # every waiter of the call hears why
                 for _, done in batch:
                     if not done.done():
                         done.set_exception(e)
                 continue
-            for (_, done), result in zip(batch, out["rollouts"], strict=True):
+            for (_, done), result in results:
                 if not done.done():  # (its waiter may have been cancelled)
                     done.set_result(result)
 
