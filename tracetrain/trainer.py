@@ -90,6 +90,9 @@ def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]
     ]
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
+
+
 def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
     """A new run never writes into an earlier one's files (its metrics would be mixed in)."""
     earlier = [n for n in RUN_FILES if (run_dir / n).exists()]
@@ -118,7 +121,6 @@ def run_with_threads(threads: int, fn, /, *args, **kwargs):
         torch.set_num_threads(before)
 
 
-RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
 ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens")  # engine.stats per step
 
 
@@ -296,6 +298,17 @@ class Trainer:
             self.update_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
         call = functools.partial(run_with_threads, threads, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.update_executor, call)
+
+    def claim_run_dir(self, resumed: bool) -> None:
+        """Rank 0, before the first step: metrics.jsonl holds this run's steps only (a resumed
+        run's: the checkpoint's, those logged after it are run again), then config.json."""
+        if resumed:
+            self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+        elif self.cfg.trainer.resume:  # nothing to resume from: start over
+            self.metrics_path.unlink(missing_ok=True)
+        else:
+            refuse_earlier_run(self.run_dir, resumable=True)
+        (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
 
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint_path(self) -> Path:
@@ -530,14 +543,8 @@ class Trainer:
         if resumed:
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
-            if self.dp.is_main:  # the checkpoint's steps; any logged after it are run again
-                self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
-        elif self.dp.is_main and cfg.trainer.resume:  # nothing to resume from: start over
-            self.metrics_path.unlink(missing_ok=True)
-        elif self.dp.is_main:
-            refuse_earlier_run(self.run_dir, resumable=True)
         if self.dp.is_main:
-            (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+            self.claim_run_dir(resumed)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
             t = time.perf_counter()
             ws = cfg.warm_start
