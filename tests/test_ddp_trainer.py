@@ -6,10 +6,12 @@ and `torchrun -m tracetrain train` runs the guess demo on 2 ranks to the same we
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import join_gloo, run_ranks
 
 from tracetrain import tiny
 from tracetrain.aggregate import aggregate
@@ -79,8 +81,8 @@ def train_two_steps(dp: DataParallel) -> tuple[dict, list]:
     return policy.state_dict(), [(r.loss, r.grad_norm, r.metrics) for r in results]
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _worker(rank: int, init_method: str, out: str) -> None:
+    join_gloo(init_method, rank, WORLD)
     try:
         torch.save(train_two_steps(DataParallel(WORLD, rank)), Path(out) / f"rank{rank}.pt")
     finally:
@@ -93,7 +95,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.slow
 def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path):
-    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S)
+    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S, tmp_path)
     expected, expected_results = train_two_steps(DataParallel())
     initial, _ = models()
     assert len(expected_results) == 4  # 2 steps x 2 mini-batches
@@ -113,8 +115,20 @@ def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path):
 
 
 def run_cli(cmd: list[str], cwd: Path, env: dict) -> None:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """Run cmd in its own process group; on overrun the whole group (torchrun and its ranks) is
+    killed and reaped, and the test fails with the output so far."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[2:5]} did not finish in {DEADLINE_S} s:\n{out[-3000:]}", pytrace=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # no rank outlives its launcher
+    assert proc.returncode == 0, out[-3000:]
 
 
 @pytest.mark.slow
@@ -132,7 +146,7 @@ def test_torchrun_two_ranks_train_the_demo_like_one_process(tmp_path):
     run_cli([sys.executable, "-m", "tracetrain", "train", str(example / "config.yaml"),
              *overrides, f"trainer.run_dir={one}"], ROOT, env)
     run_cli([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             "--standalone",  # the launcher's own store on a port it binds itself: no race
              "-m", "tracetrain", "train", str(example / "config.yaml"),
              *overrides, f"trainer.run_dir={two}"], ROOT, env)
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import join_gloo, run_ranks
 from tiny_model import (
     logprobs_and_entropy,
     make_rows,
@@ -71,11 +71,9 @@ def gradient(model, rows, old, ref, adv, mode, *, world_size=1, rank=0, budget=N
     return [p.grad.detach().clone() for p in params], len(micro)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, init_method: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    join_gloo(init_method, rank, WORLD)
     try:
         rows, old, ref, adv = step_data()
         ddp = torch.nn.parallel.DistributedDataParallel(tiny_causal_lm(seed=0))
@@ -91,7 +89,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_gradient(tmp_path):
-    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S)
+    run_ranks(_worker, (str(tmp_path),), WORLD, DEADLINE_S, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(WORLD)]
     rows, old, ref, adv = step_data()
     model = tiny_causal_lm(seed=0)

@@ -3,7 +3,9 @@ hypothesis): whatever the request, valid by the schema or not, the gateway never
 fake engine never fails here) and every error is a JSON error body.
 
 Requests go to a live uvicorn server on loopback with the admin key (it reaches every route) or,
-on a rollout's own routes, that rollout's key; path ids are random or real rollouts.
+on a rollout's own routes, that rollout's key; path ids are random or real rollouts. Each route
+also gets one explicit valid request (a hypothesis `@example`, always run first): it must succeed,
+so every route is reached past its validation whatever the random draw.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import httpx
 import pytest
 import schemathesis
 from gateway_fixtures import FakeEngine
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
@@ -77,6 +79,38 @@ def cases(op, real_ids):
     return st.one_of(strategies)
 
 
+def valid_request(op, rid: str) -> dict:
+    """One request that `op` must accept (path parameters, query, body) on real rollout `rid`."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return {
+        "POST /rollouts": {"body": {"rollouts": [{"group_id": "fuzz-g", "task": {"n": 1}}]}},
+        "GET /rollouts": {"query": {"state": "queued", "limit": 5}},
+        "PATCH /rollouts": {"body": {"rollouts": [{"rollout_id": rid, "state": "running"}]}},
+        "GET /rollouts/{rollout_id}": {},
+        "PATCH /rollouts/{rollout_id}": {"body": {"state": "running"}},
+        "DELETE /rollouts/{rollout_id}": {},
+        "POST /rollouts/{rollout_id}/rewards": {"body": {"reward": 0.5, "info": {"why": "ok"}}},
+        "POST /rollouts/{rollout_id}/events": {"body": {"kind": "note", "payload": [1, "a"]}},
+        "GET /rollouts/{rollout_id}/events": {},
+        "POST /rollouts/{rollout_id}/v1/chat/completions": {"body": chat},
+        "POST /rollouts/{rollout_id}/v1/completions": {"body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+        "GET /rollouts/{rollout_id}/v1/models": {},
+        "GET /engines": {},
+        "POST /engines": {"body": {"name": "fuzz-engine", "base_url": "http://127.0.0.1:9", "model": "m"}},
+        "POST /engines/{name}/pause": {"path_parameters": {"name": "default"}},
+        "POST /engines/{name}/resume": {"path_parameters": {"name": "default"}},
+        "POST /engines/{name}/drain": {"path_parameters": {"name": "default"}, "query": {"timeout_s": 1}},
+        "GET /health": {},
+    }[f"{op.method.upper()} {op.path}"]
+
+
+def explicit_case(op, rid: str):
+    request = valid_request(op, rid)
+    params = request.get("path_parameters") or ({"rollout_id": rid} if "{rollout_id}" in op.path else None)
+    kwargs = {"body": request["body"], "media_type": "application/json"} if "body" in request else {}
+    return op.Case(path_parameters=params, query=request.get("query"), **kwargs)
+
+
 def agent_route(method: str, path: str) -> bool:
     return method.upper() == "POST" and ("/v1/" in path or path.endswith(("/rewards", "/events")))
 
@@ -88,10 +122,13 @@ def test_no_5xx_from_any_request(live, op):
     keys = real_rollouts(url)
     statuses = set()
 
+    explicit = explicit_case(op, next(iter(keys)))
+
     @settings(
         max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None
     )
     @given(case=cases(op, list(keys)), use_rollout_key=st.booleans())
+    @example(case=explicit, use_rollout_key=False)
     def check(case, use_rollout_key):
         rid = (case.path_parameters or {}).get("rollout_id")
         key = (
@@ -103,6 +140,8 @@ def test_no_5xx_from_any_request(live, op):
         response = case.call(base_url=url, timeout=30)
         assert response.status_code < 500, (case.method, case.formatted_path, response.text[:300])
         statuses.add(response.status_code)
+        if case is explicit:
+            assert response.status_code in (200, 201, 204), (op.path, response.text[:300])
         if response.status_code >= 400:
             assert response.json()["error"]["code"] == response.status_code
         if op.path.endswith(("/pause", "/drain")):  # leave the engine open for the next operations

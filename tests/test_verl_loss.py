@@ -347,7 +347,7 @@ DEADLINE_S = 300
 DP_CASES = [("rollout-mean", 2, 1), ("seq-mean-token-mean", 1, "dynamic")]
 
 
-def _dp_worker(rank: int, port: int, out: str, model_dir: str) -> None:
+def _dp_worker(rank: int, init_method: str, out: str, model_dir: str) -> None:
     """One dp rank: verl's TrainingWorker on its chunk of the batch (as verl's dispatch gives it:
     BatchData.chunk, then serialized like a Ray argument); FSDP2 all-reduces over gloo."""
     torch.set_num_threads(1)
@@ -359,7 +359,7 @@ def _dp_worker(rank: int, port: int, out: str, model_dir: str) -> None:
     from tracetrain.integrations.verl.config import VerlConfig, build_verl_config
 
     use_cpu()
-    init_gloo(rank, WORLD, port)
+    init_gloo(rank, WORLD, init_method)
     cfg = build_config(
         {
             "model": {"kind": "pretrained", "path": model_dir},
@@ -407,7 +407,7 @@ def test_two_data_parallel_ranks_give_the_single_process_gradient(tmp_path):
             rows_multiple=1 if micro == "dynamic" else micro,
         )
         torch.save(proto, tmp_path / f"{mode}.pt")
-    run_ranks(_dp_worker, (str(tmp_path), str(model_dir)), WORLD, DEADLINE_S)
+    run_ranks(_dp_worker, (str(tmp_path), str(model_dir)), WORLD, DEADLINE_S, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{k}.pt") for k in range(WORLD)]
     for mode, n_mb, _ in DP_CASES:
         expected = tracetrain_gradients(batch, rows, adv, ref, mode=mode, n_mini_batches=n_mb)

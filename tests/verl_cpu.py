@@ -14,7 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port
+from gloo_ranks import join_gloo
 from verl.plugin.platform import platform_manager
 from verl.plugin.platform.platform_base import PlatformBase
 
@@ -111,22 +111,24 @@ def use_cpu() -> None:
             EngineRegistry.register("language_model", backend, device="cpu")(FSDPEngineWithLMHead)
 
 
-def init_gloo(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
-    """The process group verl's worker expects (Worker reads RANK/WORLD_SIZE/MASTER_* too)."""
-    port = port or free_port()
+def init_gloo(rank: int = 0, world_size: int = 1, init_method: str | None = None) -> None:
+    """The process group verl's worker expects (Worker reads RANK/WORLD_SIZE/MASTER_* too).
+    One process: an in-memory store (no port at all); more: gloo_ranks' rendezvous."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK="0",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),  # read, never bound: the group exists
         GLOO_SOCKET_IFNAME="lo",
     )
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-        )
+    if dist.is_initialized():
+        return
+    if world_size == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        join_gloo(init_method, rank, world_size)
 
 
 def actor_worker(

@@ -5,7 +5,8 @@
         --tokenizer /path/to/tokenizer --max-context 4096
     python -m tracetrain.gateway.serve --db runs/gw.db --engine local --model-path out/tiny
 
-It prints TRACETRAIN_GATEWAY_URL=http://HOST:PORT on stdout once listening is set up.
+It prints TRACETRAIN_GATEWAY_URL=http://HOST:PORT on stdout once the socket accepts connections
+(a client may connect the moment it reads the line).
 The admin key comes from --admin-key or $TRACETRAIN_ADMIN_KEY. uvicorn runs with uvloop/httptools
 when installed and without an access log (--access-log turns it on; it never prints headers, and
 keys never appear in paths). `ThreadedServer` runs an app on 127.0.0.1 in a background thread
@@ -45,6 +46,20 @@ def uvicorn_config(
         timeout_graceful_shutdown=5,
         **kw,
     )
+
+
+class ReadyServer(uvicorn.Server):
+    """A uvicorn server that prints `ready_line` (flushed) once its sockets accept connections:
+    after the app's startup and listen(), not before."""
+
+    def __init__(self, config: uvicorn.Config, ready_line: str):
+        super().__init__(config)
+        self.ready_line = ready_line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            print(self.ready_line, flush=True)
 
 
 class ThreadedServer:
@@ -202,14 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, args.port))
         host, port = sock.getsockname()[:2]
-        print(f"TRACETRAIN_GATEWAY_URL=http://{host}:{port}", flush=True)
         config = uvicorn_config(app, access_log=args.access_log, log_level=args.log_level)
         # Everything built so far (torch, transformers, the tokenizer: ~10^5-10^6 objects) lives
         # as long as the process: keep it out of the cyclic GC, whose full passes over it took
         # ~0.3 s each and showed up as p99 latency.
         gc.collect()
         gc.freeze()
-        uvicorn.Server(config).run(sockets=[sock])
+        ReadyServer(config, f"TRACETRAIN_GATEWAY_URL=http://{host}:{port}").run(sockets=[sock])
     finally:
         store.close()
     return 0
