@@ -21,6 +21,10 @@ from tracetrain.config import ConfigError, TrainConfig, build_config, load_confi
         ("aggregate.level=episode", "aggregate.level"),
         ("nonsense=1", "nonsense"),
         ("rollout=3", "rollout"),
+        ("gateway.port=70000", "gateway.port"),
+        ("gateway.public_url=ftp://x", "gateway.public_url"),
+        ("gateway.public_url=http://h:{prot}", "gateway.public_url"),
+        ("gateway.host=0.0.0.0", "gateway.public_url"),  # a wildcard is no URL to hand to agents
     ],
 )
 def test_bad_override_names_the_key(override, key):

@@ -368,3 +368,41 @@ def test_train_with_runner_ray_records_and_learns_like_local(tmp_path, local_ray
     for key in ("reward_mean", "aggregate/n_rows", "aggregate/tokens/trained"):
         assert on_ray[0][key] == local[0][key], key
     assert on_ray[0]["loss"] == pytest.approx(local[0]["loss"], rel=1e-4, abs=1e-6)
+
+
+PUBLIC_URL_TASK = '''
+import importlib.util
+spec = importlib.util.spec_from_file_location("guess_task", {guess!r})
+guess = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(guess)
+tasks = guess.tasks
+
+
+async def agent(task, client):
+    # the URL the trainer's gateway.public_url names, not the loopback address it was created at
+    assert client["base_url"].startswith("http://localhost:"), client["base_url"]
+    assert client["rollout_url"].startswith("http://localhost:"), client["rollout_url"]
+    return await guess.agent(task, client)
+'''
+
+
+@pytest.mark.slow
+def test_train_with_runner_ray_hands_agents_the_public_url(tmp_path, local_ray):
+    """`gateway.public_url` in the trainer is what its Ray agents are told (and can reach)."""
+    import json
+
+    from tracetrain.config import build_config
+    from tracetrain.trainer import train
+
+    task = tmp_path / "public_task.py"
+    task.write_text(PUBLIC_URL_TASK.format(guess=str(ROOT / "examples/guess/task.py")))
+    cfg = build_config({"task_args": {"high": 4, "max_turns": 3}}, [
+        f"task={task}", "runner=ray", "gateway.public_url=http://localhost:{port}",
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+        "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.timeout_s=60",
+        "trainer.steps=1", f"trainer.run_dir={tmp_path / 'run'}",
+    ])
+    train(cfg, log=lambda *_: None)
+    (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert m["n_failed"] == m["n_timed_out"] == 0, m
+    assert m["aggregate/n_rollouts"] == 4

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracetrain.integrations.verl.config import VerlConfig
 
@@ -132,6 +132,28 @@ class TrainerConfig(_Section):
     wandb: bool = False
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: an address to bind, not one to reach
+
+
+class GatewayConfig(_Section):
+    """Where the trainer's gateway listens and the URL its agents are given. The default keeps it
+    on loopback. For agents on other hosts (Ray workers, sandboxes): `host` an interface address
+    or a wildcard (0.0.0.0, ::), `public_url` the base URL they reach it at (a TLS proxy in front
+    of it, say); `{port}` in it stands for the bound port. Off loopback the admin key must come
+    from $TRACETRAIN_ADMIN_KEY; agents always need their rollout's own key."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(0, ge=0, le=65535)  # 0: a free port
+    public_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+
+    @field_validator("public_url")
+    @classmethod
+    def _only_port_in_braces(cls, url: str | None) -> str | None:
+        if url is not None and ("{" in url.replace("{port}", "") or "}" in url.replace("{port}", "")):
+            raise ValueError("only '{port}' (the bound port) may stand in braces")
+        return url
+
+
 class TrainConfig(_Section):
     """A whole run. `task` is a task module (a .py path relative to the config file, or a module
     name) with `tasks(n, seed=...)`, the agent function named by `agent`, and optionally the
@@ -150,6 +172,7 @@ class TrainConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     verl: VerlConfig = Field(default_factory=VerlConfig)  # backend: verl only
 
     @model_validator(mode="after")
@@ -163,6 +186,13 @@ class TrainConfig(_Section):
             if self.trainer.max_staleness < 1:
                 raise ValueError("trainer.max_staleness: must be >= 1 with trainer.overlap_collect "
                                  "(it trains on rollouts one version old)")
+        return self
+
+    @model_validator(mode="after")
+    def _gateway_url(self) -> TrainConfig:
+        if self.gateway.host in WILDCARD_HOSTS and self.gateway.public_url is None:
+            raise ValueError(f"gateway.public_url: required when gateway.host is {self.gateway.host!r} "
+                             "(a wildcard address is no URL an agent can reach)")
         return self
 
     @model_validator(mode="after")

@@ -531,11 +531,12 @@ class Trainer:
         from tqdm import tqdm
 
         from tracetrain.gateway.app import create_app
-        from tracetrain.inprocess import serve_in_loop
+        from tracetrain.inprocess import admin_key_for, bind, public_url, serve_in_loop
         from tracetrain.store import SQLiteStore
         from tracetrain.warmstart import warm_start
 
         cfg = self.cfg
+        admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None  # refused before any work
         self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)
@@ -580,11 +581,12 @@ class Trainer:
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
-        admin_key = secrets.token_urlsafe(24)
-        app = create_app(self.store, {"default": engine}, admin_key=admin_key)
+        sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
+        app = create_app(self.store, {"default": engine}, admin_key=admin_key,
+                         public_url=public_url(cfg.gateway, sock.getsockname()[1]))
         self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
-            async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
+            async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)
                 self.http_client = http
                 try:

@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from tracetrain.gateway.app import Gateway, create_app
+from tracetrain.inprocess import MIN_ADMIN_KEY_CHARS, is_loopback
 from tracetrain.store import SQLiteStore
 
 
@@ -187,6 +188,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.admin_key:
         p.error("an admin key is needed: --admin-key or $TRACETRAIN_ADMIN_KEY")
+    if not is_loopback(args.host) and len(args.admin_key.strip()) < MIN_ADMIN_KEY_CHARS:
+        p.error(f"--host {args.host} is not loopback: the admin key must have at least "
+                f"{MIN_ADMIN_KEY_CHARS} characters")
     if args.engine == "upstream":
         missing = [f for f in ("upstream_url", "model", "tokenizer") if not getattr(args, f)]
         if missing:

@@ -299,7 +299,7 @@ class VerlRun:
 
     async def run(self) -> list[dict]:
         from tracetrain.gateway.app import create_app
-        from tracetrain.inprocess import serve_in_loop
+        from tracetrain.inprocess import admin_key_for, bind, public_url, serve_in_loop
         from tracetrain.runner import GatewayClient, agent_http_client
         from tracetrain.store import SQLiteStore
         from tracetrain.trainer import format_step, metric_sinks, resolve_agent
@@ -309,12 +309,14 @@ class VerlRun:
         self.agent = resolve_agent(self.task, cfg.agent)
         self.store = SQLiteStore(self.run_dir / "traces.db")
         engines = self.engines()
-        admin_key = secrets.token_urlsafe(24)
-        app = create_app(self.store, engines, admin_key=admin_key, close_engines=True)
+        admin_key = admin_key_for(cfg.gateway.host)
+        sock = bind(cfg.gateway)
+        app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
+                         public_url=public_url(cfg.gateway, sock.getsockname()[1]))
         sinks, history = metric_sinks(cfg, self.run_dir), []
         try:
             async with (
-                serve_in_loop(app) as url,
+                serve_in_loop(app, sock) as url,
                 agent_http_client(cfg.rollout.concurrency) as http,
             ):
                 gateway = GatewayClient(url, admin_key)
