@@ -16,6 +16,7 @@ from tracetrain.loss import (
     MODES,
     RowWeights,
     policy_loss,
+    rollout_mass,
     row_scales,
     row_token_counts,
     token_weights,
@@ -210,8 +211,8 @@ def test_alias_and_errors():
         row_scales(mask, ids, mode="seq-mean-token-sum-norm", norm_length=0)
     with pytest.raises(ValueError, match="norm_length is only used"):
         row_scales(mask, ids, mode="token-mean", norm_length=4)
-    with pytest.raises(ValueError, match="bool"):
-        row_scales(mask.float(), ids)
+    with pytest.raises(ValueError, match="response_mask must be a 2-D tensor"):
+        row_scales(mask[0], ids)
     with pytest.raises(ValueError, match="rollout_ids has 2 entries but the mask has 3 rows"):
         row_scales(mask, ["A", "B"])
     with pytest.raises(ValueError, match="must all be str, found 7"):
@@ -219,6 +220,59 @@ def test_alias_and_errors():
     with pytest.raises(ValueError, match="1-D int64"):
         row_scales(mask, torch.tensor([0.0, 0.0, 1.0]))
     assert set(MODES) == {*ALL_MODES}
+
+
+# --- masks as users have them: bool, or 0/1 in an integer or float tensor -----------------------
+
+MASK_DTYPES = [torch.bool, torch.int64, torch.int32, torch.uint8, torch.float32, torch.float64,
+               torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", MASK_DTYPES)
+def test_a_0_1_mask_of_any_dtype_gives_the_bool_masks_weights(dtype):
+    """verl's and Agent Lightning's masks are int64; the seed's reproduction is ones(4, 3, long)."""
+    ids = ["A", "A", "A", "B"]
+    ones = torch.ones(4, 3, dtype=dtype)
+    assert masses(token_weights(ones, ids), ids) == pytest.approx({"A": 0.5, "B": 0.5})
+    g = torch.Generator().manual_seed(3)
+    bool_mask = torch.rand(6, 5, generator=g) < 0.6
+    ids = ["A", "B", "A", "C", "B", "C"]
+    mask = bool_mask.to(dtype)
+    for mode in ALL_MODES:
+        assert torch.equal(row_scales(mask, ids, mode=mode, **kw(mode)),
+                           row_scales(bool_mask, ids, mode=mode, **kw(mode))), mode
+        assert torch.equal(token_weights(mask, ids, mode=mode, **kw(mode)),
+                           token_weights(bool_mask, ids, mode=mode, **kw(mode))), mode
+    assert torch.equal(rollout_mass(mask, ids, row_scales(bool_mask, ids)),
+                       rollout_mass(bool_mask, ids, row_scales(bool_mask, ids)))
+    lp = -torch.rand(6, 5, generator=g)
+    old, adv = lp + 0.1, torch.randn(6, generator=g)
+    scales = row_scales(bool_mask, ids)
+    got, _ = policy_loss(lp, old, adv, RowWeights(mask, scales))
+    want, _ = policy_loss(lp, old, adv, RowWeights(bool_mask, scales))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype, value, shown", [
+    (torch.int64, 2, "2"), (torch.int32, -1, "-1"), (torch.float32, 0.5, "0.5"),
+    (torch.float64, float("nan"), "nan"), (torch.uint8, 255, "255"),
+])
+def test_a_mask_value_other_than_0_or_1_is_named(dtype, value, shown):
+    mask = torch.ones(4, 3, dtype=dtype)
+    mask[2, 1] = value
+    for call in (lambda: row_scales(mask, ["A", "A", "A", "B"]),
+                 lambda: token_weights(mask, ["A", "A", "A", "B"]),
+                 lambda: policy_loss(torch.zeros(4, 3), torch.zeros(4, 3), torch.zeros(4),
+                                     RowWeights(mask, torch.ones(4)))):
+        with pytest.raises(ValueError, match=rf"mask\[2, 1\] is {shown}: a mask holds only 0 and 1"):
+            call()
+
+
+def test_a_complex_or_3_d_mask_is_refused():
+    with pytest.raises(ValueError, match="2-D tensor"):
+        row_scales(torch.ones(2, 3, dtype=torch.complex64), ["A", "B"])
+    with pytest.raises(ValueError, match=r"shape \(2, 3, 1\)"):
+        row_scales(torch.ones(2, 3, 1, dtype=torch.long), ["A", "B"])
 
 
 @settings(max_examples=40, deadline=None)

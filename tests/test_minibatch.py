@@ -84,6 +84,23 @@ def test_plan_keeps_rollouts_whole_and_scales_per_mini_batch(layout, k, budget, 
 
 
 @settings(max_examples=40, deadline=None)
+@given(step_layout(), st.integers(1, 3), st.sampled_from(ALL_MODES),
+       st.sampled_from([torch.int64, torch.int32, torch.float32, torch.uint8]))
+def test_an_integer_or_float_mask_plans_the_same_step_as_the_bool_mask(layout, k, mode, dtype):
+    mask, rollout_index = layout
+    k = min(k, int(rollout_index.max()) + 1)
+    plan = lambda m: plan_step(m, rollout_index, n_mini_batches=k, micro_batch_tokens=6,  # noqa: E731
+                               mode=mode, **kw(mode))
+    for want, got in zip(plan(mask), plan(mask.to(dtype)), strict=True):
+        assert torch.equal(want.rows, got.rows) and torch.equal(want.row_scales, got.row_scales)
+        assert [m.rows.tolist() for m in want.micro_batches] == [m.rows.tolist() for m in got.micro_batches]
+    bad = mask.to(dtype).clone()
+    bad[0, 0] = 2
+    with pytest.raises(ValueError, match=r"response_mask\[0, 0\] is 2"):
+        plan(bad)
+
+
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=30), st.integers(1, 5))
 def test_balanced_bins_are_within_one_item(costs, n_bins):
     bins = balanced_bins(costs, n_bins)

@@ -215,14 +215,27 @@ def _resolve_mode(mode: str, norm_length: float | None) -> str:
     return name
 
 
-def _check_mask(mask: torch.Tensor) -> None:
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool:
+def as_mask(mask: torch.Tensor, name: str = "response_mask") -> torch.Tensor:
+    """A [rows, R] mask as bool: a bool tensor as is (the fast path); 0/1 integers or floats
+    (verl's and Agent Lightning's masks are int64) as `mask != 0`. Any other value is an error
+    naming its position; nothing is coerced."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_complex():
         what = (
             f"shape {tuple(mask.shape)} dtype {mask.dtype}"
             if isinstance(mask, torch.Tensor)
             else type(mask).__name__
         )
-        raise ValueError(f"response_mask must be a 2-D bool tensor [rows, R], got {what}")
+        raise ValueError(f"{name} must be a 2-D tensor [rows, R] of bool or 0/1, got {what}")
+    if mask.dtype == torch.bool:
+        return mask
+    bad = (mask != 0) & (mask != 1)  # NaN included
+    if bool(bad.any()):
+        i, t = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name}[{i}, {t}] is {mask[i, t].item()!r}: a mask holds only 0 and 1 "
+            f"(dtype {mask.dtype}), or bool"
+        )
+    return mask != 0
 
 
 def row_scales(
@@ -236,7 +249,7 @@ def row_scales(
 
     Compute it once for a whole mini-batch (all micro-batches, all ranks): see minibatch.py.
     """
-    _check_mask(response_mask)
+    response_mask = as_mask(response_mask)
     return scales_from_counts(
         row_token_counts(response_mask), rollout_ids, mode=mode, norm_length=norm_length
     )
@@ -263,6 +276,7 @@ def rollout_mass(
 ) -> torch.Tensor:
     """[n_rollouts] each rollout's share of the update, sum_{i in r} T_i * s_i (1/R each in
     rollout-mean, however many rows the rollout spans); rollouts in `rollout_inverse` order."""
+    response_mask = as_mask(response_mask)
     inverse, n = rollout_inverse(rollout_ids, response_mask.shape[0], response_mask.device)
     row_mass = row_token_counts(response_mask).to(row_scales.dtype) * row_scales
     return torch.zeros(n, dtype=row_scales.dtype, device=row_scales.device).index_add_(0, inverse, row_mass)
@@ -276,6 +290,7 @@ def token_weights(
     norm_length: float | None = None,
 ) -> torch.Tensor:
     """w [rows, R] float32 = response_mask * row_scales (materialized; the loss does not need it)."""
+    response_mask = as_mask(response_mask)
     s = row_scales(response_mask, rollout_ids, mode=mode, norm_length=norm_length)
     return response_mask.view(torch.uint8) * s[:, None]  # (uint8: bool arithmetic is slow on CPU)
 
@@ -283,7 +298,7 @@ def token_weights(
 class RowWeights(NamedTuple):
     """Token weights kept factored: w[i,t] = mask[i,t] * scales[i] (no [rows, R] float tensor)."""
 
-    mask: torch.Tensor  # [rows, R] bool
+    mask: torch.Tensor  # [rows, R] bool (or 0/1 integers / floats: see as_mask)
     scales: torch.Tensor  # [rows] float
 
 
@@ -517,7 +532,7 @@ def policy_loss(
         )
     if isinstance(weights, tuple):
         mask, scales = weights
-        _check_mask(mask)
+        mask = as_mask(mask, "weights mask")
         if mask.shape != shape:
             raise ValueError(
                 f"weights mask must have the shape of logprobs {tuple(shape)}, got {tuple(mask.shape)}"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tracetrain.loss import rollout_inverse, row_token_counts, scales_from_counts
+from tracetrain.loss import as_mask, rollout_inverse, row_token_counts, scales_from_counts
 
 
 @dataclass
@@ -119,8 +119,7 @@ def plan_step(
         raise ValueError(
             f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}"
         )
-    if response_mask.dim() != 2 or response_mask.dtype != torch.bool:
-        raise ValueError("response_mask must be a 2-D bool tensor [rows, R]")
+    response_mask = as_mask(response_mask)
     rows = response_mask.shape[0]
     trained = row_token_counts(response_mask)
     if row_tokens is None:
