@@ -78,6 +78,14 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
     assert main(["inspect", str(run), "--rollout", ids_of_step(run, 1)[0]]) == 0
     shown = capsys.readouterr().out
     assert "turn 0 (model_version 1)" in shown and "advantage" in shown and "loss mass" in shown
+    # The mass of the mini-batch the rollout was trained in (the run trains 2 per step): 1/R of
+    # that mini-batch in rollout-mean.
+    from tracetrain.inspection import inspect_rollout
+
+    figures = inspect_rollout(run, ids_of_step(run, 1)[0], out=lambda *_: None)
+    assert figures["n_mini_batches"] == 2 and f"of 2: {figures['n_rollouts_in_mini_batch']} of" in shown
+    assert figures["n_rollouts_in_mini_batch"] < figures["n_rollouts_in_step"]
+    assert figures["loss_mass"] == pytest.approx(1 / figures["n_rollouts_in_mini_batch"], rel=1e-5)
 
     # Resume: two more steps continue the run (steps 2 and 3, versions 3 and 4).
     train(small_config(run, 4, **{"trainer.resume": "true"}), base_dir=EXAMPLE, log=lambda *_: None)

@@ -203,3 +203,28 @@ def test_cli_backend_verl_names_what_it_needs(tmp_path, capsys):
     missing = tmp_path / "no-model"
     assert main(["train", str(example / "verl.yaml"), f"model.path={missing}"]) == 2
     assert "config key 'model.path'" in capsys.readouterr().err
+
+
+def test_the_example_says_how_to_make_its_model_and_the_command_works(tmp_path):
+    """examples/guess/verl.yaml names models/tiny-guess: the command in its comment makes it, a
+    model directory that loads offline and that the example's verl config accepts."""
+    import shlex
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    text = EXAMPLE.read_text()
+    (line,) = [x for x in text.splitlines() if x.lstrip("# ").startswith("python -c")]
+    argv = shlex.split(line.lstrip("# "))
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = yaml.safe_load(text)
+    made = tmp_path / cfg["model"]["path"]
+    model = AutoModelForCausalLM.from_pretrained(made, local_files_only=True)
+    assert model.config.hidden_size == 128 and model.config.num_hidden_layers == 4  # config.yaml's
+    cfg["model"]["path"] = str(made)
+    built = build_config(cfg)
+    assert built.verl.n_gpus_per_node == 8
+    build_verl_config(built, built.verl)  # verl's own checks of the example's settings

@@ -1,8 +1,9 @@
 """`tracetrain inspect`: one rollout from a run, down the path of the data.
 
 Shows its turns (decoded), the rows it became (trained tokens marked), the drift breaks that cut
-it (with decoded snippets), its advantage within its group, and its loss weight: the share of one
-optimizer update's mass that it carries when its step's rollouts form one mini-batch.
+it (with decoded snippets), its advantage within its group, and its loss weight: the share of the
+mass of the optimizer update it was trained in (its step's rows planned into mini-batches as the
+trainer plans them, from the run's own config: optim.mini_batches, micro_batch_tokens, loss.mode).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.loss import rollout_mass, row_scales
+from tracetrain.loss import row_token_counts
+from tracetrain.minibatch import plan_step
 from tracetrain.store import SQLiteStore
 
 
@@ -98,10 +100,18 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         return shown
     k = kept.rollouts.index(rollout_id)
     mode = cfg.loss.mode if cfg is not None else "rollout-mean"
-    scales = row_scales(kept.response_mask, kept.rollout_index, mode=mode,
-                        norm_length=cfg.loss.norm_length if cfg is not None else None)
+    oc = cfg.optim if cfg is not None else None
+    plan = plan_step(  # as trainer.ppo_update plans the step (every epoch plans the same)
+        kept.response_mask, kept.rollout_index,
+        n_mini_batches=min(oc.mini_batches, kept.n_rollouts) if oc else 1,
+        micro_batch_tokens=oc.micro_batch_tokens if oc else None, mode=mode,
+        norm_length=cfg.loss.norm_length if cfg is not None else None,
+        row_tokens=kept.attention_mask.sum(1))
     rows = (kept.rollout_index == k).nonzero().squeeze(1)
-    mass = float(rollout_mass(kept.response_mask, kept.rollout_index, scales)[k])
+    j, mb = next((j, mb) for j, mb in enumerate(plan) if bool((mb.rows == rows[0]).any()))
+    mine_in_mb = kept.rollout_index[mb.rows] == k
+    mass = float((row_token_counts(kept.response_mask[mb.rows[mine_in_mb]]).float()
+                  * mb.row_scales[mine_in_mb]).sum())
     P = kept.prompt_length
     for i in rows.tolist():
         ids = kept.input_ids[i][kept.attention_mask[i].bool()].tolist()
@@ -112,8 +122,9 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
             f"trained {len(trained)}")
         out(f"    trained text: {_text(tok, trained)!r}")
     out(f"  advantage {float(adv[k]):+.4f} ({est.estimator if est else 'grpo'} within its group)")
-    out(f"  loss mass {mass:.4f} of 1 in a mini-batch of its step's {kept.n_rollouts} rollouts "
-        f"(mode {mode})")
-    shown.update(rows=len(rows), advantage=float(adv[k]), loss_mass=mass,
+    out(f"  loss mass {mass:.4f} of 1 in mini-batch {j + 1} of {len(plan)}: {mb.n_rollouts} of its "
+        f"step's {kept.n_rollouts} rollouts (mode {mode})")
+    shown.update(rows=len(rows), advantage=float(adv[k]), loss_mass=mass, mini_batch=j,
+                 n_mini_batches=len(plan), n_rollouts_in_mini_batch=mb.n_rollouts,
                  n_rollouts_in_step=kept.n_rollouts, metrics=json.loads(json.dumps(agg, default=str)))
     return shown
