@@ -13,6 +13,7 @@ their stacks, every rank is killed and reaped, and the test fails with what each
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
 import signal
@@ -33,7 +34,8 @@ def join_gloo(init_method: str, rank: int, world_size: int, timeout_s: float = 1
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _rank_main(worker, rank: int, init_method: str, log_path: str, args: tuple) -> None:
+def _rank_main(worker: tuple[str, str], rank: int, init_method: str, log_path: str,
+               args: tuple) -> None:
     log = open(log_path, "w", buffering=1)  # noqa: SIM115 (lives as long as the process)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -41,8 +43,11 @@ def _rank_main(worker, rank: int, init_method: str, log_path: str, args: tuple) 
     faulthandler.enable(file=log)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    print(f"rank {rank} (pid {os.getpid()}) starts {worker.__module__}.{worker.__name__}", flush=True)
-    worker(rank, init_method, *args)
+    module, name = worker
+    print(f"rank {rank} (pid {os.getpid()}) imports {module}.{name}", flush=True)
+    fn = getattr(importlib.import_module(module), name)  # after the handlers: a stack even here
+    print(f"rank {rank} starts", flush=True)
+    fn(rank, init_method, *args)
     print(f"rank {rank} done", flush=True)
 
 
@@ -62,7 +67,8 @@ def run_ranks(worker, args: tuple, nprocs: int, deadline_s: float, workdir: Path
     ctx = mp.get_context("spawn")
     logs = [workdir / f"rank{r}.log" for r in range(nprocs)]
     procs = [
-        ctx.Process(target=_rank_main, args=(worker, r, init_method, str(logs[r]), args),
+        ctx.Process(target=_rank_main,
+                    args=((worker.__module__, worker.__name__), r, init_method, str(logs[r]), args),
                     name=f"gloo-rank{r}")
         for r in range(nprocs)
     ]

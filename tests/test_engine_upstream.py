@@ -145,12 +145,12 @@ def test_unreachable_server_is_503_and_bounded():
     with pytest.raises(EngineError, match="ClientConnectorError|Connect") as e:
         run(eng.generate([5], SamplingParams(max_tokens=4)))
     assert e.value.status == 503
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 5.0
     assert eng.stats["attempts"] == 3
 
 
 def test_timeouts_are_bounded_and_504(clean):
-    clean.config.delay_s = 2.0
+    clean.config.delay_s = 6.0
     eng = engine(clean.url, timeout=0.2, max_retries=1, backoff=0.01)
     t0 = time.monotonic()
 
@@ -164,7 +164,7 @@ def test_timeouts_are_bounded_and_504(clean):
         run(go())
     elapsed = time.monotonic() - t0
     assert e.value.status == 504
-    assert 0.4 <= elapsed < 1.5, elapsed  # 2 attempts x 0.2 s + backoff, not the 2 s delay
+    assert 0.4 <= elapsed < 4.0, elapsed  # 2 attempts x 0.2 s + backoff, not the 6 s delay
 
 
 @pytest.mark.parametrize("api", ["vllm", "sglang"])

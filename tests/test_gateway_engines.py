@@ -73,13 +73,15 @@ def test_pause_is_bounded_then_503(tmp_path):
 
 
 def test_drain_waits_for_in_flight_requests(tmp_path):
-    engine = FakeEngine(delay=0.6)
+    engine = FakeEngine(delay=2.0)  # long enough for the checks below on a loaded machine
     with live_gateway(tmp_path, engine, pause_wait_s=30) as gw:
         rs = gw.create(3)
         clients = [agent(r) for r in rs]
         slow = [in_thread(lambda c=c: c.post("/chat/completions", json=CHAT)) for c in clients[:2]]
-        time.sleep(0.2)  # both are generating now
-        assert gw.admin.get("/engines").json()["engines"][0]["in_flight"] == 2
+        deadline = time.monotonic() + 10
+        while gw.admin.get("/engines").json()["engines"][0]["in_flight"] < 2:  # both generating
+            assert time.monotonic() < deadline, "the two requests were not admitted within 10 s"
+            time.sleep(0.02)
         # A drain that gives up early says so.
         early = gw.admin.post("/engines/default/drain?timeout_s=0.05").json()
         assert early == {"drained": False, "in_flight": 2}

@@ -7,12 +7,16 @@ import os
 import time
 
 import pytest
-import torch
-import torch.distributed as dist
 from gloo_ranks import join_gloo, run_ranks
+
+# No torch at the top: the ranks import this module, and the timing tests below must not wait
+# for torch's import on a loaded machine.
 
 
 def _all_reduce(rank: int, init_method: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     join_gloo(init_method, rank, 2)
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -23,6 +27,8 @@ def _all_reduce(rank: int, init_method: str) -> None:
 def _rank1_raises(rank: int, init_method: str, pid_dir: str) -> None:
     open(os.path.join(pid_dir, f"pid{rank}"), "w").write(str(os.getpid()))
     if rank == 1:
+        while not os.path.exists(os.path.join(pid_dir, "pid0")):  # rank 0 is in its wait
+            time.sleep(0.01)
         raise ValueError("rank 1 broke on purpose")
     time.sleep(600)  # rank 0 would wait for ever
 
@@ -68,9 +74,9 @@ def test_a_failing_rank_ends_the_run_at_once_with_its_traceback(tmp_path):
 
 def test_a_hanging_rank_is_reported_where_it_hangs_and_killed(tmp_path):
     with pytest.raises(pytest.fail.Exception) as failure:
-        run_ranks(_rank0_sleeps_in_a_named_function, (str(tmp_path),), 2, 8, tmp_path)
+        run_ranks(_rank0_sleeps_in_a_named_function, (str(tmp_path),), 2, 20, tmp_path)
     message = str(failure.value)
-    assert "did not finish in 8 s" in message
+    assert "did not finish in 20 s" in message
     rank0 = message.split("--- rank 0")[1].split("--- rank 1")[0]
     assert "waiting_for_godot" in rank0
     assert "rank 1 done" in message.split("--- rank 1")[1]

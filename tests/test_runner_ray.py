@@ -229,7 +229,7 @@ def test_command_agents_through_ray(tmp_path, local_ray):
         assert gw.store.get_rollout("exit").state.value == "failed"
         assert hung.state == "timed_out" and hung.reward is None
         assert "cancelled with force" not in hung.error  # the worker's own timeout stopped it
-        assert 4.0 <= hung.seconds < 10.0
+        assert 4.0 - 0.5 <= hung.seconds < 10.0  # measured from the driver's first item
         assert pid_dies(int(open(pidfile).read())), "the hung command's process is still alive"
         assert len(gw.store.get_turns("ok")) == 1 and len(gw.store.get_turns("exit")) == 1
 

