@@ -7,14 +7,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import subprocess
-import sys
-import time
 from urllib.parse import urlsplit
 
 import httpx
 from fake_upstream import FakeUpstream
-from gateway_fixtures import FakeEngine, save_tiny_tokenizer
+from gateway_fixtures import FakeEngine, save_tiny_tokenizer, spawn_gateway
 
 from tracetrain.gateway import create_app
 from tracetrain.gateway.serve import ThreadedServer
@@ -32,21 +29,12 @@ def health_at_once(url: str) -> int:
 
 
 def test_serve_accepts_connections_when_it_prints_its_url(tmp_path):
+    """spawn_gateway hands back the URL the moment the line is read: connect then, once."""
     tokdir = save_tiny_tokenizer(tmp_path / "tok")
-    key = "admin-" + secrets.token_hex(8)
     with FakeUpstream(response_len=4) as fake:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(tmp_path / "gw.db"),
-             "--port", "0", "--admin-key", key, "--engine", "upstream", "--upstream-url", fake.url,
-             "--model", "fake", "--tokenizer", str(tokdir), "--max-context", "4096"],
-            stdout=subprocess.PIPE, text=True)
+        proc, url = spawn_gateway(tmp_path / "gw.db", fake.url, tokdir, "admin-" + secrets.token_hex(8),
+                                  timeout=120)
         try:
-            deadline = time.monotonic() + 120
-            line = ""
-            while not line.startswith("TRACETRAIN_GATEWAY_URL=") and time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                assert line or proc.poll() is None, "serve exited before its ready line"
-            url = line.strip().split("=", 1)[1]
             assert health_at_once(url) == 200
         finally:
             proc.kill()

@@ -51,17 +51,27 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def bind(cfg: GatewayConfig) -> socket.socket:
-    """A socket bound to gateway.host:gateway.port (listening starts when uvicorn serves it)."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (IPv4 or IPv6; port 0: a free one). Listening starts when
+    uvicorn serves it, so nothing connects before the app is up. OSError if it cannot bind."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(
-            cfg.host or None, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind(cfg: GatewayConfig) -> socket.socket:
+    """`listen_socket` for gateway.host:gateway.port; a ConfigError naming the key if it fails."""
+    try:
+        return listen_socket(cfg.host, cfg.port)
     except OSError as e:
         raise ConfigError(f"config key 'gateway.host': cannot listen on {cfg.host!r} port {cfg.port}: {e}") from None
-    return sock
 
 
 def public_url(cfg: GatewayConfig, port: int) -> str | None:

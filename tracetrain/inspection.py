@@ -14,7 +14,7 @@ from pathlib import Path
 from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.loss import row_token_counts
+from tracetrain.loss import rollout_mass
 from tracetrain.minibatch import plan_step
 from tracetrain.store import SQLiteStore
 
@@ -109,9 +109,9 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         row_tokens=kept.attention_mask.sum(1))
     rows = (kept.rollout_index == k).nonzero().squeeze(1)
     j, mb = next((j, mb) for j, mb in enumerate(plan) if bool((mb.rows == rows[0]).any()))
-    mine_in_mb = kept.rollout_index[mb.rows] == k
-    mass = float((row_token_counts(kept.response_mask[mb.rows[mine_in_mb]]).float()
-                  * mb.row_scales[mine_in_mb]).sum())
+    own = kept.rollout_index[mb.rows] == k  # this rollout's rows within its mini-batch
+    mass = float(rollout_mass(kept.response_mask[mb.rows[own]], kept.rollout_index[mb.rows[own]],
+                              mb.row_scales[own])[0])
     P = kept.prompt_length
     for i in rows.tolist():
         ids = kept.input_ids[i][kept.attention_mask[i].bool()].tolist()

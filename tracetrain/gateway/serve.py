@@ -27,7 +27,7 @@ from typing import Any
 import uvicorn
 
 from tracetrain.gateway.app import Gateway, create_app
-from tracetrain.inprocess import MIN_ADMIN_KEY_CHARS, is_loopback
+from tracetrain.inprocess import MIN_ADMIN_KEY_CHARS, is_loopback, listen_socket
 from tracetrain.store import SQLiteStore
 
 
@@ -71,9 +71,7 @@ class ThreadedServer:
     """
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, **config):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(app, **config))
@@ -217,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_factory=upstream_factory,
             close_engines=True,
         )
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
+        sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
         config = uvicorn_config(app, access_log=args.access_log, log_level=args.log_level)
         # Everything built so far (torch, transformers, the tokenizer: ~10^5-10^6 objects) lives
