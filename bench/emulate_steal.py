@@ -1,11 +1,21 @@
-"""Emulate host CPU steal inside the VM, to run a benchmark beside it: on each CPU, a SCHED_FIFO
-task (root) takes the CPU for `burst_ms` every ~`period_ms` (random gaps), freezing what ran there.
+"""Emulate host CPU steal inside the VM, to run a benchmark beside it. Two stand-ins:
+
+  cpu mode (default): on each CPU, a SCHED_FIFO task (root) takes the CPU for `burst_ms` every
+  ~`period_ms` (random gaps), freezing what ran there.
+  freeze mode (--freeze-pid PID): the process PID and its descendants are stopped (SIGSTOP) for
+  `burst_ms` every ~`period_ms`, then continued (SIGCONT).
 
     python3 bench/emulate_steal.py --seconds 170 &      # both CPUs, 4 ms of every ~25 ms (~16%)
     .venv/bin/python bench/bench_train_step.py --repeats 12
 
-Not the same as a hypervisor's steal: the guest scheduler sees this task and may move a frozen
-thread to the other CPU, which it cannot do when the host takes the vCPU away.
+    .venv/bin/python bench/bench_train_step.py --repeats 12 & \
+        python3 bench/emulate_steal.py --freeze-pid $! --seconds 600
+
+Neither is a hypervisor's steal. In cpu mode the guest scheduler sees the task and may move a
+frozen thread to the other CPU, which it cannot do when the host takes the vCPU away. Freeze mode
+is what the frozen program sees of it: its threads stop at any instruction and the clock runs on,
+so a timer (a batching window, a timeout) expires while the work it waits for is stopped half
+done; it freezes every thread at once, where a host takes one vCPU at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import argparse
 import multiprocessing as mp
 import os
 import random
+import signal
 import time
 
 
@@ -31,13 +42,66 @@ def take(cpu: int, burst_s: float, period_s: float, seconds: float) -> None:
     print(f"cpu {cpu}: took {busy / seconds:.1%} of the CPU", flush=True)
 
 
+def descendants(root: int) -> list[int]:
+    """root and every process below it (from /proc's parent ids)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def freeze(root: int, burst_s: float, period_s: float, seconds: float) -> None:
+    rng = random.Random(0)
+    start = time.monotonic()
+    end, frozen = start + seconds, 0.0
+    while time.monotonic() < end:
+        time.sleep(rng.uniform(0.5, 1.5) * (period_s - burst_s))
+        pids = descendants(root)
+        t = time.monotonic()
+        try:
+            for p in pids:
+                os.kill(p, signal.SIGSTOP)
+            time.sleep(burst_s)
+        except ProcessLookupError:
+            pass
+        finally:
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        frozen += time.monotonic() - t
+        try:
+            os.kill(root, 0)
+        except ProcessLookupError:
+            break
+    span = time.monotonic() - start
+    print(f"pid {root}: frozen {frozen / span:.1%} of {span:.0f} s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--burst-ms", type=float, default=4.0)
     p.add_argument("--period-ms", type=float, default=25.0)
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--cpus", type=int, nargs="*", default=sorted(os.sched_getaffinity(0)))
+    p.add_argument("--freeze-pid", type=int, default=None,
+                   help="freeze mode: stop this process and its descendants in bursts")
     a = p.parse_args()
+    if a.freeze_pid is not None:
+        freeze(a.freeze_pid, a.burst_ms / 1e3, a.period_ms / 1e3, a.seconds)
+        return
     procs = [mp.Process(target=take, args=(c, a.burst_ms / 1e3, a.period_ms / 1e3, a.seconds))
              for c in a.cpus]
     for pr in procs:

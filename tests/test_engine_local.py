@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -170,6 +171,34 @@ def test_concurrent_requests_are_decoded_as_one_batch(model, tok, prompts):
     gens = asyncio.run(go())
     assert eng.stats["requests"] == 32 and eng.stats["batches"] <= 2
     assert eng.stats["max_batch"] >= 16
+    direct = LocalEngine(model, tok).generate_batch([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert [g.response_ids for g in gens] == [g.response_ids for g in direct]
+
+
+def test_a_stopped_event_loop_does_not_cut_the_batch(model, tok, prompts):
+    """Requests half-way through the gateway when the loop's thread stops (host steal, a paused
+    process) arrive after the gather window has run out on the clock; they still join the batch,
+    because a window the loop woke from late does not count as quiet."""
+    window_s = 0.05
+    eng = LocalEngine(model, tok, batch_window_ms=window_s * 1e3, max_wait_ms=10_000)
+    reqs = [(prompts[i % 4] + [3 + i], SamplingParams(max_tokens=4, seed=i)) for i in range(8)]
+
+    async def agent(i: int):
+        if i > 0:  # the other requests are still being parsed and rendered (some loop steps)
+            for step in range(6):
+                await asyncio.sleep(0)
+                if i == 1 and step == 1:
+                    time.sleep(6 * window_s)  # the thread stops: no loop step runs meanwhile
+        return await eng.generate(*reqs[i])
+
+    async def go():
+        try:
+            return await asyncio.gather(*(agent(i) for i in range(8)))
+        finally:
+            await eng.aclose()
+
+    gens = asyncio.run(go())
+    assert (eng.stats["requests"], eng.stats["batches"], eng.stats["max_batch"]) == (8, 1, 8)
     direct = LocalEngine(model, tok).generate_batch([p for p, _ in reqs], [sp for _, sp in reqs])
     assert [g.response_ids for g in gens] == [g.response_ids for g in direct]
 

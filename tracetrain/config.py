@@ -65,7 +65,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(16, gt=0)
     agent_workers: int = Field(0, ge=0)  # 0: agents on the trainer's event loop; k: in k processes
-    # local engine gathering: a batch keeps collecting while requests arrive < batch_window_ms apart
+    # local engine gathering: a batch closes after a quiet batch_window_ms (the loop awake, no request)
     batch_window_ms: float = Field(2.0, ge=0)
 
 

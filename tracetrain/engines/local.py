@@ -2,9 +2,11 @@
 
 Requests that arrive together (concurrent `generate` calls, e.g. the turns of 128 agents) are
 gathered into one left-padded batch and decoded by one loop with a KV cache, in a worker thread
-so the event loop keeps serving. Gathering: after the first request, keep collecting while new
-ones arrive less than `batch_window_ms` apart (at most `max_batch_size` requests, at most
-`max_wait_ms` in all); requests that arrive while a batch is decoding form the next batch.
+so the event loop keeps serving. Gathering: after the first request, keep collecting until a
+`batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
+late does not count: it was busy, or its thread was stopped, and requests may be half-way through
+the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
+while a batch is decoding form the next batch.
 
 One decode step for the rows b of the batch, with logits l_b of the next token:
 
@@ -251,8 +253,14 @@ class LocalEngine:
             await self._wakeup.wait()
             start, seen = loop.time(), len(self._pending)
             while seen < self.max_batch_size and self.batch_window > 0:
+                slept = loop.time()
                 await asyncio.sleep(self.batch_window)
-                if len(self._pending) == seen or loop.time() - start >= self.max_wait:
+                now = loop.time()
+                if now - start >= self.max_wait:
+                    break
+                # quiet only if the loop woke on time: woken late, it was busy or stopped (host
+                # steal, a pause of the process), and requests may be half-way through the gateway
+                if len(self._pending) == seen and now - slept < 2 * self.batch_window:
                     break
                 seen = len(self._pending)
             batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]
