@@ -73,7 +73,26 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = ROOT / "bench" / ".venv-peers" / "bin" / "python"
 TASK_FILE = ROOT / "bench" / "tasks" / "one_turn.py"
 N_SAMPLES, N_NEW = 8, 64
+STEAL = 0.05  # rounds with at least this share of host steal get their own ratio
 MARK = "BENCH "  # prefix of the child's protocol lines on stdout (anything else is ignored)
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (/proc/stat's `cpu` line; empty where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """Share of all CPU time between two cpu_times() the hypervisor took (steal, 8th field):
+    the bench's tracetrain was measured slower than TRL only in hours with 13-18% steal."""
+    if len(before) < 8 or len(after) < 8:
+        return float("nan")
+    d = [a - b for a, b in zip(after, before, strict=False)]
+    return d[7] / max(1, sum(d[:8]))
 
 
 def load_one_turn():
@@ -423,7 +442,7 @@ async def run_steps(
                     # Alternate who goes first (ABBA...), so neither side always runs right
                     # after the other: a slow patch of the shared machine hits both alike.
                     order = ("tt", "trl") if r % 2 == 0 else ("trl", "tt")
-                    line = []
+                    line, cpu_before = [], cpu_times()
                     for side in order:
                         if side == "tt":
                             tt_rows.append(await tracetrain_step(trainer, gateway, engine, state))
@@ -437,8 +456,11 @@ async def run_steps(
                             except (RuntimeError, TimeoutError) as e:
                                 await peer.close()
                                 trl_rows, peer = f"failed: {e}", None
+                    steal = steal_share(cpu_before, cpu_times())
+                    tt_rows[-1]["steal"] = steal
                     print(f"  round {r + 1}/{args.repeats}: {', '.join(line)}  "
-                          f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+                          f"(load average {os.getloadavg()[0]:.1f}, host steal {steal:.0%})",
+                          flush=True)
             finally:
                 await gateway.aclose()
     finally:
@@ -580,6 +602,11 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
             f"(median), {paired:.2f}x (median of the rounds' ratios)  -> tracetrain is "
             f"{'faster' if paired > 1 else 'as fast' if paired == 1 else 'slower'} (goal: >= 1.00x)"
         )
+        stolen = [b["step_s"] / a["step_s"] for a, b in zip(tt, trl, strict=False)
+                  if a.get("steal", 0) >= STEAL]
+        if stolen:
+            print(f"  {len(stolen)} rounds under host steal >= {STEAL:.0%}: median of their ratios "
+                  f"{statistics.median(stolen):.2f}x")
     else:
         print(f"TRL GRPOTrainer: {trl}")
     if info["overlap"]:
