@@ -2,6 +2,7 @@
 
     run_ranks(worker, args, nprocs, deadline_s, workdir)   # worker(rank, init_method, *args)
     join_gloo(init_method, rank, world_size)               # inside the worker
+    leave_gloo()                                           # inside, once its DDP wrappers are gone
 
 The rendezvous cannot race: it is a `FileStore` in the test's own `workdir`, so no port is picked,
 released and bound again later (gloo's own pair sockets bind port 0). Each rank writes its stdout,
@@ -32,6 +33,17 @@ def join_gloo(init_method: str, rank: int, world_size: int, timeout_s: float = 1
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def leave_gloo() -> None:
+    """Leave the group: call it once the worker's DDP wrappers are out of scope (see
+    tracetrain.distributed.close: a wrapper freed after the group deadlocks on the GIL)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _rank_main(worker: tuple[str, str], rank: int, init_method: str, log_path: str,

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from gloo_ranks import join_gloo, run_ranks
+from gloo_ranks import join_gloo, leave_gloo, run_ranks
 
 from tracetrain import tiny
 from tracetrain.aggregate import aggregate
@@ -86,7 +85,7 @@ def _worker(rank: int, init_method: str, out: str) -> None:
     try:
         torch.save(train_two_steps(DataParallel(WORLD, rank)), Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_gloo()  # after train_two_steps' DDP wrapper is gone
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:

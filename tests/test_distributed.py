@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from gloo_ranks import join_gloo, run_ranks
+from gloo_ranks import join_gloo, leave_gloo, run_ranks
 from tiny_model import (
     logprobs_and_entropy,
     make_rows,
@@ -71,20 +70,22 @@ def gradient(model, rows, old, ref, adv, mode, *, world_size=1, rank=0, budget=N
     return [p.grad.detach().clone() for p in params], len(micro)
 
 
+def ddp_gradients(rank: int) -> dict:
+    rows, old, ref, adv = step_data()
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_causal_lm(seed=0))
+    return {
+        mode: gradient(ddp, rows, old, ref, adv, mode, world_size=WORLD, rank=rank, budget=6)
+        for mode in MODES
+    }
+
+
 def _worker(rank: int, init_method: str, out: str) -> None:
     torch.set_num_threads(1)
     join_gloo(init_method, rank, WORLD)
     try:
-        rows, old, ref, adv = step_data()
-        ddp = torch.nn.parallel.DistributedDataParallel(tiny_causal_lm(seed=0))
-        result = {}
-        for mode in MODES:
-            result[mode] = gradient(
-                ddp, rows, old, ref, adv, mode, world_size=WORLD, rank=rank, budget=6
-            )
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        torch.save(ddp_gradients(rank), Path(out) / f"rank{rank}.pt")  # DDP freed on return
     finally:
-        dist.destroy_process_group()
+        leave_gloo()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ is a no-op and the trainer runs as one process.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,14 @@ def init_from_env() -> DataParallel:
 
 
 def close(dp: DataParallel) -> None:
+    """Leave the process group. Drop every DDP wrapper first: DDP's Reducer holds the group, and
+    its Python binding frees it with the GIL held; if it held the last reference, the group's
+    destructor would join gloo's worker threads while one of them waits for the GIL to free a
+    finished collective (a deadlock seen in the 2-rank tests). Freed here, while the group is
+    still registered, the wrapper leaves the last reference to destroy_process_group, whose
+    binding releases the GIL."""
     if dp.enabled and dist.is_initialized():
+        gc.collect()  # wrappers the caller dropped but a reference cycle still holds
         dist.destroy_process_group()
 
 
