@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tracetrain.engines.base import EngineError
 from tracetrain.rows_demo import add_demo_arguments, run_demo
 
 
@@ -92,3 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # bad config, trace file or option value: say what, no traceback
         print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except EngineError as e:  # the engine failed mid-run (a vLLM server that died): what and why
+        print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
+        return 1

@@ -154,6 +154,43 @@ class GatewayConfig(_Section):
         return url
 
 
+class EngineConfig(_Section):
+    """What generates the rollouts. `local` (default): the trainer's own transformers loop, in this
+    process. `vllm`: a vLLM server, either one already running at `base_url` (started with
+    VLLM_SERVER_DEV_MODE=1, on this machine's files for `sync: disk`), or one tracetrain launches
+    with `python` (the interpreter of the venv that has vLLM, scripts/install-vllm.sh) and `args`
+    (extra server arguments), on the initial policy written as a Hugging Face directory; it is
+    stopped at the end and its log kept in the run dir. After every update the new weights are
+    pushed to it (engines/vllm.py)."""
+
+    kind: Literal["local", "vllm"] = "local"
+    base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    python: str | None = Field(None, min_length=1)
+    args: list[str] = Field(default_factory=list)
+    sync: Literal["disk"] = "disk"  # weights by a Hugging Face directory and vLLM's reload_weights
+    start_timeout_s: float = Field(600.0, gt=0)  # launch until the server answers /health
+    request_timeout_s: float = Field(300.0, gt=0)
+    # the server's context (prompt + response tokens); None: aggregate's prompt + response lengths
+    max_model_len: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _where(self) -> EngineConfig:
+        if self.kind == "local":
+            for key in ("base_url", "python"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
+            if self.args:
+                raise ValueError("engine.args: only for engine.kind 'vllm'")
+        elif (self.base_url is None) == (self.python is None):
+            raise ValueError("engine.python: engine.kind 'vllm' needs either engine.base_url (a "
+                             "running server) or engine.python (the interpreter tracetrain "
+                             "launches vLLM with), not both")
+        elif self.base_url is not None and self.args:
+            raise ValueError("engine.args: arguments of a server tracetrain launches "
+                             "(engine.python); a running server at engine.base_url has its own")
+        return self
+
+
 class TrainConfig(_Section):
     """A whole run. `task` is a task module (a .py path relative to the config file, or a module
     name) with `tasks(n, seed=...)`, the agent function named by `agent`, and optionally the
@@ -173,6 +210,7 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)  # backend: embedded only
     verl: VerlConfig = Field(default_factory=VerlConfig)  # backend: verl only
 
     @model_validator(mode="after")
@@ -186,6 +224,13 @@ class TrainConfig(_Section):
             if self.trainer.max_staleness < 1:
                 raise ValueError("trainer.max_staleness: must be >= 1 with trainer.overlap_collect "
                                  "(it trains on rollouts one version old)")
+        return self
+
+    @model_validator(mode="after")
+    def _engine(self) -> TrainConfig:
+        if self.engine.kind != "local" and self.backend != "embedded":
+            raise ValueError("engine.kind: for backend 'embedded' (verl's rollout engine is "
+                             "configured in the verl section)")
         return self
 
     @model_validator(mode="after")
@@ -253,8 +298,8 @@ def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        keyed = _KEYED.match(e["msg"]) if not e["loc"] else None
-        if keyed:  # a check across sections ("KEY: why"): the input is the whole config, not shown
+        keyed = _KEYED.match(e["msg"])
+        if keyed:  # a check across keys ("KEY: why"): the input is a whole section, not shown
             lines.append(f"config key {keyed[1]!r}: {keyed[2]}")
         elif e["type"] == "extra_forbidden":
             lines.append(f"config key {key!r}: unknown key")

@@ -16,6 +16,10 @@ trainer.overlap_collect: the engine keeps its own copy of the weights, and step 
 collected while step k's update runs, by the policy before that update (one version old: PPO's
 ratio uses the logprobs the engine recorded). Between two collects the engine takes the new
 weights (pause, drain, load, resume). On two cores this fills the core the update leaves idle.
+
+engine.kind vllm: a vLLM server generates (engines/vllm.py); it always has its own copy of the
+weights, so after every update (or, with overlap_collect, between two collects) they are pushed
+to it the same way: pause, drain, write + reload, resume.
 """
 
 from __future__ import annotations
@@ -121,7 +125,9 @@ def run_with_threads(threads: int, fn, /, *args, **kwargs):
         torch.set_num_threads(before)
 
 
-ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens")  # engine.stats per step
+# engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "attempts", "retries",
+               "failures")
 
 
 @dataclass
@@ -144,6 +150,9 @@ class UpdateResult:
     loss: float
     grad_norm: float
     metrics: dict[str, float]
+    # |logprob the engine recorded - the trainer's| over the first mini-batch's trained tokens,
+    # before the first optimizer step ({"mean", "max"}); None unless measure_gap
+    logprob_gap: dict[str, float] | None = None
 
 
 def ppo_update(
@@ -156,13 +165,17 @@ def ppo_update(
     ref_model: torch.nn.Module | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     dp: DataParallel = DataParallel(),
+    measure_gap: bool = False,
 ) -> list[UpdateResult]:
     """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
     of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
 
     Data parallel (`dp` enabled, `model` wrapped in DDP): every rank gets the same batch and plan;
     this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch (on the last
-    micro-batch), so the update equals the one-process update. Metrics are summed over ranks."""
+    micro-batch), so the update equals the one-process update. Metrics are summed over ranks.
+
+    measure_gap (the rollouts came from these very weights): the first update's result carries
+    mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's)."""
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
     precision = cfg.trainer.precision
@@ -175,6 +188,7 @@ def ppo_update(
                                            batch.position_ids, R, temperature=cfg.rollout.temperature,
                                            precision=precision)
     results = []
+    gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     model.train()
     for _epoch in range(oc.ppo_epochs):
         plan = plan_step(
@@ -202,6 +216,11 @@ def ppo_update(
                     att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
                     lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
                                                 with_entropy=need_entropy, precision=precision)
+                    if measure_gap and not results:  # no optimizer step yet: the engine's weights
+                        d = (lp.detach() - old_all[rows]).abs()[batch.response_mask[rows].bool()]
+                        if d.numel():
+                            gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
+                            gap_max = max(gap_max, float(d.max()))
                     ref = None
                     if ref_model is not None:
                         with torch.no_grad():
@@ -237,7 +256,8 @@ def ppo_update(
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            results.append(UpdateResult(total, grad_norm, means))
+            gap = {"mean": gap_sum / gap_n, "max": gap_max} if measure_gap and gap_n and not results else None
+            results.append(UpdateResult(total, grad_norm, means, gap))
     model.eval()
     return results
 
@@ -317,7 +337,8 @@ class Trainer:
     def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
         """Everything a resumed run needs to continue identically. overlap_collect: also the weights
         the next step's rollouts come from (the engine's: the policy before the last update) and,
-        when that collect has already run, its results (the rollouts themselves are in the store)."""
+        when that collect has already run, its results (the rollouts themselves are in the store).
+        Then run_dir/policy, the policy as a Hugging Face directory."""
         path = self.checkpoint_path()
         tmp = path.with_suffix(".tmp")
         torch.save(
@@ -337,6 +358,7 @@ class Trainer:
             tmp,
         )
         tmp.replace(path)  # atomic: a crash leaves the previous checkpoint whole
+        self.write_policy()
         return path
 
     def load_checkpoint(self) -> None:
@@ -382,11 +404,12 @@ class Trainer:
         """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        before, version = {k: engine.stats[k] for k in ENGINE_WORK}, engine.model_version
+        work = [k for k in ENGINE_WORK if k in engine.stats]
+        before, version = {k: engine.stats[k] for k in work}, engine.model_version
         results = await self.collect(gateway, step_tasks(self.task, cfg, step), f"{self.nonce}-s{step}",
                                      cfg.rollout.n_per_task, cfg.rollout.temperature, step)
         return Collected(step, results, time.perf_counter() - t0,
-                         {k: engine.stats[k] - before[k] for k in ENGINE_WORK}, version)
+                         {k: engine.stats[k] - before[k] for k in work}, version)
 
     async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
         """Collect this step's rollouts, then learn from them."""
@@ -395,6 +418,8 @@ class Trainer:
     async def learn(self, gateway: GatewayClient, engine: LocalEngine, collected: Collected) -> dict:
         """Rows -> advantages -> PPO update -> version bump, for the rollouts of one step."""
         cfg = self.cfg
+        if getattr(engine, "server", None) is not None:  # a vLLM server that died: stop here
+            engine.server.check_alive()  # (the step's rollouts failed with its error, not reward 0)
         results = collected.results
         ids = [r.rollout_id for r in results]
         t_rows = time.perf_counter()
@@ -425,18 +450,27 @@ class Trainer:
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
-            shared = engine.model is self.model  # else (overlap_collect) the engine has its own copy
+            # else (overlap_collect, vllm) the engine has its own copy of the weights
+            shared = getattr(engine, "model", None) is self.model
             # Shared weights change in place: no request may see them change.
             async with held_engine(gateway, self.engine_slot) if shared else contextlib.nullcontext():
                 t_update = time.perf_counter()
                 updates = await self.on_update_thread(
                     self.update_threads, ppo_update, self.policy, self.optimizer,
                     batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
+                    measure_gap=collected.engine_version == self.version,
                 )
                 metrics["time/update_s"] = time.perf_counter() - t_update
                 self.version += 1
                 if shared:
                     engine.update_weights(None, self.version)
+            if not shared and not cfg.trainer.overlap_collect:  # vllm: the new weights, now
+                t_sync = time.perf_counter()
+                await self.sync_engine(gateway, engine)
+                metrics["time/sync_s"] = time.perf_counter() - t_sync
+            if updates[0].logprob_gap is not None:
+                metrics["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
+                metrics["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
             metrics["loss"] = sum(u.loss for u in updates) / len(updates)
             metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
             for k in updates[0].metrics:
@@ -454,13 +488,18 @@ class Trainer:
         self.step += 1
         return metrics
 
-    async def sync_engine(self, gateway: GatewayClient, engine: LocalEngine) -> None:
-        """overlap_collect: the engine's own copy of the weights takes the policy's (pause + drain
-        around the swap, so that no request sees half of it)."""
-        if engine.model is self.model or engine.model_version == self.version:
+    async def sync_engine(self, gateway: GatewayClient, engine) -> None:
+        """An engine with its own copy of the weights (overlap_collect, vllm) takes the policy's
+        (pause + drain around the swap, so that no request sees half of it)."""
+        if getattr(engine, "model", None) is self.model or engine.model_version == self.version:
             return
         async with held_engine(gateway, self.engine_slot):
-            engine.update_weights(self.model.state_dict(), self.version)
+            if isinstance(engine, LocalEngine):
+                engine.update_weights(self.model.state_dict(), self.version)
+            else:
+                await engine.load_weights(self.model, self.version)
+                if self.engine_model is not None:  # the checkpoint's copy of the engine's weights
+                    self.engine_model.load_state_dict(self.model.state_dict())
             self.engine_version = self.version
 
     async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
@@ -525,6 +564,49 @@ class Trainer:
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
+    async def start_engine(self):
+        """The rollouts' engine, holding the weights the next collect uses (the policy's, or under
+        overlap_collect the engine copy's). vllm: a server launched on them, or a running one
+        they are pushed to (engines/vllm.py)."""
+        cfg = self.cfg
+        own = self.engine_model is not None
+        weights = self.engine_model if own else self.model
+        version = self.engine_version if own else self.version
+        if cfg.engine.kind == "local":
+            return LocalEngine(weights, self.tokenizer, max_batch_size=4096, model_version=version,
+                               seed=cfg.trainer.seed, threads=self.threads,
+                               batch_window_ms=cfg.rollout.batch_window_ms)
+        from tracetrain.engines.vllm import VLLMEngine, write_hf_dir
+        from tracetrain.engines.vllm_server import VLLMServer
+
+        ec, ac = cfg.engine, cfg.aggregate
+        max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
+        weights_dir = self.run_dir / "engine-weights"
+        await asyncio.to_thread(write_hf_dir, weights, self.tokenizer, weights_dir)
+        if ec.python is not None:
+            self.log(f"starting vLLM ({ec.python}), log in {self.run_dir / 'vllm.log'}")
+            server = await asyncio.to_thread(
+                VLLMServer.launch, ec.python, weights_dir, self.run_dir / "vllm.log", args=ec.args,
+                max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
+                start_timeout_s=ec.start_timeout_s)
+        else:
+            server = await asyncio.to_thread(VLLMServer.running, ec.base_url)
+        engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,
+                            timeout=ec.request_timeout_s, model_version=version)
+        try:
+            if ec.python is None:  # a server started by someone else: make it serve our weights
+                await engine.load_weights(weights, version)
+        except BaseException:
+            await engine.aclose()
+            raise
+        return engine
+
+    def write_policy(self) -> Path:
+        """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir)."""
+        from tracetrain.engines.vllm import write_hf_dir
+
+        return write_hf_dir(self.model, self.tokenizer, self.run_dir / "policy")
+
     async def run(self) -> list[dict]:
         import secrets
 
@@ -572,11 +654,7 @@ class Trainer:
         elif self.engine_model is None:
             self.engine_model = copy.deepcopy(self.model).eval()
             self.engine_version = self.version
-        engine = LocalEngine(self.engine_model if self.engine_model is not None else self.model,
-                             self.tokenizer, max_batch_size=4096,
-                             model_version=self.engine_version if self.engine_model is not None else self.version,
-                             seed=cfg.trainer.seed, threads=self.threads,
-                             batch_window_ms=cfg.rollout.batch_window_ms)
+        engine = await self.start_engine()
         if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
@@ -725,11 +803,14 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
 
     task = load_task(cfg.task, base_dir)
     dp = distributed.init_from_env()  # under torchrun: one process per rank (distributed.py)
+    trainer = None
     try:
         trainer = Trainer(cfg, task, log=log, dp=dp)
         t = time.perf_counter()
         history = asyncio.run(trainer.run())
     finally:
+        if trainer is not None:  # the DDP wrapper goes before the group (distributed.close)
+            trainer.policy = trainer.model
         distributed.close(dp)
     if not dp.is_main:
         return {}
