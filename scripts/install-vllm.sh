@@ -9,6 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
 PY=${PYTHON:-python3}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    "$VENV/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, '(already installed)')"
+    exit 0
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip install -q"
 $PIP --upgrade pip 2>&1 | grep -v "is ignored" || true

@@ -590,7 +590,7 @@ class Trainer:
                 max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
                 start_timeout_s=ec.start_timeout_s)
         else:
-            server = await asyncio.to_thread(VLLMServer.running, ec.base_url)
+            server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
         engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,
                             timeout=ec.request_timeout_s, model_version=version)
         try:
@@ -619,6 +619,10 @@ class Trainer:
 
         cfg = self.cfg
         admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None  # refused before any work
+        if cfg.engine.python is not None:  # likewise: not after the warm start
+            from tracetrain.engines.vllm_server import check_interpreter
+
+            check_interpreter(cfg.engine.python)
         self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)

@@ -11,10 +11,11 @@ trainer's held_engine), so no request sees half of an update; the turns that fol
 `model_version`.
 
 Tied embeddings: a model whose output layer shares the input embedding is written untied
-(lm_head.weight stored, tie_word_embeddings false). vLLM 0.32's in-place reload of a tied model
-left the output layer on the old weights (measured: greedy output after a reload differed from
-transformers' on the new weights); an untied one reloads both. The logits are the same; the
-file holds the vocab x hidden matrix twice.
+(lm_head.weight stored, tie_word_embeddings false). From a tied checkpoint as save_pretrained
+writes it (no lm_head.weight), vLLM 0.32's in-place reload left the output layer on the old
+weights (greedy output after a reload differed from transformers' on the new weights; the
+regression test in tests/test_engine_vllm.py fails that way); with lm_head.weight stored the
+reload reaches both. The logits are the same; the file holds the vocab x hidden matrix twice.
 """
 
 from __future__ import annotations

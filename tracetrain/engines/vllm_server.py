@@ -92,6 +92,13 @@ def server_command(python: str, model_dir: str, port: int, *, max_model_len: int
     return cmd + list(args)
 
 
+def check_interpreter(python: str) -> None:
+    """EngineStartError naming engine.python unless it is an executable file."""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise EngineStartError(f"config key 'engine.python': no executable interpreter at "
+                               f"{python!r} (scripts/install-vllm.sh makes .venv-vllm/bin/python)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,9 +117,7 @@ class VLLMServer:
                start_timeout_s: float = 600.0,
                cuda: bool | None = None, tries: int = 3) -> VLLMServer:
         """Start the server on `model_dir` and return once GET /health answers 200."""
-        if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-            raise EngineStartError(f"config key 'engine.python': no executable interpreter at "
-                                   f"{python!r} (scripts/install-vllm.sh makes .venv-vllm/bin/python)")
+        check_interpreter(python)
         if cuda is None:
             import torch
 
@@ -141,13 +146,13 @@ class VLLMServer:
         raise AssertionError("unreachable")
 
     @classmethod
-    def running(cls, base_url: str, timeout_s: float = 30.0) -> VLLMServer:
+    def running(cls, base_url: str, timeout_s: float = 60.0) -> VLLMServer:
         """A server someone else started at `base_url`: answering, with the dev routes."""
         server = cls(None, base_url.rstrip("/"))
+        server.wait_ready(timeout_s)
         try:
-            server.wait_ready(timeout_s)
             r = httpx.get(server.base_url + "/is_paused", timeout=30)
-        except (EngineStartError, httpx.HTTPError) as e:
+        except httpx.HTTPError as e:
             raise EngineStartError(f"config key 'engine.base_url': {e}") from None
         if r.status_code == 404:
             raise EngineStartError(

@@ -1,0 +1,326 @@
+"""The vllm engine against a real vLLM server: the CPU build of vLLM in its own venv
+(scripts/install-vllm.sh; another interpreter with $TRACETRAIN_VLLM_PYTHON), started here on the
+tiny model. Without it the tests skip, saying so; under CI (CI set) they fail instead.
+
+Tolerance: the trainer's fp32 logprobs and vLLM's fp32 logprobs for the same weights agree to
+1e-4 (measured: 2e-6 at most on the tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tracetrain.config import ConfigError, build_config
+from tracetrain.engines.base import EngineError, SamplingParams
+from tracetrain.engines.upstream import UpstreamEngine
+from tracetrain.engines.vllm import VLLMEngine, write_hf_dir
+from tracetrain.engines.vllm_server import VLLMServer, server_command
+from tracetrain.tiny import build_model, build_tokenizer
+from tracetrain.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "guess"
+TOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    python = os.environ.get("TRACETRAIN_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ok = os.path.isfile(python) and subprocess.run(
+        [python, "-c", "import vllm"], capture_output=True, timeout=300).returncode == 0
+    if not ok:
+        why = f"no vLLM at {python} (bash scripts/install-vllm.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(why + ": CI installs it", pytrace=False)
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, vllm_python, tok):
+    """One server for the module, started on the tiny model (tied embeddings, written untied)."""
+    model = build_model(tok, seed=0)
+    d = write_hf_dir(model, tok, tmp_path_factory.mktemp("served") / "weights")
+    server = VLLMServer.launch(vllm_python, d, d.parent / "vllm.log", max_model_len=512,
+                               dtype="float32", start_timeout_s=600)
+    try:
+        yield server, model, d
+    finally:
+        server.stop()
+
+
+def engine_on(served, tok) -> VLLMEngine:
+    """An engine on the module's server that does not stop it when closed."""
+    server, _, d = served
+    return VLLMEngine(VLLMServer(None, server.base_url), tok, d, max_context=512, timeout=120)
+
+
+def chat(tok, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}],
+                                   add_generation_prompt=True)["input_ids"]
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def teacher_forced(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():  # tied: the embedding (= output layer) moves once
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return new.eval()
+
+
+NO_STOP = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=())
+
+
+async def ask(engine, prompt, params=NO_STOP):
+    return await engine.generate(prompt, params)
+
+
+# ----------------------------------------------------------------------------- no server needed
+def test_the_hf_dir_is_untied_and_gives_the_same_logits(tmp_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(tok, seed=1)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    d = write_hf_dir(model, tok, tmp_path / "policy")
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
+    assert (d / "chat_template.jinja").is_file() or "chat_template" in (d / "tokenizer_config.json").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
+    x = torch.tensor([chat(tok, "Guess.")])
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-6)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # untouched
+
+
+def test_server_command_adds_defaults_only_where_args_do_not_set_them():
+    cmd = server_command("py", "/m", 9, max_model_len=512, dtype="float32", args=[], cuda=False)
+    flags = " ".join(cmd)
+    for part in ("--served-model-name policy", "--host 127.0.0.1", "--port 9", "--max-model-len 512",
+                 "--dtype float32", "--logprobs-mode processed_logprobs", "--enforce-eager",
+                 "--gpu-memory-utilization 0.1", "--optimization-level 0"):
+        assert part in flags
+    mine = ["-O3", "--dtype=bfloat16", "--gpu-memory-utilization", "0.5"]
+    cmd = server_command("py", "/m", 9, max_model_len=512, dtype="float32", args=mine, cuda=False)
+    assert cmd[-4:] == mine
+    assert "--optimization-level" not in cmd and "--gpu-memory-utilization" not in cmd[:-4]
+    assert "--dtype" not in cmd  # given as --dtype=bfloat16 only
+    gpu = server_command("py", "/m", 9, max_model_len=512, dtype="float32", args=[], cuda=True)
+    assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
+
+
+def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
+    return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
+        "task=task.py", "warm_start.steps=3", "warm_start.batch_size=8",
+        "rollout.tasks_per_step=3", "rollout.n_per_task=4", "rollout.timeout_s=60",
+        "optim.lr=1e-2", "optim.warmup_steps=0", f"trainer.steps={steps}",
+        f"trainer.run_dir={run_dir}", "trainer.eval_every=0", "engine.kind=vllm", *extra])
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["engine.python=/no/such/python"], "engine.python"),
+    (["engine.base_url=http://127.0.0.1:9", "engine.start_timeout_s=2"], "engine.base_url"),
+    (["engine.python=/usr/bin/python3", "engine.base_url=http://127.0.0.1:9"], "engine.python"),
+    (["engine.python=/usr/bin/python3", "engine.sync=ncl"], "engine.sync"),
+    (["engine.python=/usr/bin/python3", "engine.pyhton=x"], "engine.pyhton"),
+])
+def test_a_bad_engine_section_is_an_error_naming_the_key(tmp_path, extra, key):
+    with pytest.raises(ConfigError) as e:
+        train(vllm_config(tmp_path / "run", 1, extra), base_dir=EXAMPLE, log=lambda *_: None)
+    assert f"'{key}'" in str(e.value).splitlines()[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_interpreter_without_vllm_is_an_error_quoting_its_log(tmp_path):
+    """The server exits at once (no vllm module): the error names engine.python and shows why."""
+    with pytest.raises(ConfigError) as e:
+        train(vllm_config(tmp_path / "run", 1, [f"engine.python={sys.executable}"]),
+              base_dir=EXAMPLE, log=lambda *_: None)
+    first, *rest = str(e.value).splitlines()
+    assert "'engine.python'" in first and "exited with code" in first
+    assert "No module named" in "\n".join(rest)
+
+
+def test_the_cli_says_it_in_one_line_with_status_2(tmp_path, capsys):
+    from tracetrain.cli import main
+
+    code = main(["train", str(EXAMPLE / "config.yaml"), "engine.kind=vllm",
+                 "engine.python=/no/such/python", f"trainer.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "'engine.python'" in err
+
+
+# ----------------------------------------------------------------------------- a real server
+@pytest.mark.slow
+def test_tied_weights_sync_and_a_prompt_seen_before_gets_the_new_weights(served, tok):
+    """Regression: with the tied embedding written tied, vLLM's in-place reload kept the old output
+    layer and this greedy comparison failed."""
+    _, model, _ = served
+    seen, fresh = chat(tok, "Guess my number from 1 to 8."), chat(tok, "Higher.")
+
+    async def go():
+        engine = engine_on(served, tok)
+        try:
+            await engine.load_weights(model, 0)
+            before = await ask(engine, seen)
+            assert before.response_ids == greedy(model, seen, 12) and before.model_version == 0
+            new = perturbed(model, seed=7)
+            await engine.load_weights(new, 1)
+            after = [await ask(engine, p) for p in (seen, fresh)]
+            return before, after, new
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    before, after, new = asyncio.run(go())
+    assert greedy(new, seen, 12) != before.response_ids  # the update changed the answer
+    assert [a.response_ids for a in after] == [greedy(new, p, 12) for p in (seen, fresh)]
+    assert [a.model_version for a in after] == [1, 1]
+
+
+@pytest.mark.slow
+def test_sampled_logprobs_after_a_sync_equal_the_trainers(served, tok):
+    """At temperature 0.7 (vLLM's processed logprobs, not its default raw ones) the recorded
+    logprob of each sampled token is the trainer's log softmax(logits / T) of it."""
+    _, model, _ = served
+    new = perturbed(model, seed=11)
+    prompts = [chat(tok, t) for t in ("Guess.", "Lower.", "What is 2 + 2?")]
+
+    async def go():
+        engine = engine_on(served, tok)
+        try:
+            await engine.load_weights(new, 2)
+            return await asyncio.gather(*(ask(engine, p, SamplingParams(
+                max_tokens=16, temperature=0.7, seed=s, stop_token_ids=())) for s, p in enumerate(prompts)))
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    gens = asyncio.run(go())
+    for p, g in zip(prompts, gens, strict=True):
+        assert g.model_version == 2 and len(g.response_ids) == len(g.response_logprobs) >= 1
+        theirs = torch.tensor(g.response_logprobs)
+        ours = teacher_forced(new, p, g.response_ids, 0.7)
+        assert float((theirs - ours).abs().max()) < TOL
+        assert float((theirs - teacher_forced(new, p, g.response_ids, 1.0)).abs().max()) > 10 * TOL
+
+
+def turn_versions_by_step(run_dir: Path) -> dict[int, set[int]]:
+    db = sqlite3.connect(run_dir / "traces.db")
+    rows = db.execute("SELECT r.group_id, t.model_version FROM turns t JOIN rollouts r "
+                      "ON r.rollout_id = t.rollout_id").fetchall()
+    db.close()
+    out: dict[int, set[int]] = {}
+    for group, version in rows:
+        step = int(group.split("-s")[1].split("-")[0])
+        out.setdefault(step, set()).add(version)
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_demo_trains_through_vllm_and_its_policy_dir_is_servable(tmp_path, vllm_python, tok):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    train(vllm_config(run, 3, [f"engine.python={vllm_python}", "trainer.precision=fp32"]),
+          base_dir=EXAMPLE, log=lambda *_: None)
+    rows = metrics(run)
+    assert [m["model_version"] for m in rows] == [1, 2, 3]
+    assert turn_versions_by_step(run) == {0: {0}, 1: {1}, 2: {2}}  # each step from the last sync
+    for m in rows:  # after every sync vLLM's logprobs were the trainer's for the same weights
+        assert m["engine/logprob_gap_max"] < TOL and m["engine/requests"] > 0
+        assert m["time/sync_s"] > 0 and m["n_failed"] == 0
+    assert "exited" not in (run / "vllm.log").read_text()[-2000:].lower()
+
+    # run_dir/policy: the trained weights, loadable by transformers and servable by vLLM as is
+    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    policy = AutoModelForCausalLM.from_pretrained(run / "policy", local_files_only=True).eval()
+    for k, v in ck["model"].items():
+        torch.testing.assert_close(policy.state_dict()[k], v, rtol=0, atol=0)
+    server = VLLMServer.launch(vllm_python, run / "policy", tmp_path / "policy-vllm.log",
+                               max_model_len=512, dtype="float32")
+    prompts = [chat(tok, "Guess my number from 1 to 4."), chat(tok, "Guess.")]
+
+    async def go():
+        engine = VLLMEngine(server, tok, run / "policy", max_context=512)
+        try:
+            return [await ask(engine, p) for p in prompts]
+        finally:
+            await engine.aclose()
+
+    assert [g.response_ids for g in asyncio.run(go())] == [greedy(policy, p, 12) for p in prompts]
+    assert server.process is None  # aclose stopped it
+
+
+@pytest.mark.slow
+def test_overlap_collect_with_vllm_trains_on_rollouts_one_version_old(tmp_path, vllm_python):
+    run = tmp_path / "run"
+    train(vllm_config(run, 3, [f"engine.python={vllm_python}", "trainer.overlap_collect=true",
+                               "trainer.max_staleness=1"]), base_dir=EXAMPLE, log=lambda *_: None)
+    rows = metrics(run)
+    assert [m["rollout_model_version"] for m in rows] == [0, 0, 1]
+    assert turn_versions_by_step(run) == {0: {0}, 1: {0}, 2: {1}}
+    assert rows[0]["engine/logprob_gap_max"] < TOL  # on-policy: measured; later steps: not
+    assert "engine/logprob_gap_max" not in rows[2]
+    assert all(m["n_stale_rollouts"] == 0 and m["n_failed"] == 0 for m in rows)
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, vllm_python):
+    run = tmp_path / "run"
+    cfg = build_config({"task_args": {"high": 4, "max_turns": 3, "kill_step": 2, "run_dir": str(run)}}, [
+        f"task={ROOT / 'tests' / 'vllm_kill_task.py'}", "warm_start.steps=3", "warm_start.batch_size=8",
+        "rollout.tasks_per_step=2", "rollout.n_per_task=4", "optim.warmup_steps=0",
+        "trainer.steps=4", f"trainer.run_dir={run}", "trainer.checkpoint_every=1",
+        "engine.kind=vllm", f"engine.python={vllm_python}", "trainer.precision=fp32"])
+    with pytest.raises(EngineError) as e:
+        train(cfg, log=lambda *_: None)
+    assert "vLLM server exited" in str(e.value) and str(run / "vllm.log") in str(e.value)
+    assert [m["step"] for m in metrics(run)] == [0, 1]
+
+    db = sqlite3.connect(run / "traces.db")
+    states = db.execute("SELECT state, error FROM rollouts WHERE group_id LIKE '%-s2-%'").fetchall()
+    rewards = db.execute("SELECT count(*) FROM rollouts WHERE group_id LIKE '%-s2-%' "
+                         "AND COALESCE(reward_override, reward_event) IS NOT NULL").fetchone()[0]
+    db.close()
+    assert len(states) == 8 and {s for s, _ in states} == {"failed"}  # never reward 0
+    assert all(err for _, err in states) and rewards == 0
+
+    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 2  # the checkpoint after step 1, whole
+    resumed = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={
+        "kind": "local", "python": None}), "trainer": cfg.trainer.model_copy(update={
+        "resume": True, "steps": 3})})
+    resumed.task_args["kill_step"] = -1
+    train(resumed, log=lambda *_: None)
+    assert [m["step"] for m in metrics(run)] == [0, 1, 2]
