@@ -437,6 +437,30 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
+    # vLLM's RL weight-transfer routes (VLLM_SERVER_DEV_MODE=1): bodies recorded in order, at
+    # GET /fake/weight_calls; /get_world_size answers world_size (TP x PP x DP) 1.
+    weight_calls: list[tuple[str, Any]] = []
+    app.state.weight_calls = weight_calls
+
+    def record(route: str):
+        async def handler(request: Request):
+            raw = await request.body()
+            weight_calls.append((route, json.loads(raw) if raw else None))
+            return _json({"message": f"fake {route}"})
+        app.post(route)(handler)
+
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                  "/finish_weight_update", "/reset_prefix_cache"):
+        record(route)
+
+    @app.get("/get_world_size")
+    async def world_size():
+        return _json({"world_size": 1})
+
+    @app.get("/fake/weight_calls")
+    async def get_weight_calls():
+        return _json(weight_calls)
+
     @app.get("/fake/stats")
     async def get_stats():
         return _json(stats)

@@ -137,6 +137,67 @@ def test_server_command_adds_defaults_only_where_args_do_not_set_them():
     assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
 
 
+class RecordingNccl:
+    """Stands in for torch.cuda.nccl (no GPU here): records what rank 0 does."""
+
+    def __init__(self):
+        self.uid, self.calls, self.sent = bytes(range(128)), [], []
+
+    def unique_id(self) -> bytes:
+        return self.uid
+
+    def join(self, world_size, uid, rank):
+        self.calls.append(("join", world_size, uid, rank))
+        return "comm"
+
+    def broadcast(self, comm, tensor):
+        assert comm == "comm"
+        self.sent.append(tensor.clone())
+
+
+def test_nccl_sync_speaks_vllms_weight_transfer_protocol(tok):
+    """Up to the NCCL calls: the routes, their bodies and order, and what rank 0 broadcasts
+    (every tensor named in update_info, in its order, the tied output layer included)."""
+    import base64
+
+    from fake_upstream import FakeUpstream
+
+    from tracetrain.engines.vllm import NcclTransport
+
+    model = build_model(tok, seed=2)
+    ops = RecordingNccl()
+    with FakeUpstream() as fake:
+        async def go():
+            engine = VLLMEngine(VLLMServer(None, fake.url), tok, "/unused", max_context=512,
+                                transport=NcclTransport(ops))
+            try:
+                await engine.load_weights(model, 1)
+                await engine.load_weights(perturbed(model, 3), 2)
+            finally:
+                await engine.aclose()
+            return engine
+
+        engine = asyncio.run(go())
+        calls = fake.app.state.weight_calls
+    routes = [r for r, _ in calls]
+    one = ["/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache"]
+    assert routes == ["/init_weight_transfer_engine"] + one + one  # joined once
+    init = calls[0][1]["init_info"]
+    assert base64.b64decode(init["nccl_unique_id_b64"]) == ops.uid
+    assert (init["rank_offset"], init["world_size"], init["packed"]) == (1, 2, False)
+    assert ops.calls == [("join", 2, ops.uid, 0)]
+    sd = model.state_dict()
+    info = calls[2][1]["update_info"]
+    assert "lm_head.weight" in info["names"] and set(info["names"]) == set(sd)
+    assert info["dtype_names"] == ["float32"] * len(sd)
+    assert info["shapes"] == [list(sd[n].shape) for n in info["names"]]
+    for name, sent in zip(info["names"], ops.sent[: len(sd)], strict=True):
+        torch.testing.assert_close(sent, sd[name], rtol=0, atol=0)
+    assert len(ops.sent) == 2 * len(sd)
+    assert [calls[k][1] for k in (3, 7)] == [{"weight_version": "1"}, {"weight_version": "2"}]
+    assert engine.model_version == 2
+
+
 def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
         "task=task.py", "warm_start.steps=3", "warm_start.batch_size=8",
@@ -151,6 +212,8 @@ def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     (["engine.python=/usr/bin/python3", "engine.base_url=http://127.0.0.1:9"], "engine.python"),
     (["engine.python=/usr/bin/python3", "engine.sync=ncl"], "engine.sync"),
     (["engine.python=/usr/bin/python3", "engine.pyhton=x"], "engine.pyhton"),
+    pytest.param(["engine.python=/usr/bin/python3", "engine.sync=nccl"], "engine.sync",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
 ])
 def test_a_bad_engine_section_is_an_error_naming_the_key(tmp_path, extra, key):
     with pytest.raises(ConfigError) as e:

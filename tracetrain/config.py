@@ -167,7 +167,9 @@ class EngineConfig(_Section):
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
     python: str | None = Field(None, min_length=1)
     args: list[str] = Field(default_factory=list)
-    sync: Literal["disk"] = "disk"  # weights by a Hugging Face directory and vLLM's reload_weights
+    # disk: a Hugging Face directory and vLLM's reload_weights (CPU or GPU, the server on this
+    # machine); nccl: vLLM's NCCL weight-transfer engine (CUDA GPUs)
+    sync: Literal["disk", "nccl"] = "disk"
     start_timeout_s: float = Field(600.0, gt=0)  # launch until the server answers /health
     request_timeout_s: float = Field(300.0, gt=0)
     # the server's context (prompt + response tokens); None: aggregate's prompt + response lengths

@@ -576,23 +576,25 @@ class Trainer:
             return LocalEngine(weights, self.tokenizer, max_batch_size=4096, model_version=version,
                                seed=cfg.trainer.seed, threads=self.threads,
                                batch_window_ms=cfg.rollout.batch_window_ms)
-        from tracetrain.engines.vllm import VLLMEngine, write_hf_dir
+        from tracetrain.engines.vllm import NcclTransport, VLLMEngine, write_hf_dir
         from tracetrain.engines.vllm_server import VLLMServer
 
         ec, ac = cfg.engine, cfg.aggregate
+        transport = NcclTransport() if ec.sync == "nccl" else None
         max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
         weights_dir = self.run_dir / "engine-weights"
         await asyncio.to_thread(write_hf_dir, weights, self.tokenizer, weights_dir)
         if ec.python is not None:
             self.log(f"starting vLLM ({ec.python}), log in {self.run_dir / 'vllm.log'}")
             server = await asyncio.to_thread(
-                VLLMServer.launch, ec.python, weights_dir, self.run_dir / "vllm.log", args=ec.args,
+                VLLMServer.launch, ec.python, weights_dir, self.run_dir / "vllm.log",
+                args=(transport.server_args if transport else []) + ec.args,
                 max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
                 start_timeout_s=ec.start_timeout_s)
         else:
             server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
         engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,
-                            timeout=ec.request_timeout_s, model_version=version)
+                            timeout=ec.request_timeout_s, model_version=version, transport=transport)
         try:
             if ec.python is None:  # a server started by someone else: make it serve our weights
                 await engine.load_weights(weights, version)
@@ -623,6 +625,9 @@ class Trainer:
             from tracetrain.engines.vllm_server import check_interpreter
 
             check_interpreter(cfg.engine.python)
+        if cfg.engine.kind == "vllm" and cfg.engine.sync == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("config key 'engine.sync': 'nccl' sends the weights GPU to GPU and "
+                              "this machine has no CUDA device; use 'disk'")
         self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)

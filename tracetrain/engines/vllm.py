@@ -10,6 +10,19 @@ out); the weights go by disk:
 trainer's held_engine), so no request sees half of an update; the turns that follow carry the new
 `model_version`.
 
+engine.sync nccl (GPUs): the weights go over NCCL by vLLM's weight-transfer engine instead of the
+disk (the server runs with `--weight-transfer-config {"backend": "nccl"}`). The trainer joins as
+rank 0 by a unique id it mints itself (torch.cuda.nccl), so it needs no vLLM of its own:
+
+    POST /init_weight_transfer_engine {"init_info": {"nccl_unique_id_b64": B64, "rank_offset": 1,
+        "world_size": 1 + W, "packed": false}}   while rank 0 joins and does the one-element
+                                                 all_reduce every vLLM communicator starts with
+    per update:  POST /start_weight_update
+                 POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}  while
+                     rank 0 broadcasts each tensor, in that order
+                 POST /finish_weight_update {"weight_version": "V"}
+                 POST /reset_prefix_cache
+
 Tied embeddings: a model whose output layer shares the input embedding is written untied
 (lm_head.weight stored, tie_word_embeddings false). From a tied checkpoint as save_pretrained
 writes it (no lm_head.weight), vLLM 0.32's in-place reload left the output layer on the old
@@ -82,15 +95,100 @@ def write_hf_dir(model: torch.nn.Module, tokenizer, directory: str | Path) -> Pa
     return directory
 
 
+class TorchNccl:
+    """The NCCL calls of the nccl transport, by torch.cuda.nccl (tests give a recording stand-in)."""
+
+    def unique_id(self) -> bytes:
+        return torch.cuda.nccl.unique_id()
+
+    def join(self, world_size: int, uid: bytes, rank: int):
+        comm = torch.cuda.nccl.init_rank(world_size, uid, rank)
+        handshake = torch.zeros(1, device="cuda")
+        torch.cuda.nccl.all_reduce([handshake], comms=[comm])
+        return comm
+
+    def broadcast(self, comm, tensor: torch.Tensor) -> None:
+        torch.cuda.nccl.broadcast([tensor.to("cuda").contiguous()], root=0, comms=[comm])
+        torch.cuda.synchronize()
+
+
+def update_info(weights: dict[str, torch.Tensor]) -> dict:
+    """What vLLM's nccl engine is told to receive, in the order it is broadcast."""
+    return {"names": list(weights),
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for t in weights.values()],
+            "shapes": [list(t.shape) for t in weights.values()]}
+
+
+class NcclTransport:
+    """engine.sync nccl: see the module docstring."""
+
+    name = "nccl"
+    server_args = ["--weight-transfer-config", '{"backend": "nccl"}']
+
+    def __init__(self, ops=None):
+        self.ops = ops if ops is not None else TorchNccl()
+        self.comm = None
+
+    async def connect(self, engine: VLLMEngine) -> None:
+        import asyncio
+        import base64
+
+        async with httpx.AsyncClient(timeout=engine.timeout) as http:
+            r = await http.get(engine.base_url + "/get_world_size", params={"include_dp": "true"})
+            r.raise_for_status()
+        world = 1 + int(r.json()["world_size"])
+        uid = self.ops.unique_id()
+        init = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1,
+                "world_size": world, "packed": False}
+        both = asyncio.gather(engine._post("/init_weight_transfer_engine", {"init_info": init}),
+                              asyncio.to_thread(self.ops.join, world, uid, 0))
+        self.comm = (await both)[1]  # every rank enters the rendezvous at once
+
+    async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
+        import asyncio
+
+        if self.comm is None:
+            await self.connect(engine)
+        weights = untied_state_dict(model)
+        await engine._post("/start_weight_update")
+        receive = asyncio.ensure_future(
+            engine._post("/update_weights", {"update_info": update_info(weights)}))
+        try:
+            for tensor in weights.values():  # the workers receive inside /update_weights
+                await asyncio.to_thread(self.ops.broadcast, self.comm, tensor)
+        finally:
+            await receive
+        await engine._post("/finish_weight_update", {"weight_version": str(version)})
+
+
+class DiskTransport:
+    """engine.sync disk: see the module docstring."""
+
+    name = "disk"
+    server_args: list[str] = []
+
+    def __init__(self, weights_dir: str | Path):
+        self.weights_dir = Path(weights_dir)
+
+    async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
+        import asyncio
+
+        await asyncio.to_thread(write_weights, model, self.weights_dir)
+        await engine._post("/collective_rpc", {"method": "reload_weights",
+                                               "kwargs": {"weights_path": str(self.weights_dir.resolve())}})
+
+
 class VLLMEngine(UpstreamEngine):
-    """UpstreamEngine over a vLLM server (launched or running) that takes new weights from disk."""
+    """UpstreamEngine over a vLLM server (launched or running) that takes new weights by
+    `transport` (DiskTransport on weights_dir when none is given)."""
 
     def __init__(self, server: VLLMServer, tokenizer, weights_dir: str | Path, *, max_context: int,
-                 timeout: float = 300.0, model_version: int = 0):
+                 timeout: float = 300.0, model_version: int = 0, transport=None):
         super().__init__(server.base_url, SERVED_NAME, tokenizer, name="vllm", max_context=max_context,
                          timeout=timeout, model_version=model_version)
         self.server = server
         self.weights_dir = Path(weights_dir)
+        self.transport = transport if transport is not None else DiskTransport(weights_dir)
         self.stats["weight_syncs"] = 0
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -112,14 +210,10 @@ class VLLMEngine(UpstreamEngine):
             raise EngineError(f"vllm {route} answered HTTP {r.status_code}: {r.text[:500]}", 502)
 
     async def load_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Write the weights, reload them in the server, drop its prefix cache, take `version`.
+        """Push the weights by the transport, drop the server's prefix cache, take `version`.
         Call it with no request in flight (the gateway's drain)."""
-        import asyncio
-
         self.server.check_alive()
-        await asyncio.to_thread(write_weights, model, self.weights_dir)
-        await self._post("/collective_rpc", {"method": "reload_weights",
-                                             "kwargs": {"weights_path": str(self.weights_dir.resolve())}})
+        await self.transport.push(self, model, version)
         await self._post("/reset_prefix_cache")
         self.model_version = version
         self.stats["weight_syncs"] += 1
