@@ -437,20 +437,23 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
     async def health():
         return Response(status_code=200)
 
-    # vLLM's RL weight-transfer routes (VLLM_SERVER_DEV_MODE=1): bodies recorded in order, at
-    # GET /fake/weight_calls; /get_world_size answers world_size (TP x PP x DP) 1.
+    # vLLM's dev routes for RL (VLLM_SERVER_DEV_MODE=1: weight transfer, reload, sleep): the
+    # route (with its query) and JSON body recorded in order, at GET /fake/weight_calls;
+    # /get_world_size answers world_size (TP x PP x DP) 1.
     weight_calls: list[tuple[str, Any]] = []
     app.state.weight_calls = weight_calls
 
     def record(route: str):
         async def handler(request: Request):
             raw = await request.body()
-            weight_calls.append((route, json.loads(raw) if raw else None))
+            query = f"?{request.url.query}" if request.url.query else ""
+            weight_calls.append((route + query, json.loads(raw) if raw else None))
             return _json({"message": f"fake {route}"})
         app.post(route)(handler)
 
     for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                  "/finish_weight_update", "/reset_prefix_cache"):
+                  "/finish_weight_update", "/reset_prefix_cache", "/collective_rpc", "/sleep",
+                  "/wake_up"):
         record(route)
 
     @app.get("/get_world_size")

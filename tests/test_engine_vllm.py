@@ -198,6 +198,35 @@ def test_nccl_sync_speaks_vllms_weight_transfer_protocol(tok):
     assert engine.model_version == 2
 
 
+@pytest.mark.parametrize("level, calls", [
+    (1, ["/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache"]),
+    (2, ["/sleep?level=2", "/wake_up?tags=weights", "/collective_rpc", "/wake_up?tags=kv_cache",
+         "/reset_prefix_cache"]),
+])
+def test_a_sleeping_server_is_woken_around_the_weight_push(tmp_path, tok, level, calls):
+    """One GPU: asleep during the update; level 2 gets its weights' memory back before the push,
+    its KV cache after it. Up to the routes (sleep mode needs CUDA)."""
+    from fake_upstream import FakeUpstream
+
+    model = build_model(tok, seed=2)
+    d = write_hf_dir(model, tok, tmp_path / "weights")
+    with FakeUpstream() as fake:
+        async def go():
+            engine = VLLMEngine(VLLMServer(None, fake.url), tok, d, max_context=512)
+            try:
+                await engine.sleep(level)
+                await engine.load_weights(perturbed(model, 4), 1)
+                await engine.load_weights(model, 2)  # awake now: no wake_up
+            finally:
+                await engine.aclose()
+
+        asyncio.run(go())
+        routes = [r for r, _ in fake.app.state.weight_calls]
+    assert routes == calls + ["/collective_rpc", "/reset_prefix_cache"]
+    assert fake.app.state.weight_calls[calls.index("/collective_rpc")][1] == {
+        "method": "reload_weights", "kwargs": {"weights_path": str(d.resolve())}}
+
+
 def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
         "task=task.py", "warm_start.steps=3", "warm_start.batch_size=8",
@@ -214,6 +243,12 @@ def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     (["engine.python=/usr/bin/python3", "engine.pyhton=x"], "engine.pyhton"),
     pytest.param(["engine.python=/usr/bin/python3", "engine.sync=nccl"], "engine.sync",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
+    pytest.param(["engine.python=/usr/bin/python3", "engine.sleep_level=1", "trainer.overlap_collect=false"],
+                 "engine.sleep_level",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
+    (["engine.python=/usr/bin/python3", "engine.sleep_level=2", "trainer.overlap_collect=true",
+      "trainer.max_staleness=1"], "engine.sleep_level"),
+    (["engine.base_url=http://127.0.0.1:9", "engine.sleep_level=1"], "engine.sleep_level"),
 ])
 def test_a_bad_engine_section_is_an_error_naming_the_key(tmp_path, extra, key):
     with pytest.raises(ConfigError) as e:

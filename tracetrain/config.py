@@ -170,6 +170,9 @@ class EngineConfig(_Section):
     # disk: a Hugging Face directory and vLLM's reload_weights (CPU or GPU, the server on this
     # machine); nccl: vLLM's NCCL weight-transfer engine (CUDA GPUs)
     sync: Literal["disk", "nccl"] = "disk"
+    # one GPU for vLLM and the trainer: the server sleeps during each update (1: weights to CPU
+    # memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only)
+    sleep_level: Literal[0, 1, 2] = 0
     start_timeout_s: float = Field(600.0, gt=0)  # launch until the server answers /health
     request_timeout_s: float = Field(300.0, gt=0)
     # the server's context (prompt + response tokens); None: aggregate's prompt + response lengths
@@ -187,6 +190,9 @@ class EngineConfig(_Section):
             raise ValueError("engine.python: engine.kind 'vllm' needs either engine.base_url (a "
                              "running server) or engine.python (the interpreter tracetrain "
                              "launches vLLM with), not both")
+        elif self.sleep_level and self.base_url is not None:
+            raise ValueError("engine.sleep_level: for a server tracetrain launches (it adds "
+                             "--enable-sleep-mode); start yours with it and use engine.python")
         elif self.base_url is not None and self.args:
             raise ValueError("engine.args: arguments of a server tracetrain launches "
                              "(engine.python); a running server at engine.base_url has its own")
@@ -233,6 +239,9 @@ class TrainConfig(_Section):
         if self.engine.kind != "local" and self.backend != "embedded":
             raise ValueError("engine.kind: for backend 'embedded' (verl's rollout engine is "
                              "configured in the verl section)")
+        if self.engine.sleep_level and self.trainer.overlap_collect:
+            raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
+                             "trainer.overlap_collect collects beside it")
         return self
 
     @model_validator(mode="after")

@@ -452,8 +452,13 @@ class Trainer:
         if batch.n_rows:
             # else (overlap_collect, vllm) the engine has its own copy of the weights
             shared = getattr(engine, "model", None) is self.model
-            # Shared weights change in place: no request may see them change.
-            async with held_engine(gateway, self.engine_slot) if shared else contextlib.nullcontext():
+            # vllm, sequential: the new weights are pushed right after the update
+            push = not shared and not cfg.trainer.overlap_collect
+            sleep = cfg.engine.sleep_level  # vllm on the trainer's GPU: asleep during the update
+            # Shared weights change in place, pushed ones go in a window: no request sees either.
+            async with held_engine(gateway, self.engine_slot) if shared or push else contextlib.nullcontext():
+                if sleep:
+                    await engine.sleep(sleep)
                 t_update = time.perf_counter()
                 updates = await self.on_update_thread(
                     self.update_threads, ppo_update, self.policy, self.optimizer,
@@ -464,10 +469,10 @@ class Trainer:
                 self.version += 1
                 if shared:
                     engine.update_weights(None, self.version)
-            if not shared and not cfg.trainer.overlap_collect:  # vllm: the new weights, now
-                t_sync = time.perf_counter()
-                await self.sync_engine(gateway, engine)
-                metrics["time/sync_s"] = time.perf_counter() - t_sync
+                elif push:
+                    t_sync = time.perf_counter()
+                    await self.push_weights(engine)
+                    metrics["time/sync_s"] = time.perf_counter() - t_sync
             if updates[0].logprob_gap is not None:
                 metrics["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
                 metrics["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
@@ -494,13 +499,17 @@ class Trainer:
         if getattr(engine, "model", None) is self.model or engine.model_version == self.version:
             return
         async with held_engine(gateway, self.engine_slot):
-            if isinstance(engine, LocalEngine):
-                engine.update_weights(self.model.state_dict(), self.version)
-            else:
-                await engine.load_weights(self.model, self.version)
-                if self.engine_model is not None:  # the checkpoint's copy of the engine's weights
-                    self.engine_model.load_state_dict(self.model.state_dict())
-            self.engine_version = self.version
+            await self.push_weights(engine)
+
+    async def push_weights(self, engine) -> None:
+        """The policy's weights into an engine with its own copy; call it in a held window."""
+        if isinstance(engine, LocalEngine):
+            engine.update_weights(self.model.state_dict(), self.version)
+        else:
+            await engine.load_weights(self.model, self.version)
+            if self.engine_model is not None:  # the checkpoint's copy of the engine's weights
+                self.engine_model.load_state_dict(self.model.state_dict())
+        self.engine_version = self.version
 
     async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
         """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
@@ -588,7 +597,8 @@ class Trainer:
             self.log(f"starting vLLM ({ec.python}), log in {self.run_dir / 'vllm.log'}")
             server = await asyncio.to_thread(
                 VLLMServer.launch, ec.python, weights_dir, self.run_dir / "vllm.log",
-                args=(transport.server_args if transport else []) + ec.args,
+                args=(transport.server_args if transport else [])
+                + (["--enable-sleep-mode"] if ec.sleep_level else []) + ec.args,
                 max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
                 start_timeout_s=ec.start_timeout_s)
         else:
@@ -625,9 +635,11 @@ class Trainer:
             from tracetrain.engines.vllm_server import check_interpreter
 
             check_interpreter(cfg.engine.python)
-        if cfg.engine.kind == "vllm" and cfg.engine.sync == "nccl" and not torch.cuda.is_available():
-            raise ConfigError("config key 'engine.sync': 'nccl' sends the weights GPU to GPU and "
-                              "this machine has no CUDA device; use 'disk'")
+        if cfg.engine.kind == "vllm" and not torch.cuda.is_available():
+            for key, on in (("sync", cfg.engine.sync == "nccl"), ("sleep_level", cfg.engine.sleep_level)):
+                if on:
+                    raise ConfigError(f"config key 'engine.{key}': {getattr(cfg.engine, key)!r} is "
+                                      "for CUDA GPUs and this machine has none")
         self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
         self.nonce = secrets.token_hex(3)
         self.agent = resolve_agent(self.task, cfg.agent)

@@ -190,6 +190,7 @@ class VLLMEngine(UpstreamEngine):
         self.weights_dir = Path(weights_dir)
         self.transport = transport if transport is not None else DiskTransport(weights_dir)
         self.stats["weight_syncs"] = 0
+        self.sleeping = 0  # the level of the server's sleep, 0: awake
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         self.server.check_alive()  # a dead server: its exit code and log now, not after retries
@@ -199,21 +200,34 @@ class VLLMEngine(UpstreamEngine):
             self.server.check_alive()
             raise
 
-    async def _post(self, route: str, body: dict | None = None) -> None:
+    async def _post(self, route: str, body: dict | None = None, params=None) -> None:
         async with httpx.AsyncClient(timeout=self.timeout) as http:
             try:
-                r = await http.post(self.base_url + route, json=body)
+                r = await http.post(self.base_url + route, json=body, params=params)
             except httpx.HTTPError as e:
                 self.server.check_alive()
                 raise EngineError(f"vllm {route}: {type(e).__name__}: {e}", 503) from None
         if r.status_code != 200:
             raise EngineError(f"vllm {route} answered HTTP {r.status_code}: {r.text[:500]}", 502)
 
+    async def sleep(self, level: int) -> None:
+        """Free the server's GPU memory for the update (engine.sleep_level; vLLM started with
+        --enable-sleep-mode): level 1 offloads the weights to CPU memory and drops the KV cache,
+        level 2 drops both (the next load_weights brings new ones). Call it drained."""
+        await self._post("/sleep", params={"level": level})
+        self.sleeping = level
+
     async def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Push the weights by the transport, drop the server's prefix cache, take `version`.
-        Call it with no request in flight (the gateway's drain)."""
+        Call it with no request in flight (the gateway's drain). A sleeping server is woken:
+        level 2 gets its weights' memory first, the KV cache after the push."""
         self.server.check_alive()
+        if self.sleeping:
+            await self._post("/wake_up", params={"tags": "weights"} if self.sleeping == 2 else None)
         await self.transport.push(self, model, version)
+        if self.sleeping == 2:
+            await self._post("/wake_up", params={"tags": "kv_cache"})
+        self.sleeping = 0
         await self._post("/reset_prefix_cache")
         self.model_version = version
         self.stats["weight_syncs"] += 1
