@@ -249,6 +249,8 @@ def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     (["engine.python=/usr/bin/python3", "engine.sleep_level=2", "trainer.overlap_collect=true",
       "trainer.max_staleness=1"], "engine.sleep_level"),
     (["engine.base_url=http://127.0.0.1:9", "engine.sleep_level=1"], "engine.sleep_level"),
+    pytest.param(["engine.python=/usr/bin/python3", "trainer.device=cuda"], "trainer.device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
 ])
 def test_a_bad_engine_section_is_an_error_naming_the_key(tmp_path, extra, key):
     with pytest.raises(ConfigError) as e:

@@ -119,6 +119,8 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     run_dir: str = "runs/default"
     resume: bool = False
+    # where the policy trains (and the local engine decodes): "cpu", "cuda" or "cuda:N"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     threads: int = Field(0, ge=0)  # torch intra-op threads (engine decode); 0: torch's default
     update_threads: int = Field(0, ge=0)  # torch threads of the update (the warm start: the larger of the two); 0: threads
     # The training forward passes (warm start, update, reference): "bf16-mixed" runs them under

@@ -179,14 +179,17 @@ def ppo_update(
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
     precision = cfg.trainer.precision
-    adv_rows = advantages[batch.rollout_index]
+    dev = next(model.parameters()).device  # the step's tensors go there (planning stays on the CPU)
+    ids_all, att_all, pos_all, mask_all = (t.to(dev) for t in (
+        batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
+    adv_rows = advantages[batch.rollout_index].to(dev)
     R = batch.response_length
     old_all = batch.rollout_logprobs
     if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
         with torch.no_grad():
-            old_all, _ = response_logprobs(model, batch.input_ids, batch.attention_mask,
-                                           batch.position_ids, R, temperature=cfg.rollout.temperature,
-                                           precision=precision)
+            old_all, _ = response_logprobs(model, ids_all, att_all, pos_all, R,
+                                           temperature=cfg.rollout.temperature, precision=precision)
+    old_all = old_all.to(dev)
     results = []
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     model.train()
@@ -212,12 +215,13 @@ def ppo_update(
                     rows = micro.rows
                     # Skip the columns that are left padding in every row of this micro-batch.
                     start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
-                    ids = batch.input_ids[rows, start:]
-                    att, pos = batch.attention_mask[rows, start:], batch.position_ids[rows, start:]
+                    rows_dev = rows.to(dev)
+                    ids = ids_all[rows_dev, start:]
+                    att, pos = att_all[rows_dev, start:], pos_all[rows_dev, start:]
                     lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
                                                 with_entropy=need_entropy, precision=precision)
                     if measure_gap and not results:  # no optimizer step yet: the engine's weights
-                        d = (lp.detach() - old_all[rows]).abs()[batch.response_mask[rows].bool()]
+                        d = (lp.detach() - old_all[rows_dev]).abs()[mask_all[rows_dev].bool()]
                         if d.numel():
                             gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
                             gap_max = max(gap_max, float(d.max()))
@@ -228,7 +232,8 @@ def ppo_update(
                                                        temperature=cfg.rollout.temperature,
                                                        precision=precision)
                     loss, m = policy_loss(
-                        lp, old_all[rows], adv_rows[rows], RowWeights(batch.response_mask[rows], micro.row_scales),
+                        lp, old_all[rows_dev], adv_rows[rows_dev],
+                        RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
                         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
                         ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
                         entropy=ent, entropy_coef=lc.entropy_coef,
@@ -283,6 +288,11 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        if cfg.trainer.device != "cpu":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
+                                  "machine has no CUDA device")
+            self.model.to(cfg.trainer.device)
         self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
         self.step = 0
         self.version = 0  # the policy's model version: one bump per update step

@@ -65,6 +65,8 @@ def warm_start(
     losses = []
     for _ in range(steps):
         ids, mask = pad_batch(rng.sample(seqs, min(batch_size, len(seqs))), pad_id)
+        device = next(model.parameters()).device
+        ids, mask = ids.to(device), mask.to(device)
         with autocast(precision, ids.device):
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         target = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
