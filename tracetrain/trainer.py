@@ -784,6 +784,8 @@ def format_step(m: dict) -> str:
     if m.get("loss/n_rollouts"):
         parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
                      f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
+    if "engine/logprob_gap_max" in m:  # engine vs trainer logprobs, same weights
+        parts.append(f"gap {m['engine/logprob_gap_max']:.0e}")
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     return " | ".join(parts)
