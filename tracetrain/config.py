@@ -169,6 +169,8 @@ class EngineConfig(_Section):
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
     python: str | None = Field(None, min_length=1)
     args: list[str] = Field(default_factory=list)
+    # environment of a launched server, on top of this process's (e.g. VLLM_CPU_OMP_THREADS_BIND)
+    env: dict[str, str] = Field(default_factory=dict)
     # disk: a Hugging Face directory and vLLM's reload_weights (CPU or GPU, the server on this
     # machine); nccl: vLLM's NCCL weight-transfer engine (CUDA GPUs)
     sync: Literal["disk", "nccl"] = "disk"
@@ -186,8 +188,9 @@ class EngineConfig(_Section):
             for key in ("base_url", "python"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
-            if self.args:
-                raise ValueError("engine.args: only for engine.kind 'vllm'")
+            for key in ("args", "env"):
+                if getattr(self, key):
+                    raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
         elif (self.base_url is None) == (self.python is None):
             raise ValueError("engine.python: engine.kind 'vllm' needs either engine.base_url (a "
                              "running server) or engine.python (the interpreter tracetrain "
@@ -195,9 +198,10 @@ class EngineConfig(_Section):
         elif self.sleep_level and self.base_url is not None:
             raise ValueError("engine.sleep_level: for a server tracetrain launches (it adds "
                              "--enable-sleep-mode); start yours with it and use engine.python")
-        elif self.base_url is not None and self.args:
-            raise ValueError("engine.args: arguments of a server tracetrain launches "
-                             "(engine.python); a running server at engine.base_url has its own")
+        elif self.base_url is not None and (self.args or self.env):
+            key = "args" if self.args else "env"
+            raise ValueError(f"engine.{key}: for a server tracetrain launches (engine.python); a "
+                             "running server at engine.base_url has its own")
         return self
 
 

@@ -610,7 +610,7 @@ class Trainer:
                 args=(transport.server_args if transport else [])
                 + (["--enable-sleep-mode"] if ec.sleep_level else []) + ec.args,
                 max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
-                start_timeout_s=ec.start_timeout_s)
+                env=ec.env, start_timeout_s=ec.start_timeout_s)
         else:
             server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
         engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,

@@ -114,7 +114,7 @@ class VLLMServer:
     @classmethod
     def launch(cls, python: str, model_dir: str | Path, log_path: str | Path, *,
                args: list[str] = (), max_model_len: int, dtype: str = "float32",
-               start_timeout_s: float = 600.0,
+               env: dict[str, str] | None = None, start_timeout_s: float = 600.0,
                cuda: bool | None = None, tries: int = 3) -> VLLMServer:
         """Start the server on `model_dir` and return once GET /health answers 200."""
         check_interpreter(python)
@@ -132,7 +132,8 @@ class VLLMServer:
                 log.flush()
                 proc = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, start_new_session=True,
+                    env={**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"},
+                    start_new_session=True,
                 )
             server = cls(proc, f"http://127.0.0.1:{port}", log_path)
             try:
