@@ -28,6 +28,7 @@ server fails with "address already in use" and the launch is retried on a new po
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -136,6 +137,7 @@ class VLLMServer:
                     start_new_session=True,
                 )
             server = cls(proc, f"http://127.0.0.1:{port}", log_path)
+            atexit.register(server.stop)  # its own session: no Ctrl-C reaches it, so we stop it
             try:
                 server.wait_ready(start_timeout_s)
                 return server
