@@ -126,12 +126,14 @@ def test_server_command_adds_defaults_only_where_args_do_not_set_them():
     flags = " ".join(cmd)
     for part in ("--served-model-name policy", "--host 127.0.0.1", "--port 9", "--max-model-len 512",
                  "--dtype float32", "--logprobs-mode processed_logprobs", "--enforce-eager",
-                 "--gpu-memory-utilization 0.1", "--optimization-level 0"):
+                 "--gpu-memory-utilization 0.1", "--optimization-level 0",
+                 "--no-enable-chunked-prefill", "--max-num-batched-tokens 2048"):
         assert part in flags
-    mine = ["-O3", "--dtype=bfloat16", "--gpu-memory-utilization", "0.5"]
+    mine = ["-O3", "--dtype=bfloat16", "--gpu-memory-utilization", "0.5", "--enable-chunked-prefill"]
     cmd = server_command("py", "/m", 9, max_model_len=512, dtype="float32", args=mine, cuda=False)
-    assert cmd[-4:] == mine
-    assert "--optimization-level" not in cmd and "--gpu-memory-utilization" not in cmd[:-4]
+    assert cmd[-5:] == mine
+    assert "--optimization-level" not in cmd and "--gpu-memory-utilization" not in cmd[:-5]
+    assert "--no-enable-chunked-prefill" not in cmd
     assert "--dtype" not in cmd  # given as --dtype=bfloat16 only
     gpu = server_command("py", "/m", 9, max_model_len=512, dtype="float32", args=[], cuda=True)
     assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
@@ -329,6 +331,31 @@ def test_sampled_logprobs_after_a_sync_equal_the_trainers(served, tok):
         ours = teacher_forced(new, p, g.response_ids, 0.7)
         assert float((theirs - ours).abs().max()) < TOL
         assert float((theirs - teacher_forced(new, p, g.response_ids, 1.0)).abs().max()) > 10 * TOL
+
+
+@pytest.mark.slow
+def test_many_seeded_requests_at_once_are_all_answered(served, tok):
+    """Regression: 128 seeded requests whose prompts overflow one scheduler step (2048 tokens on
+    CPU) were split by chunked prefill, and vLLM 0.32's CPU worker died rewinding a seeded
+    request's generator ("CPU Generator does not use offset"); the demo's first step hit it."""
+    _, model, _ = served
+    prompts = [chat(tok, f"Guess my number from 1 to 8. Round {i}: " + "higher lower " * 12)
+               for i in range(128)]
+    assert sum(map(len, prompts)) > 3 * 2048
+
+    async def go():
+        engine = engine_on(served, tok)
+        try:
+            await engine.load_weights(model, 0)
+            return await asyncio.gather(*(ask(engine, p, SamplingParams(
+                max_tokens=4, temperature=1.0, seed=i, stop_token_ids=())) for i, p in enumerate(prompts)))
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    gens = asyncio.run(go())
+    assert len(gens) == 128 and all(1 <= len(g.response_ids) == len(g.response_logprobs) <= 4
+                                    for g in gens)
+    served[0].check_alive()
 
 
 def turn_versions_by_step(run_dir: Path) -> dict[int, set[int]]:

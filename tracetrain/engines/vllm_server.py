@@ -19,8 +19,12 @@ ratio needs and the local engine records; vLLM's default is the raw logits' log-
 is the trainer's weights' dtype (vLLM's "auto" serves a float32 model in bfloat16, which moved the
 tiny model's logprobs by 3e-3 on average, 2e-2 at most, from the trainer's). On a
 machine without CUDA, `CPU_ARGS` are added (each only when `args` does not set it): the memory
-fraction is of RAM there (the default 0.92 refuses to start) and eager mode skips minutes of
-torch.compile for a model this size. `args` come last and win.
+fraction is of RAM there (the default 0.92 refuses to start), eager mode skips minutes of
+torch.compile for a model this size, and chunked prefill is off: vLLM 0.32's CPU worker dies
+("CPU Generator does not use offset") when a seeded request's prefill is split over two
+scheduler steps, which 128 agents' prompts (more than the 2048 tokens of one step) did at once;
+with it off a step takes whole prompts (`--max-num-batched-tokens` at least max_model_len). `args`
+come last and win.
 
 A port is picked free, then bound by the server; if another process takes it in between, the
 server fails with "address already in use" and the launch is retried on a new port (3 tries).
@@ -43,8 +47,10 @@ from tracetrain.config import ConfigError
 from tracetrain.engines.base import EngineError
 
 SERVED_NAME = "policy"
-CPU_ARGS = {"--gpu-memory-utilization": "0.1", "--enforce-eager": None, "--optimization-level": "0"}
-ALIASES = {"-O": "--optimization-level"}  # flags given in args under another spelling
+CPU_ARGS = {"--gpu-memory-utilization": "0.1", "--enforce-eager": None, "--optimization-level": "0",
+            "--no-enable-chunked-prefill": None}
+ALIASES = {"-O": "--optimization-level",  # flags given in args under another spelling
+           "--enable-chunked-prefill": "--no-enable-chunked-prefill"}
 
 
 class EngineStartError(ConfigError):
@@ -87,6 +93,7 @@ def server_command(python: str, model_dir: str, port: int, *, max_model_len: int
             "--logprobs-mode": "processed_logprobs"}
     if not cuda:
         base.update(CPU_ARGS)
+        base["--max-num-batched-tokens"] = str(max(2048, max_model_len))
     for flag, value in base.items():
         if flag not in given:
             cmd += [flag] if value is None else [flag, value]
