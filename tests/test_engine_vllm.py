@@ -229,6 +229,21 @@ def test_a_sleeping_server_is_woken_around_the_weight_push(tmp_path, tok, level,
         "method": "reload_weights", "kwargs": {"weights_path": str(d.resolve())}}
 
 
+def test_the_log_tail_keeps_the_error_that_killed_the_server(tmp_path):
+    from tracetrain.engines.vllm_server import log_tail
+
+    log = tmp_path / "vllm.log"
+    killer = "(Worker pid=7) ERROR 12-02 04:43:21 [multiproc_executor.py:1063] RuntimeError: boom"
+    noise = ["(APIServer pid=6) WARNING [system_utils.py:255] Found ulimit ... OSError: [Errno 24]",
+             "  warn: ModuleNotFoundError(\"No module named 'x'\")"]
+    log.write_text("\n".join(["start", killer, *noise] + [f"shutdown {i}" for i in range(20)]))
+    tail = log_tail(log, 5).splitlines()
+    assert tail[0].endswith(killer) and tail[1].strip() == "..."
+    assert [t.strip() for t in tail[2:]] == [f"shutdown {i}" for i in range(15, 20)]
+    log.write_text("\n".join(noise + [f"line {i}" for i in range(10)]))
+    assert "last error" not in log_tail(log, 5)  # warnings that mention an error are not one
+
+
 def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
         "task=task.py", "warm_start.steps=3", "warm_start.batch_size=8",

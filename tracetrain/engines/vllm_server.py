@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,12 +65,21 @@ class EngineDied(EngineError):
         super().__init__(message, 503)
 
 
+_ERROR = re.compile(r"(?:^|\] )[A-Z]\w*(?:Error|Exception): ")  # a traceback's last line
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
+    """The log's last lines, after its last error line when that came earlier (a dying vLLM
+    logs its shutdown after the error that killed it)."""
     try:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join("    " + line for line in text[-lines:]) or "    (empty log)"
+    tail = text[-lines:]
+    errors = [line for line in text[:-lines] if _ERROR.search(line)]
+    if errors:
+        tail = [f"(last error line) {errors[-1]}", "..."] + tail
+    return "\n".join("    " + line for line in tail) or "    (empty log)"
 
 
 def _given(args: list[str]) -> set[str]:
