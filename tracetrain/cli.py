@@ -12,6 +12,7 @@ the exit status. A bad config, trace file or option is reported in one line with
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
+    # SIGTERM (kill, a scheduler's stop) ends the run as an exception would: cleanup and atexit
+    # handlers run, so a vLLM server the run launched (its own session) is stopped with it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if cfg.backend == "verl":  # verl's PPO workers on Ray train; the gateway and runner collect
         from tracetrain.integrations.verl.trainer import train_verl
 
