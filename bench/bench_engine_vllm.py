@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "guess" / "config.yaml"
+from bench_demo_step import ROOT, train  # the demo config run as `tracetrain train` (eval off)
+
 SEQUENTIAL = ["trainer.overlap_collect=false", "trainer.update_threads=2"]
 
 
@@ -45,15 +43,6 @@ def variants(python: str) -> dict[str, list[str]]:
     vllm = ["engine.kind=vllm", f"engine.python={python}"]
     return {"local sequential": SEQUENTIAL, "vllm sequential": vllm + SEQUENTIAL,
             "local overlap": [], "vllm overlap": vllm}
-
-
-def train(run_dir: Path, steps: int, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "tracetrain", "train", str(CONFIG), f"trainer.steps={steps}",
-           f"trainer.run_dir={run_dir}", "trainer.eval_every=0", *overrides]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def summarize(metrics: list[dict]) -> dict:
