@@ -466,3 +466,50 @@ def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, 
     resumed.task_args["kill_step"] = -1
     train(resumed, log=lambda *_: None)
     assert [m["step"] for m in metrics(run)] == [0, 1, 2]
+
+
+def live_in_groups(groups: list[int]) -> list[int]:
+    """Processes (not zombies) whose process group is one of `groups`."""
+    live = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            live.append(int(d))
+    return live
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_the_server_it_launched(tmp_path, vllm_python):
+    """A killed trainer leaves no vLLM process behind (the server runs in its own session, so
+    the signal does not reach it; seen before: its engine processes spinning on after the run)."""
+    import signal
+    import time
+
+    from vllm_kill_task import server_pids
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracetrain", "train", str(EXAMPLE / "config.yaml"),
+         f"trainer.run_dir={run}", "engine.kind=vllm", f"engine.python={vllm_python}",
+         "warm_start.steps=3", "rollout.agent_workers=0", "trainer.steps=1000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            assert proc.poll() is None, "the run ended before its first step"
+            time.sleep(0.5)
+        pids = server_pids(str(run))
+        assert pids, "no vLLM server of this run was found running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+        gone_by = time.monotonic() + 60
+        while server_pids(str(run)) and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        assert not server_pids(str(run))
+        assert not live_in_groups(pids)  # its children too (the server's process group)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -12,6 +12,7 @@ the exit status. A bad config, trace file or option is reported in one line with
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -27,15 +28,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=3e-4 trainer.steps=50")
 
 
+def terminate(signum, frame) -> None:
+    """SIGTERM (kill, a scheduler's stop): stop the vLLM servers this run launched (their own
+    session: the signal does not reach them), then end at once, as SIGTERM's default would
+    (the trace store survives that; an update in its thread would delay a normal exit)."""
+    from tracetrain.engines.vllm_server import stop_launched
+
+    stop_launched()
+    os._exit(128 + signum)
+
+
 def run_train(args: argparse.Namespace) -> int:
     from tracetrain.config import load_config
     from tracetrain.trainer import train
 
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
-    # SIGTERM (kill, a scheduler's stop) ends the run as an exception would: cleanup and atexit
-    # handlers run, so a vLLM server the run launched (its own session) is stopped with it.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, terminate)
     if cfg.backend == "verl":  # verl's PPO workers on Ray train; the gateway and runner collect
         from tracetrain.integrations.verl.trainer import train_verl
 

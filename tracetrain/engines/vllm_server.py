@@ -117,6 +117,16 @@ def check_interpreter(python: str) -> None:
                                f"{python!r} (scripts/install-vllm.sh makes .venv-vllm/bin/python)")
 
 
+_LAUNCHED: list[VLLMServer] = []  # servers this process launched
+
+
+@atexit.register
+def stop_launched() -> None:
+    """Stop every server this process launched and has not stopped (at exit, on SIGTERM)."""
+    while _LAUNCHED:
+        _LAUNCHED.pop().stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -154,7 +164,7 @@ class VLLMServer:
                     start_new_session=True,
                 )
             server = cls(proc, f"http://127.0.0.1:{port}", log_path)
-            atexit.register(server.stop)  # its own session: no Ctrl-C reaches it, so we stop it
+            _LAUNCHED.append(server)  # its own session: no Ctrl-C reaches it, so we stop it
             try:
                 server.wait_ready(start_timeout_s)
                 return server
