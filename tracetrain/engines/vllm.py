@@ -33,11 +33,15 @@ reload reaches both. The logits are the same; the file holds the vocab x hidden 
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import copy
+import json
 import os
 from pathlib import Path
+from typing import Any
 
-import httpx
+import aiohttp
 import torch
 
 from tracetrain.engines.base import EngineError, Generation, SamplingParams
@@ -122,7 +126,6 @@ def update_info(weights: dict[str, torch.Tensor]) -> dict:
 class NcclTransport:
     """engine.sync nccl: see the module docstring."""
 
-    name = "nccl"
     server_args = ["--weight-transfer-config", '{"backend": "nccl"}']
 
     def __init__(self, ops=None):
@@ -130,13 +133,8 @@ class NcclTransport:
         self.comm = None
 
     async def connect(self, engine: VLLMEngine) -> None:
-        import asyncio
-        import base64
-
-        async with httpx.AsyncClient(timeout=engine.timeout) as http:
-            r = await http.get(engine.base_url + "/get_world_size", params={"include_dp": "true"})
-            r.raise_for_status()
-        world = 1 + int(r.json()["world_size"])
+        answer = await engine._call("GET", "/get_world_size", params={"include_dp": "true"})
+        world = 1 + int(answer["world_size"])
         uid = self.ops.unique_id()
         init = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "rank_offset": 1,
                 "world_size": world, "packed": False}
@@ -145,8 +143,6 @@ class NcclTransport:
         self.comm = (await both)[1]  # every rank enters the rendezvous at once
 
     async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
-        import asyncio
-
         if self.comm is None:
             await self.connect(engine)
         weights = untied_state_dict(model)
@@ -164,15 +160,12 @@ class NcclTransport:
 class DiskTransport:
     """engine.sync disk: see the module docstring."""
 
-    name = "disk"
     server_args: list[str] = []
 
     def __init__(self, weights_dir: str | Path):
         self.weights_dir = Path(weights_dir)
 
     async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
-        import asyncio
-
         await asyncio.to_thread(write_weights, model, self.weights_dir)
         await engine._post("/collective_rpc", {"method": "reload_weights",
                                                "kwargs": {"weights_path": str(self.weights_dir.resolve())}})
@@ -187,7 +180,6 @@ class VLLMEngine(UpstreamEngine):
         super().__init__(server.base_url, SERVED_NAME, tokenizer, name="vllm", max_context=max_context,
                          timeout=timeout, model_version=model_version)
         self.server = server
-        self.weights_dir = Path(weights_dir)
         self.transport = transport if transport is not None else DiskTransport(weights_dir)
         self.stats["weight_syncs"] = 0
         self.sleeping = 0  # the level of the server's sleep, 0: awake
@@ -200,15 +192,21 @@ class VLLMEngine(UpstreamEngine):
             self.server.check_alive()
             raise
 
-    async def _post(self, route: str, body: dict | None = None, params=None) -> None:
-        async with httpx.AsyncClient(timeout=self.timeout) as http:
-            try:
-                r = await http.post(self.base_url + route, json=body, params=params)
-            except httpx.HTTPError as e:
-                self.server.check_alive()
-                raise EngineError(f"vllm {route}: {type(e).__name__}: {e}", 503) from None
-        if r.status_code != 200:
-            raise EngineError(f"vllm {route} answered HTTP {r.status_code}: {r.text[:500]}", 502)
+    async def _call(self, method: str, route: str, body: dict | None = None, params=None) -> Any:
+        """One call to the server's admin routes on the engine's pooled session; its JSON answer."""
+        try:
+            async with self._http().request(method, self.base_url + route, json=body,
+                                            params=params) as r:
+                status, raw = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.server.check_alive()
+            raise EngineError(f"vllm {route}: {type(e).__name__}: {e}", 503) from None
+        if status != 200:
+            raise EngineError(f"vllm {route} answered HTTP {status}: {raw[:500].decode(errors='replace')}", 502)
+        return json.loads(raw) if raw else None
+
+    async def _post(self, route: str, body: dict | None = None, params=None) -> Any:
+        return await self._call("POST", route, body, params)
 
     async def sleep(self, level: int) -> None:
         """Free the server's GPU memory for the update (engine.sleep_level; vLLM started with
