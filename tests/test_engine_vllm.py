@@ -244,6 +244,18 @@ def test_the_log_tail_keeps_the_error_that_killed_the_server(tmp_path):
     assert "last error" not in log_tail(log, 5)  # warnings that mention an error are not one
 
 
+def test_stop_kills_what_is_left_of_a_server_that_exited(tmp_path):
+    """vLLM's API server can exit and leave its engine processes behind in its process group:
+    stop() still ends them."""
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 & echo $! > child; exit 0"], cwd=tmp_path,
+                              start_new_session=True)
+    leader.wait(10)
+    child = int((tmp_path / "child").read_text())
+    assert live_in_groups([leader.pid]) == [child]
+    VLLMServer(leader, "http://127.0.0.1:9").stop(timeout_s=5)
+    assert live_in_groups([leader.pid]) == []
+
+
 def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
         "task=task.py", "warm_start.steps=3", "warm_start.batch_size=8",
@@ -322,6 +334,23 @@ def test_tied_weights_sync_and_a_prompt_seen_before_gets_the_new_weights(served,
     assert [a.model_version for a in after] == [1, 1]
 
 
+def sampled_after_sync(served, tok, model, version: int, prompts, *, max_tokens: int,
+                       temperature: float):
+    """Push `model` as `version` to the module's server, then sample every prompt at once
+    (prompt k with seed k, no stop ids)."""
+    async def go():
+        engine = engine_on(served, tok)
+        try:
+            await engine.load_weights(model, version)
+            return await asyncio.gather(*(ask(engine, p, SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=k, stop_token_ids=()))
+                for k, p in enumerate(prompts)))
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    return asyncio.run(go())
+
+
 @pytest.mark.slow
 def test_sampled_logprobs_after_a_sync_equal_the_trainers(served, tok):
     """At temperature 0.7 (vLLM's processed logprobs, not its default raw ones) the recorded
@@ -329,17 +358,7 @@ def test_sampled_logprobs_after_a_sync_equal_the_trainers(served, tok):
     _, model, _ = served
     new = perturbed(model, seed=11)
     prompts = [chat(tok, t) for t in ("Guess.", "Lower.", "What is 2 + 2?")]
-
-    async def go():
-        engine = engine_on(served, tok)
-        try:
-            await engine.load_weights(new, 2)
-            return await asyncio.gather(*(ask(engine, p, SamplingParams(
-                max_tokens=16, temperature=0.7, seed=s, stop_token_ids=())) for s, p in enumerate(prompts)))
-        finally:
-            await UpstreamEngine.aclose(engine)
-
-    gens = asyncio.run(go())
+    gens = sampled_after_sync(served, tok, new, 2, prompts, max_tokens=16, temperature=0.7)
     for p, g in zip(prompts, gens, strict=True):
         assert g.model_version == 2 and len(g.response_ids) == len(g.response_logprobs) >= 1
         theirs = torch.tensor(g.response_logprobs)
@@ -357,17 +376,7 @@ def test_many_seeded_requests_at_once_are_all_answered(served, tok):
     prompts = [chat(tok, f"Guess my number from 1 to 8. Round {i}: " + "higher lower " * 12)
                for i in range(128)]
     assert sum(map(len, prompts)) > 3 * 2048
-
-    async def go():
-        engine = engine_on(served, tok)
-        try:
-            await engine.load_weights(model, 0)
-            return await asyncio.gather(*(ask(engine, p, SamplingParams(
-                max_tokens=4, temperature=1.0, seed=i, stop_token_ids=())) for i, p in enumerate(prompts)))
-        finally:
-            await UpstreamEngine.aclose(engine)
-
-    gens = asyncio.run(go())
+    gens = sampled_after_sync(served, tok, model, 0, prompts, max_tokens=4, temperature=1.0)
     assert len(gens) == 128 and all(1 <= len(g.response_ids) == len(g.response_logprobs) <= 4
                                     for g in gens)
     served[0].check_alive()

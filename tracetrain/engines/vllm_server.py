@@ -219,17 +219,20 @@ class VLLMServer:
                              f"log ({self.log_path}) ends:\n{log_tail(self.log_path)}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `timeout_s`; reaped."""
+        """SIGTERM to the server's process group, then SIGKILL to what is left of it after
+        `timeout_s` (also when the server itself had exited: vLLM's engine processes can outlive
+        it); reaped."""
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            if sig == signal.SIGTERM and proc.poll() is not None:
+                continue
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 break
             try:
                 proc.wait(wait)
-                break
             except subprocess.TimeoutExpired:
-                continue
+                pass
