@@ -60,25 +60,35 @@ def summarize(metrics: list[dict]) -> dict:
     }
 
 
+def run_rounds(variants: dict[str, list[str]], steps: int, rounds: int, summarize=summarize,
+               describe=lambda s: f"update {s['update_s']:.3f} s") -> dict[str, list[dict]]:
+    """One warm start; then `rounds` times, interleaved (A B C A B C), each variant resumed from
+    that checkpoint in its own run directory for `steps` more steps; `summarize` of each run,
+    printed as it ends (step, collect, then `describe`)."""
+    width = max(map(len, variants))
+    with tempfile.TemporaryDirectory(prefix="tt-demo-step-") as tmp:
+        work = Path(tmp)
+        print("warm start ...", flush=True)
+        train(work / "warm", 1, [])
+        results: dict[str, list[dict]] = {name: [] for name in variants}
+        for r in range(rounds):
+            for name, overrides in variants.items():
+                run = work / f"{name.replace(' ', '-')}-{r}"
+                run.mkdir()
+                shutil.copy(work / "warm" / "checkpoint.pt", run / "checkpoint.pt")
+                s = summarize(train(run, 1 + steps, ["trainer.resume=true", *overrides]))
+                results[name].append(s)
+                print(f"  round {r + 1} {name:{width}s} step {s['step_s']:.3f} s  "
+                      f"collect {s['collect_s']:.3f} s  {describe(s)}", flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="tt-demo-step-") as tmp:
-        work = Path(tmp)
-        print("warm start ...", flush=True)
-        train(work / "warm", 1, [])
-        results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-        for r in range(args.rounds):
-            for name, overrides in VARIANTS.items():
-                run = work / f"{name.replace(' ', '-')}-{r}"
-                run.mkdir()
-                shutil.copy(work / "warm" / "checkpoint.pt", run / "checkpoint.pt")
-                s = summarize(train(run, 1 + args.steps, ["trainer.resume=true", *overrides]))
-                results[name].append(s)
-                print(f"  round {r + 1} {name:24s} step {s['step_s']:.3f} s  collect {s['collect_s']:.3f} s  "
-                      f"update {s['update_s']:.3f} s", flush=True)
+    results = run_rounds(VARIANTS, args.steps, args.rounds)
     base = min(s["step_s"] for s in results["fp32 sequential"])
     print(f"\n{args.steps} steps per run, {args.rounds} rounds; medians over steps, best round shown")
     print(f"{'variant':24s} {'step s':>8s} {'collect s':>10s} {'update s':>9s} {'speed-up':>9s}")

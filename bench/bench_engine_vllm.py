@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench_demo_step import ROOT, train  # the demo config run as `tracetrain train` (eval off)
+from bench_demo_step import ROOT, run_rounds  # the demo config, warm-started once, in rounds
+from bench_demo_step import summarize as step_times  # step, collect and update medians
 
 SEQUENTIAL = ["trainer.overlap_collect=false", "trainer.update_threads=2"]
 
@@ -46,33 +46,20 @@ def variants(python: str) -> dict[str, list[str]]:
 
 
 def summarize(metrics: list[dict]) -> dict:
+    """bench_demo_step's medians (the first step after the resume left out), and sync, the
+    largest logprob gap and the mean reward."""
     ms = metrics[1:]
-    walls = [b["time/elapsed_s"] - a["time/elapsed_s"] for a, b in zip(ms, ms[1:], strict=False)]
-    med = lambda k: statistics.median(m.get(k, 0.0) for m in ms)  # noqa: E731
     gaps = [m["engine/logprob_gap_max"] for m in metrics if "engine/logprob_gap_max" in m]
-    return {"step_s": statistics.median(walls), "collect_s": med("time/collect_s"),
-            "update_s": med("time/update_s"), "sync_s": med("time/sync_s"),
+    return {**step_times(metrics), "sync_s": statistics.median(m.get("time/sync_s", 0.0) for m in ms),
             "gap_max": max(gaps) if gaps else float("nan"),
             "reward": statistics.mean(m["reward_mean"] for m in ms)}
 
 
 def steps_bench(args) -> None:
-    with tempfile.TemporaryDirectory(prefix="tt-vllm-step-") as tmp:
-        work = Path(tmp)
-        print("warm start ...", flush=True)
-        train(work / "warm", 1, [])
-        table = variants(args.vllm_python)
-        results: dict[str, list[dict]] = {name: [] for name in table}
-        for r in range(args.rounds):
-            for name, overrides in table.items():
-                run = work / f"{name.replace(' ', '-')}-{r}"
-                run.mkdir()
-                shutil.copy(work / "warm" / "checkpoint.pt", run / "checkpoint.pt")
-                s = summarize(train(run, 1 + args.steps, ["trainer.resume=true", *overrides]))
-                results[name].append(s)
-                print(f"  round {r + 1} {name:18s} step {s['step_s']:.3f} s  collect {s['collect_s']:.3f} s"
-                      f"  update {s['update_s']:.3f} s  sync {s['sync_s']:.3f} s  "
-                      f"gap max {s['gap_max']:.1e}  reward {s['reward']:.3f}", flush=True)
+    results = run_rounds(
+        variants(args.vllm_python), args.steps, args.rounds, summarize,
+        lambda s: f"update {s['update_s']:.3f} s  sync {s['sync_s']:.3f} s  "
+                  f"gap max {s['gap_max']:.1e}  reward {s['reward']:.3f}")
     base = min(s["step_s"] for s in results["local sequential"])
     print(f"\n{args.steps} steps per run, {args.rounds} rounds; medians over steps, best round shown")
     print(f"{'variant':18s} {'step s':>8s} {'collect s':>10s} {'update s':>9s} {'sync s':>7s} "
