@@ -142,11 +142,14 @@ class GatewayConfig(_Section):
     on loopback. For agents on other hosts (Ray workers, sandboxes): `host` an interface address
     or a wildcard (0.0.0.0, ::), `public_url` the base URL they reach it at (a TLS proxy in front
     of it, say); `{port}` in it stands for the bound port. Off loopback the admin key must come
-    from $TRACETRAIN_ADMIN_KEY; agents always need their rollout's own key."""
+    from $TRACETRAIN_ADMIN_KEY; agents always need their rollout's own key. `context`: how chat
+    prompts are built, `exact` (the earlier turn's ids + the new messages) or `template` (the chat
+    template's full render); docs/gateway.md."""
 
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(0, ge=0, le=65535)  # 0: a free port
     public_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    context: Literal["exact", "template"] = "exact"
 
     @field_validator("public_url")
     @classmethod

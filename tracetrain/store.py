@@ -130,6 +130,9 @@ class TurnRecord:
     model_version: int | None
     finish_reason: str | None
     created_at: float
+    context: str | None = None  # how the prompt was built: exact | rendered (None: a raw prompt)
+    context_reason: str | None = None  # why it was rendered in full (gateway/context.py REASONS)
+    reused_tokens: int = 0  # prompt ids taken as they were from the earlier turn
 
     def to_turn(self) -> Turn:
         return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version)
@@ -182,9 +185,11 @@ class Store(ABC):
         response_logprobs: Sequence[float] | None,
         model_version: int | None,
         finish_reason: str | None,
+        context: tuple[str | None, str | None, int] = (None, None, 0),
     ) -> int:
         """Append a turn and return its index (0, 1, ...). A queued rollout becomes running;
-        RolloutEnded if it is terminal."""
+        RolloutEnded if it is terminal. `context`: how its prompt was built, (context, reason,
+        reused_tokens) as in TurnRecord."""
 
     @abstractmethod
     async def add_event(
@@ -220,6 +225,10 @@ class Store(ABC):
 
     @abstractmethod
     def get_turns(self, rollout_id: str) -> list[TurnRecord]: ...
+
+    @abstractmethod
+    def turn_contexts(self, rollout_ids: Iterable[str]) -> list[tuple[str | None, str | None, int]]:
+        """(context, context_reason, reused_tokens) of every turn of these rollouts."""
 
     @abstractmethod
     def list_rollouts(
@@ -379,6 +388,12 @@ MIGRATIONS: list[str] = [
         created_at REAL NOT NULL
     );
     """,
+    # 1 -> 2: how each turn's prompt was built (gateway/context.py)
+    """
+    ALTER TABLE turns ADD COLUMN context TEXT;          -- exact | rendered; NULL: a raw prompt
+    ALTER TABLE turns ADD COLUMN context_reason TEXT;   -- why it was rendered in full
+    ALTER TABLE turns ADD COLUMN reused_tokens INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -509,7 +524,8 @@ def _op_start(conn, rollout_id: str) -> RolloutRecord:
 
 
 def _op_add_turn(
-    conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason
+    conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
+    context,
 ) -> int:
     row = conn.execute(
         "SELECT state, n_turns FROM rollouts WHERE rollout_id = ?", (rollout_id,)
@@ -522,7 +538,8 @@ def _op_add_turn(
     now = _now()
     conn.execute(
         "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
-        " finish_reason, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        " finish_reason, created_at, context, context_reason, reused_tokens)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             rollout_id,
             index,
@@ -532,6 +549,7 @@ def _op_add_turn(
             model_version,
             finish_reason,
             now,
+            *context,
         ),
     )
     conn.execute(
@@ -800,7 +818,14 @@ class SQLiteStore(Store):
         return record
 
     async def add_turn(
-        self, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason
+        self,
+        rollout_id,
+        prompt_ids,
+        response_ids,
+        response_logprobs,
+        model_version,
+        finish_reason,
+        context=(None, None, 0),
     ):
         try:
             index = await self._write(
@@ -811,6 +836,7 @@ class SQLiteStore(Store):
                 response_logprobs,
                 model_version,
                 finish_reason,
+                context,
             )
         except StoreError:
             self._forget(rollout_id)
@@ -899,12 +925,14 @@ class SQLiteStore(Store):
         return head
 
     def _turn_rows(self, rollout_id: str) -> list[tuple]:
-        """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at)."""
+        """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at,
+        context, context_reason, reused_tokens)."""
         return (
             self._reader()
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
-                " created_at FROM turns WHERE rollout_id = ? ORDER BY idx",
+                " created_at, context, context_reason, reused_tokens"
+                " FROM turns WHERE rollout_id = ? ORDER BY idx",
                 (rollout_id,),
             )
             .fetchall()
@@ -920,9 +948,19 @@ class SQLiteStore(Store):
                 mv,
                 fr,
                 ts,
+                *how,
             )
-            for idx, p, r, lp, mv, fr, ts in self._turn_rows(rollout_id)
+            for idx, p, r, lp, mv, fr, ts, *how in self._turn_rows(rollout_id)
         ]
+
+    def turn_contexts(self, rollout_ids):
+        conn, out = self._reader(), []
+        for rid in rollout_ids:
+            out += conn.execute(
+                "SELECT context, context_reason, reused_tokens FROM turns WHERE rollout_id = ?",
+                (rid,),
+            ).fetchall()
+        return out
 
     def training_turns(self, rollout_id):
         """Turns with ids as int32 arrays and logprobs as float32 arrays: the stored bytes, copied
@@ -930,7 +968,7 @@ class SQLiteStore(Store):
         return [
             Turn(blob_to_id_array(p), blob_to_id_array(r),
                  None if lp is None else blob_to_float_array(lp), mv)
-            for _, p, r, lp, mv, _, _ in self._turn_rows(rollout_id)
+            for _, p, r, lp, mv, *_ in self._turn_rows(rollout_id)
         ]
 
     def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):

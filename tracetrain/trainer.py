@@ -46,6 +46,7 @@ from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
 from tracetrain.engines.local import LocalEngine
+from tracetrain.gateway.context import context_metrics
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
@@ -450,6 +451,7 @@ class Trainer:
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
         metrics.update({f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))})
+        metrics.update(context_metrics(self.store.turn_contexts(ids)))  # how prompts were built
         t1 = time.perf_counter()
         if batch.n_rows:
             ad = cfg.advantage
@@ -692,7 +694,8 @@ class Trainer:
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key,
-                         public_url=public_url(cfg.gateway, sock.getsockname()[1]))
+                         public_url=public_url(cfg.gateway, sock.getsockname()[1]),
+                         context=cfg.gateway.context)
         self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
             async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from tracetrain.engines.base import Engine, EngineError
 from tracetrain.gateway import engine_routes, errors, hot, openai_routes, rollout_routes
+from tracetrain.gateway.context import CONTEXT_POLICIES
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.store import RolloutHead, Store
@@ -42,6 +43,7 @@ class Gateway:
     public_url: str | None = None
     engine_factory: EngineFactory | None = None
     max_body_bytes: int = 8 << 20
+    context: str = "exact"  # how chat prompts are built: exact | template (gateway/context.py)
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
@@ -98,11 +100,14 @@ def create_app(
     public_url: str | None = None,
     engine_factory: EngineFactory | None = None,
     close_engines: bool = False,
+    context: str = "exact",
 ) -> FastAPI:
     """Build the gateway. `engines`: one engine (named "default") or {name: engine}; the default
     engine serves rollouts that name none. `engine_factory(spec, gateway)` builds engines registered
     over HTTP (and rebuilds persisted ones at startup); without it registration is refused.
-    close_engines: also close the given engines at shutdown (the app then owns them)."""
+    close_engines: also close the given engines at shutdown (the app then owns them).
+    context: "exact" (a turn's prompt continues the ids of the turn it follows) or "template" (the
+    chat template's full render every time); gateway/context.py."""
     if not isinstance(admin_key, str) or not admin_key.strip():
         raise ValueError("admin_key must be a non-empty string")
     if (
@@ -111,6 +116,8 @@ def create_app(
         or max_body_bytes < 1
     ):
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    if context not in CONTEXT_POLICIES:
+        raise ValueError(f"context must be one of {', '.join(CONTEXT_POLICIES)}, got {context!r}")
     engines = {"default": engines} if not isinstance(engines, Mapping) else dict(engines)
     if not engines:
         raise ValueError("engines is empty; the gateway needs at least one engine")
@@ -120,7 +127,14 @@ def create_app(
             f"default_engine {default_engine!r} is not among the engines {sorted(engines)}"
         )
     gw = Gateway(
-        store, admin_key, default_engine, pause_wait_s, public_url, engine_factory, max_body_bytes
+        store,
+        admin_key,
+        default_engine,
+        pause_wait_s,
+        public_url,
+        engine_factory,
+        max_body_bytes,
+        context,
     )
     for name, engine in engines.items():
         gw.add_engine(name, engine)

@@ -1,7 +1,8 @@
 """OpenAI-compatible model routes, one base URL per rollout: {base}/rollouts/{rollout_id}/v1.
 
 One request is one turn:
-    render prompt ids (chat template) -> check the rollout is open (queued -> running)
+    prompt ids (context.py: the earlier turn's ids + the new messages, or the chat template's full
+    render) -> check the rollout is open (queued -> running)
     -> engine.generate (through the engine's pause gate) -> record the turn (committed)
     -> answer (JSON, or SSE chunks then [DONE]).
 The turn is in the store before the first byte of the answer is sent. The answer text is decoded
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from tracetrain.engines.base import EngineError, Generation, PromptTooLong, SamplingParams
 from tracetrain.gateway import keys, render
+from tracetrain.gateway.context import POLICY, RENDERED, Built
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
@@ -65,8 +67,10 @@ async def generate_turn(
     slot: EngineSlot,
     prompt_ids: list[int],
     params: SamplingParams,
+    context: tuple[str | None, str | None, int] = (None, None, 0),
 ) -> tuple[Generation, int]:
-    """Generate and record one turn; returns (generation, turn index)."""
+    """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
+    was built, recorded with the turn (store.TurnRecord)."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -95,6 +99,7 @@ async def generate_turn(
             gen.response_logprobs,
             gen.model_version,
             gen.finish_reason,
+            context,
         )
     return gen, index
 
@@ -141,8 +146,21 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
-    prompt_ids, params = render.chat_request(tok, slot.engine, body, slot.prompts)
-    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params)
+    max_tokens = render.chat_max_tokens(body)
+    messages, tools = render.chat_messages(body)
+
+    def full() -> list[int]:
+        return render.full_prompt_ids(tok, messages, tools, slot.prompts)
+
+    if gw.context == "exact":
+        first = rollout.state == RolloutState.queued
+        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first)
+    else:
+        built = Built(full(), RENDERED, POLICY, 0)
+    prompt_ids = built.prompt_ids
+    params = render.sampling_params(tok, slot.engine, body, len(prompt_ids), max_tokens)
+    how = (built.context, built.reason, built.reused_tokens)
+    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
 
     text = _text(tok, gen, params)
     tool_calls: list[dict[str, Any]] = []
@@ -150,6 +168,11 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     if body.tools:
         content, tool_calls = parse_tool_calls(text)
     finish = "tool_calls" if tool_calls else gen.finish_reason
+    if gw.context == "exact":
+        answer = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        slot.exact.answered(
+            rollout.rollout_id, messages, tools, answer, prompt_ids, gen.response_ids
+        )
     logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None
     base = {
         "id": f"chatcmpl-{rollout.rollout_id}-{index}",

@@ -1,9 +1,9 @@
 """OpenAI request -> exact prompt token ids and SamplingParams, on the gateway side.
 
-Chat messages are rendered with the engine tokenizer's chat template: the ids are those of
+A full render of chat messages uses the engine tokenizer's chat template: the ids are those of
 `apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)` (computed as
-transformers does it: render to text, then encode without adding special tokens), so the ids
-recorded for a turn are the ids the model saw. With a prompt_cache.PromptEncoder, prompts and
+transformers does it: render to text, then encode without adding special tokens). Under
+`context: exact` most turns are not rendered in full (context.py). With a prompt_cache.PromptEncoder, prompts and
 pieces of prompts seen before are not rendered or encoded again (exact by construction). Nothing the engine
 cannot honour is dropped silently: n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop
 strings are 400s.
@@ -19,26 +19,44 @@ from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
 
 
+def template_text(
+    tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool
+) -> str:
+    """The chat template's text for (messages, tools), as apply_chat_template(tokenize=False)."""
+    kwargs = {"tools": tools} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+        )
+    except Exception as e:  # a template raising on the messages is the client's input at fault
+        raise ApiError(
+            400, f"the chat template cannot render these messages: {e}", "messages"
+        ) from e
+
+
+def full_prompt_ids(
+    tokenizer: Any, messages: list[dict], tools: list | None, prompts: PromptEncoder | None = None
+) -> list[int]:
+    """The ids of the template's full render of (messages, tools), with the generation prompt."""
+
+    def render() -> str:
+        return template_text(tokenizer, messages, tools, True)
+
+    if prompts is not None:
+        return prompts.chat_ids(messages, tools, render)
+    # What apply_chat_template(tokenize=True) does after rendering, minus its BatchEncoding.
+    return tokenizer.encode(render(), add_special_tokens=False)
+
+
+def chat_messages(body: ChatCompletionIn) -> tuple[list[dict], list | None]:
+    """(messages as dicts, tools or None) of a chat request, as the template receives them."""
+    return [m.model_dump() for m in body.messages], body.tools or None
+
+
 def chat_prompt_ids(
     tokenizer: Any, body: ChatCompletionIn, prompts: PromptEncoder | None = None
 ) -> list[int]:
-    messages = [m.model_dump() for m in body.messages]
-    kwargs = {"tools": body.tools} if body.tools else {}
-
-    def render() -> str:
-        try:
-            return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **kwargs
-            )
-        except Exception as e:  # a template raising on the messages is the client's input at fault
-            raise ApiError(
-                400, f"the chat template cannot render these messages: {e}", "messages"
-            ) from e
-
-    if prompts is not None:
-        return prompts.chat_ids(messages, body.tools or None, render)
-    # What apply_chat_template(tokenize=True) does after rendering, minus its BatchEncoding.
-    return tokenizer.encode(render(), add_special_tokens=False)
+    return full_prompt_ids(tokenizer, *chat_messages(body), prompts)
 
 
 def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
@@ -123,21 +141,27 @@ def sampling_params(
     )
 
 
-def chat_request(
-    tokenizer: Any,
-    engine: Engine,
-    body: ChatCompletionIn,
-    prompts: PromptEncoder | None = None,
-):
-    """(prompt_ids, SamplingParams) for a chat completion."""
+def chat_max_tokens(body: ChatCompletionIn) -> int | None:
+    """Refuse what the engine cannot honour; the request's max_tokens (or None)."""
     _reject(body, {"top_logprobs": 0})
     mt, mct = body.max_tokens, body.max_completion_tokens
     if mt is not None and mct is not None and mt != mct:
         raise ApiError(
             400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens"
         )
+    return mct or mt
+
+
+def chat_request(
+    tokenizer: Any,
+    engine: Engine,
+    body: ChatCompletionIn,
+    prompts: PromptEncoder | None = None,
+):
+    """(prompt_ids, SamplingParams) for a chat completion, the prompt fully rendered."""
+    max_tokens = chat_max_tokens(body)
     prompt_ids = chat_prompt_ids(tokenizer, body, prompts)
-    return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), mct or mt)
+    return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), max_tokens)
 
 
 def completion_request(tokenizer: Any, engine: Engine, body: CompletionIn):

@@ -69,6 +69,15 @@ class TurnOut(BaseModel):
     model_version: int | None
     finish_reason: str | None
     created_at: float
+    context: Literal["exact", "rendered"] | None = Field(
+        description="how the prompt was built: the earlier turn's ids plus the new messages "
+        "(exact), or the chat template's full render (rendered); null for /v1/completions"
+    )
+    context_reason: str | None = Field(
+        description="why a chat prompt was rendered in full: policy, first_turn, forgotten, "
+        "no_match, template_prefix"
+    )
+    reused_tokens: int = Field(description="prompt ids taken as they were from the earlier turn")
 
 
 class RolloutDetailOut(RolloutOut):

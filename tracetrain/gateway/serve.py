@@ -181,6 +181,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="process",
         help="process: survive kill -9 (synchronous=NORMAL); power: also power loss (FULL)",
     )
+    p.add_argument(
+        "--context",
+        choices=["exact", "template"],
+        default="exact",
+        help="exact: a turn's prompt is the ids of the turn it follows plus the new messages; "
+        "template: the chat template's full render every time (docs/gateway.md)",
+    )
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -214,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             public_url=args.public_url,
             engine_factory=upstream_factory,
             close_engines=True,
+            context=args.context,
         )
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]

@@ -7,7 +7,9 @@
 
 A weight update is `await slot.drain(); update weights; slot.resume()`. Methods run on the
 gateway's event loop (from another thread use the HTTP routes). `slot.prompts` encodes rendered
-prompts for this engine's tokenizer (prompt_cache.PromptEncoder), built on first use.
+prompts for this engine's tokenizer (prompt_cache.PromptEncoder) and `slot.exact` builds exact
+prompts from earlier turns (context.ExactContext); both are built on first use, and again when the
+engine's tokenizer changes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from tracetrain.engines.base import Engine, EngineError
+from tracetrain.gateway.context import ExactContext
 from tracetrain.gateway.prompt_cache import PromptEncoder
+from tracetrain.gateway.render import template_text
 
 
 class EngineSlot:
@@ -34,12 +38,21 @@ class EngineSlot:
         self._idle = asyncio.Event()
         self._idle.set()
         self._prompts: PromptEncoder | None = None
+        self._exact: ExactContext | None = None
 
     @property
     def prompts(self) -> PromptEncoder:
         if self._prompts is None or self._prompts.tokenizer is not self.engine.tokenizer:
             self._prompts = PromptEncoder(self.engine.tokenizer)
         return self._prompts
+
+    @property
+    def exact(self) -> ExactContext:
+        prompts = self.prompts
+        if self._exact is None or self._exact.prompts is not prompts:
+            tok = prompts.tokenizer
+            self._exact = ExactContext(tok, prompts, lambda m, t, g: template_text(tok, m, t, g))
+        return self._exact
 
     @property
     def paused(self) -> bool:

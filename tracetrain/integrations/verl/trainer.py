@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tracetrain.gateway.context import context_metrics
 from tracetrain.integrations.verl.config import VerlConfig, build_verl_config
 
 
@@ -230,6 +231,7 @@ class VerlRun:
             "n_timed_out": states.count("timed_out"),
             "n_stale_rollouts": n_stale,
             **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
+            **context_metrics(self.store.turn_contexts([r.rollout_id for r in results])),
         }
         t1 = time.perf_counter()
         if batch.n_rows:
@@ -312,7 +314,8 @@ class VerlRun:
         admin_key = admin_key_for(cfg.gateway.host)
         sock = bind(cfg.gateway)
         app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
-                         public_url=public_url(cfg.gateway, sock.getsockname()[1]))
+                         public_url=public_url(cfg.gateway, sock.getsockname()[1]),
+                         context=cfg.gateway.context)
         sinks, history = metric_sinks(cfg, self.run_dir), []
         try:
             async with (

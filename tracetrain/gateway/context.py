@@ -1,0 +1,315 @@
+"""Exact context: a turn's prompt continues the token ids of the turn before it.
+
+A multi-turn agent sends its whole history on every call. Under `context: exact` (the default)
+the gateway does not re-render that history; it finds the latest earlier turn j of the rollout
+whose conversation is a prefix of the request's messages and builds
+
+    prompt = prompt_ids(j) + response_ids(j) + encode(rest + delta)
+
+    conversation(j)  the messages turn j was sent, then the assistant message the gateway answered
+                     it with. Compared with the request semantically (`answer_key`): an assistant
+                     message by its text (None == "", outer whitespace ignored) and its tool calls
+                     (name, and arguments as parsed JSON, so spacing, key order and string-or-object
+                     do not matter; call ids are ignored); any other message by value.
+    delta            the template's own rendering of the new messages at that position:
+                         longer  = render(base + new, add_generation_prompt=True)
+                         shorter = render(base)
+                         delta   = longer[len(shorter):]     used only if shorter is a prefix
+                     where base is the history cut to what the new messages' rendering can depend
+                     on (`_base`).
+    rest             what the template writes after an assistant message (its closing, ChatML's
+                     "<|im_end|>\\n"), less the tokens the response already ends with: the "\\n"
+                     after an <|im_end|> the model generated; all of it after a cut-off response.
+
+The model is then trained on the ids it saw: nothing it generated is decoded, re-serialized or
+re-tokenized, and earlier reasoning stays even where the template would drop it. When no earlier
+turn matches (the harness truncated, summarised or edited its history), or the template fails the
+prefix check, the prompt is the template's full render and the turn records why (REASONS). Under
+`context: template` every prompt is the full render.
+
+Memory: the last KEEP answered turns of each rollout (their messages, answer, ids), in an LRU over
+rollouts bounded by `max_bytes`. A gateway restart forgets them: the next turn of a rollout that was
+running renders in full (reason "forgotten").
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tracetrain.gateway.prompt_cache import PromptEncoder
+
+CONTEXT_POLICIES = ("exact", "template")
+EXACT, RENDERED = "exact", "rendered"
+# Why a turn's prompt was rendered in full:
+POLICY = "policy"  # context: template
+FIRST_TURN = "first_turn"  # the rollout's first call
+FORGOTTEN = "forgotten"  # earlier turns exist but the gateway holds none (restart, eviction)
+NO_MATCH = "no_match"  # no earlier turn's conversation is a prefix of the messages
+TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not a prefix
+REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
+
+KEEP = 8  # answered turns remembered per rollout
+_PLACEHOLDER = "…"  # stands for the answered message's text in the base (see _base)
+_PROBE = "\x00tracetrain-probe\x00"
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A chat prompt and how it was built (recorded with the turn)."""
+
+    prompt_ids: list[int]
+    context: str  # EXACT | RENDERED
+    reason: str | None  # for RENDERED: one of REASONS
+    reused_tokens: int  # prompt ids taken as they were from the earlier turn (not rendered)
+
+
+@dataclass(slots=True)
+class _Answered:
+    """One answered turn of a rollout: what it was sent, what it answered, its ids."""
+
+    sent: list[dict]
+    answer: tuple
+    tools: list | None
+    ids: array  # prompt_ids + response_ids
+    response_tail: list[int]
+
+    @property
+    def size(self) -> int:  # bytes, roughly: the ids, and the text the messages hold
+        return 4 * len(self.ids) + 16 * len(self.ids) + 200 * len(self.sent)
+
+
+# ------------------------------------------------------------------------- comparing messages
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text") or "" for p in content)
+    return orjson.dumps(content).decode()
+
+
+def _arguments(args: Any) -> bytes:
+    """Tool-call arguments, canonical: parsed JSON re-dumped with sorted keys; text that is not
+    JSON stays text."""
+    if isinstance(args, str):
+        try:
+            args = orjson.loads(args)
+        except orjson.JSONDecodeError:
+            return b"text:" + args.strip().encode()
+    try:
+        return orjson.dumps(args, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return b"repr:" + repr(args).encode()
+
+
+def answer_key(message: dict) -> tuple:
+    """An assistant message as the gateway compares it: (text stripped, ((name, arguments), ...))."""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        f = call.get("function", call) if isinstance(call, dict) else {}
+        f = f if isinstance(f, dict) else {}
+        calls.append((f.get("name"), _arguments(f.get("arguments"))))
+    return (_text(message.get("content")).strip(), tuple(calls))
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two messages of one history are the same: assistant messages by answer_key, others by value
+    (None-valued keys ignored)."""
+    if a == b:
+        return True
+    if a.get("role") != b.get("role"):
+        return False
+    if a.get("role") == "assistant":
+        return answer_key(a) == answer_key(b)
+    return {k: v for k, v in a.items() if v is not None} == {k: v for k, v in b.items() if v is not None}
+
+
+def _continues(entry: _Answered, messages: list[dict], tools: list | None) -> bool:
+    """entry's conversation (its messages, then its answer) is a prefix of `messages`."""
+    n = len(entry.sent)
+    if len(messages) <= n or entry.tools != tools:
+        return False
+    if messages[n].get("role") != "assistant" or answer_key(messages[n]) != entry.answer:
+        return False
+    head = messages[:n]
+    return head == entry.sent or all(map(_same, head, entry.sent))
+
+
+# ------------------------------------------------------------------------- the template's part
+
+
+def _base(history: list[dict]) -> list[dict]:
+    """The history cut to what the rendering of messages after it can depend on: the first message
+    if it is a system one (tools and defaults are rendered around it), the last user message, and
+    the answered assistant message with its text replaced and reasoning removed (tool calls kept),
+    so that a template that rewrites earlier assistant turns (drops their reasoning once a new user
+    message follows) renders the base alike with and without the new messages."""
+    answered = {k: v for k, v in history[-1].items() if k not in _REASONING_KEYS}
+    if _text(answered.get("content")):
+        answered["content"] = _PLACEHOLDER
+    base = []
+    if len(history) > 1 and history[0].get("role") in ("system", "developer"):
+        base.append(history[0])
+    for m in reversed(history[1 if base else 0 : -1]):
+        if m.get("role") == "user":
+            base.append(m)
+            break
+    base.append(answered)
+    return base
+
+
+class ExactContext:
+    """Exact prompts for one engine's tokenizer (module docstring). Not thread-safe: one per
+    event loop.
+
+    build(rollout_id, messages, tools, full, first)   -> Built
+    answered(rollout_id, messages, tools, answer, prompt_ids, response_ids)   remember a turn
+    forget(rollout_id)
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompts: PromptEncoder,
+        render: Callable[[list[dict], list | None, bool], str],
+        *,
+        max_bytes: int = 64 << 20,
+    ):
+        self.tokenizer, self.prompts, self.render = tokenizer, prompts, render
+        self.max_bytes = max_bytes
+        self._rollouts: OrderedDict[str, list[_Answered]] = OrderedDict()
+        self._bytes = 0
+        self._closings: dict[tuple[Any, bool], tuple[str, list[int]] | None] = {}
+
+    # -- building a prompt
+
+    def build(
+        self,
+        rollout_id: str,
+        messages: list[dict],
+        tools: list | None,
+        full: Callable[[], list[int]],
+        *,
+        first: bool,
+    ) -> Built:
+        """The prompt of a chat request under `context: exact`. `full()`: the template's full render
+        (ids); `first`: the rollout has made no model call yet."""
+        seen = self._rollouts.get(rollout_id)
+        if not seen:
+            return Built(full(), RENDERED, FIRST_TURN if first else FORGOTTEN, 0)
+        self._rollouts.move_to_end(rollout_id)
+        entry = next((e for e in reversed(seen) if _continues(e, messages, tools)), None)
+        if entry is None:
+            return Built(full(), RENDERED, NO_MATCH, 0)
+        suffix = self._suffix(messages, len(entry.sent) + 1, tools, entry.response_tail)
+        if suffix is None:
+            return Built(full(), RENDERED, TEMPLATE_PREFIX, 0)
+        prompt = entry.ids.tolist()
+        reused = len(prompt)
+        prompt += self.prompts.encode(suffix)
+        return Built(prompt, EXACT, None, reused)
+
+    def _closing(self, tools: list | None) -> tuple[str, list[int]] | None:
+        """(text, ids) the template writes after an assistant message's content; None if a probe
+        conversation does not show it."""
+        key = (getattr(self.tokenizer, "chat_template", None), bool(tools))
+        if key not in self._closings:
+            probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+            try:
+                text = self.render(probe, tools, False)
+            except Exception:  # a template that refuses the probe: no exact context with it
+                text = ""
+            at = text.rfind(_PROBE)
+            closing = text[at + len(_PROBE) :] if at >= 0 else None
+            self._closings[key] = (
+                None if closing is None else (closing, self.prompts.encode(closing))
+            )
+        return self._closings[key]
+
+    def _suffix(
+        self, messages: list[dict], n: int, tools: list | None, response_tail: Sequence[int]
+    ) -> str | None:
+        """rest + delta for the messages after messages[:n] (module docstring); None when the
+        template fails the prefix check."""
+        closing = self._closing(tools)
+        if closing is None:
+            return None
+        closing_text, closing_ids = closing
+        base = _base(messages[:n])
+        try:
+            shorter = self.render(base, tools, False)
+            longer = self.render(base + messages[n:], tools, True)
+        except Exception:  # the full render will say what is wrong (a 400) or succeed
+            return None
+        if not longer.startswith(shorter) or not shorter.endswith(closing_text):
+            return None
+        rest = closing_text
+        for t in range(min(len(closing_ids), len(response_tail)), 0, -1):
+            if list(response_tail[-t:]) == closing_ids[:t]:
+                done = self.tokenizer.decode(closing_ids[:t], skip_special_tokens=False)
+                if closing_text.startswith(done):
+                    rest = closing_text[len(done) :]
+                break
+        return rest + longer[len(shorter) :]
+
+    # -- remembering answered turns
+
+    def answered(
+        self,
+        rollout_id: str,
+        messages: list[dict],
+        tools: list | None,
+        answer: dict,
+        prompt_ids: Sequence[int],
+        response_ids: Sequence[int],
+    ) -> None:
+        entry = _Answered(
+            messages,
+            answer_key(answer),
+            tools,
+            array("i", prompt_ids) + array("i", response_ids),
+            list(response_ids[-8:]),
+        )
+        if entry.size > self.max_bytes // 8:
+            return
+        seen = self._rollouts.setdefault(rollout_id, [])
+        self._rollouts.move_to_end(rollout_id)
+        seen.append(entry)
+        self._bytes += entry.size
+        if len(seen) > KEEP:
+            self._bytes -= seen.pop(0).size
+        while self._bytes > self.max_bytes and self._rollouts:
+            _, old = self._rollouts.popitem(last=False)
+            self._bytes -= sum(e.size for e in old)
+
+    def forget(self, rollout_id: str) -> None:
+        old = self._rollouts.pop(rollout_id, None)
+        if old:
+            self._bytes -= sum(e.size for e in old)
+
+
+# ------------------------------------------------------------------------------ per step
+
+
+def context_metrics(turns: Sequence[tuple[str | None, str | None, int]]) -> dict[str, int]:
+    """Counts over (context, reason, reused_tokens) of a step's chat turns: context/exact,
+    context/rendered/<reason>, context/reused_tokens (prompt ids not rendered again)."""
+    out = {"context/exact": 0, **{f"context/rendered/{r}": 0 for r in REASONS},
+           "context/reused_tokens": 0}
+    for context, reason, reused in turns:
+        if context == EXACT:
+            out["context/exact"] += 1
+            out["context/reused_tokens"] += reused or 0
+        elif context == RENDERED:
+            out[f"context/rendered/{reason}"] += 1
+    return out
