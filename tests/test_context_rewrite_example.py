@@ -43,12 +43,15 @@ def test_summarizing_agent_rows_breaks_and_mass(tmp_path):
         results = asyncio.run(main())
         assert [r.reward for r in results] == [0.0, 0.0, 0.0, 0.0, 1.0]
         rollouts = gw.store.load_rollouts(rollout_ids=[s["rollout_id"] for s in specs])
+        # The gateway sees each rewritten history match no earlier turn: rendered in full.
+        how = [(t.context, t.context_reason) for s in specs for t in gw.store.get_turns(s["rollout_id"])]
     batch, metrics, breaks = aggregate(rollouts, max_prompt_length=512, max_response_length=64,
                                        pad_token_id=0, tokenizer=engine.tokenizer, return_breaks=True)
     # 4 games of 3 turns: each later turn rewrites the context (2 breaks each); 1 game of 1 turn.
     assert metrics["n_rows"] == 4 * 3 + 1
     assert metrics["n_multi_row_rollouts"] == 4 and metrics["max_rows_per_rollout"] == 3
     assert {b.kind for b in breaks} == {"context_rewrite"} and len(breaks) == 8
+    assert how.count(("rendered", "first_turn")) == 5 and how.count(("rendered", "no_match")) == 8
     (mb,) = plan_step(batch.response_mask, batch.rollout_index, mode="rollout-mean")
     row_mass = batch.response_mask.sum(1) * mb.row_scales
     per_rollout = torch.zeros(batch.n_rollouts).index_add_(0, batch.rollout_index, row_mass.float())

