@@ -55,6 +55,9 @@ class FakeConfig:
     fail_first: int = 0  # the first k generation requests fail...
     fail_status: int = 500  # ...with this HTTP status, or 0: the connection drops mid-answer
     delay_s: float = 0.0  # every generation request waits this long first
+    # Scripted answers (set with POST /fake/config): generation request k of a route answers
+    # replies[k % len(replies)] (token ids, cut at max_tokens) instead of random ids.
+    replies: list | None = None
 
 
 def fake_generation(
@@ -249,9 +252,14 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
                 "prompt must be a string or a non-empty list of token ids", param="prompt"
             )
         max_tokens, seed, stops = _params(body, cfg, prompt_ids)
-        ids, lps, finish = fake_generation(
-            prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
-        )
+        if cfg.replies:
+            ids = list(cfg.replies[(stats["completions"] - 1) % len(cfg.replies)])[:max_tokens]
+            lps = [-0.5] * len(ids)
+            finish = "stop" if ids[-1] in {cfg.eos_id, *stops} else "length"
+        else:
+            ids, lps, finish = fake_generation(
+                prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
+            )
         text = fake_detokenize(ids)
         choice: dict[str, Any] = {
             "index": 0,
@@ -307,9 +315,14 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             raise BadRequest("messages must be a non-empty list of objects", param="messages")
         prompt_ids = fake_tokenize(render_messages(messages))
         max_tokens, seed, stops = _params(body, cfg, prompt_ids)
-        ids, lps, finish = fake_generation(
-            prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
-        )
+        if cfg.replies:
+            ids = list(cfg.replies[(stats["chat"] - 1) % len(cfg.replies)])[:max_tokens]
+            lps = [-0.5] * len(ids)
+            finish = "stop" if ids[-1] in {cfg.eos_id, *stops} else "length"
+        else:
+            ids, lps, finish = fake_generation(
+                prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
+            )
         text = fake_detokenize(ids)
         logprobs = None
         if body.get("logprobs"):
@@ -564,9 +577,12 @@ def main(argv: list[str] | None = None) -> None:
         "--port", type=int, default=0, help="0: a free port (printed as FAKE_UPSTREAM_URL=...)"
     )
     for f in dataclasses.fields(FakeConfig):
+        if f.default is None:  # JSON values: POST /fake/config
+            continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     a = p.parse_args(argv)
-    cfg = FakeConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(FakeConfig)})
+    cfg = FakeConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(FakeConfig)
+                        if f.default is not None})
     sock = _listen(a.host, a.port)
     print(f"FAKE_UPSTREAM_URL=http://{a.host}:{sock.getsockname()[1]}", flush=True)
     try:
