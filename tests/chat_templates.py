@@ -8,6 +8,9 @@
                           its <think>...</think> (Qwen3, DeepSeek-R1).
     DEFAULT_SYSTEM_DATE   HERMES_TOOLS, plus a default system prompt with today's date when the
                           conversation has none (Llama 3.x, Qwen 2.5).
+    R1_STYLE              DeepSeek's markers (bos, <｜User｜>, <｜Assistant｜>, eos after each answer),
+                          the system prompt bare at the start, and every earlier assistant turn's
+                          <think>...</think> dropped (DeepSeek-R1).
     MARKS_LAST_MESSAGE    ChatML that tags the final message: appending a message changes how an
                           earlier one renders, so no rendering of "only the new messages" exists.
 """
@@ -103,6 +106,33 @@ def _hermes(*, drop_old_reasoning: bool = False, default_system: bool = False) -
 HERMES_TOOLS = _hermes()
 DROPS_OLD_REASONING = _hermes(drop_old_reasoning=True)
 DEFAULT_SYSTEM_DATE = _hermes(default_system=True)
+
+R1_STYLE = (
+    _TEXT
+    + "{{- bos_token -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- text(messages[0].content) -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '\n\nTools, one JSON schema per line; call one as <tool_call>{\"name\": NAME, "
+    "\"arguments\": ARGS}</tool_call>:' -}}"
+    "{%- for t in tools -%}{{- '\n' + (t | tojson) -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{- '<｜User｜>' + text(m.content) -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<｜User｜><tool_response>' + text(m.content) + '</tool_response>' -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set content = text(m.content).split('</think>')[-1] -%}"
+    "{{- '<｜Assistant｜>' + content -}}"
+    "{%- for tc in m.tool_calls or [] -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- set args = f.arguments if f.arguments is string else (f.arguments | tojson) -%}"
+    "{{- '<tool_call>{\"name\": \"' + f.name + '\", \"arguments\": ' + args + '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
 
 MARKS_LAST_MESSAGE = (
     _TEXT

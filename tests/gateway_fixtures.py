@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -83,6 +84,21 @@ class FakeEngine:
 
     async def aclose(self) -> None:
         pass
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers each call with the next token ids in `script`, whatever the prompt."""
+
+    def __init__(self, tokenizer=None):
+        super().__init__(tokenizer)
+        self.script: deque[list[int]] = deque()
+
+    async def generate(self, prompt_ids, params):
+        ids = self.script.popleft()
+        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+        gen = Generation(ids, [-0.5] * len(ids), finish, self.model_version)
+        self.calls.append((list(prompt_ids), gen))
+        return gen
 
 
 @dataclass

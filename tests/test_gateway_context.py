@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import json
 import random
-from collections import deque
 
 import pytest
 from chat_templates import DROPS_OLD_REASONING, MARKS_LAST_MESSAGE, with_template
-from gateway_fixtures import FakeEngine, live_gateway, tiny_tokenizer
+from gateway_fixtures import ScriptedEngine, live_gateway, tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
 from tracetrain.aggregate import aggregate
-from tracetrain.engines.base import Generation
 from tracetrain.gateway import create_app
 from tracetrain.gateway.context import context_metrics
 from tracetrain.gateway.serve import ThreadedServer
@@ -36,21 +34,6 @@ TOOLS = [
         },
     }
 ]
-
-
-class ScriptedEngine(FakeEngine):
-    """Answers each call with the next token ids in `script`, whatever the prompt."""
-
-    def __init__(self, tokenizer=None):
-        super().__init__(tokenizer)
-        self.script: deque[list[int]] = deque()
-
-    async def generate(self, prompt_ids, params):
-        ids = self.script.popleft()
-        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
-        gen = Generation(ids, [-0.5] * len(ids), finish, self.model_version)
-        self.calls.append((list(prompt_ids), gen))
-        return gen
 
 
 def turns_of(gw, rollout_id: str) -> list[dict]:
