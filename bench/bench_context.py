@@ -13,8 +13,9 @@ with the tools, as harnesses do. The chat template is HERMES_TOOLS (tests/chat_t
 
 Per policy and conversation length it prints, from the recorded turns (aggregate at the
 trajectory level, with the tokenizer): prefix breaks per rollout by kind, rows per rollout, the
-tokens a training step forwards per rollout, and the gateway's CPU per request (user + system of
-its process, from /proc): the mean over the conversation and at its last turn. Then the ratios.
+tokens a training step forwards per rollout, and the gateway's CPU per request (all its threads,
+from /proc/PID/task/*/schedstat): the mean over the conversation and over its last 4 turns. Each
+policy runs --repeats times, alternating; the ratios compare the medians.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import asyncio
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -51,6 +54,8 @@ TOOLS = [
         },
     }
 ]
+JSON = {"Content-Type": "application/json"}
+LAST = 4  # turns at the end of a conversation whose CPU is also shown apart
 SYSTEM = "You are a careful calculator agent. Use the calc tool for every step of arithmetic."
 TASK = "A shop sells pens at 17 each and pads at 29 each. What do 13 pens and 7 pads cost?"
 
@@ -67,9 +72,10 @@ def tokenizer(name: str):
 
 
 def scripted_replies(tok) -> list[list[int]]:
-    """Token ids of the model's answers: tool calls, each ended by eos."""
+    """Token ids of the model's answers: tool calls, each ended by eos. 16 of them: a round of 32
+    calls (any multiple of 16) gets each twice, whichever gateway it goes through."""
     out = []
-    for k in range(12):
+    for k in range(16):
         args = {"expr": f"{13 + k}*17 + {7 + k}*29"}
         as_template = '<tool_call>\n{"name": "calc", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
         compact = "<tool_call>" + json.dumps({"name": "calc", "arguments": args}, separators=(",", ":")) + "</tool_call>"
@@ -80,8 +86,30 @@ def scripted_replies(tok) -> list[list[int]]:
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a process, all its threads, from schedstat (nanoseconds; /proc/PID/stat
+    counts 10 ms ticks, too coarse for one round of requests)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total / 1e9
+
+
+# With 2+ CPUs the gateway gets the last one to itself and the clients and the fake upstream the
+# others: its CPU time per request then does not depend on where the scheduler put whom.
+CPUS = sorted(os.sched_getaffinity(0))
+GATEWAY_CPUS = CPUS[-1:] if len(CPUS) > 1 else CPUS
+OTHER_CPUS = CPUS[:-1] if len(CPUS) > 1 else CPUS
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    for task in Path(f"/proc/{pid}/task").iterdir():  # every thread, those started so far
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, OSError):
+            pass
 
 
 def start_gateway(db: Path, upstream: str, tokdir: str, key: str, context: str):
@@ -90,6 +118,7 @@ def start_gateway(db: Path, upstream: str, tokdir: str, key: str, context: str):
            "--tokenizer", tokdir, "--max-context", "16384", "--context", context]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "TRACETRAIN_ADMIN_KEY": key})
+    pin(proc.pid, GATEWAY_CPUS)
     line = proc.stdout.readline()
     if not line.startswith("TRACETRAIN_GATEWAY_URL="):
         proc.kill()
@@ -97,69 +126,91 @@ def start_gateway(db: Path, upstream: str, tokdir: str, key: str, context: str):
     return proc, line.strip().split("=", 1)[1]
 
 
-async def play(url: str, key: str, clients: int, turns: int, pid: int) -> tuple[list[str], list[float]]:
-    """`clients` conversations of `turns` calls, in lockstep; returns (rollout ids, gateway CPU
-    seconds per request at each turn)."""
-    admin = {"Authorization": f"Bearer {key}"}
-    async with aiohttp.ClientSession(headers=admin) as s:
-        async with s.post(url + "/rollouts", json={"rollouts": [{}] * clients}) as r:
-            made = (await r.json())["rollouts"]
-    sessions = [
-        aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1),
-            headers={"Authorization": f"Bearer {m['api_key']}"},
-        )
-        for m in made
-    ]
-    histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-                 for _ in made]
+class Agents:
+    """`clients` conversations through one gateway: one rollout and keep-alive connection each."""
 
-    async def call(k: int) -> None:
-        body = {"model": "fake", "messages": histories[k], "tools": TOOLS, "max_tokens": 96}
-        async with sessions[k].post(made[k]["base_url"] + "/chat/completions", json=body) as r:
-            answer = await r.json()
+    def __init__(self, url: str, key: str, clients: int, pid: int):
+        self.url, self.key, self.clients, self.pid = url, key, clients, pid
+        self.cpu_per_request: list[float] = []  # gateway CPU seconds per request, each turn
+
+    async def __aenter__(self):
+        admin = {"Authorization": f"Bearer {self.key}"}
+        async with aiohttp.ClientSession(headers=admin) as s:
+            async with s.post(self.url + "/rollouts", json={"rollouts": [{}] * self.clients}) as r:
+                self.made = (await r.json())["rollouts"]
+        self.sessions = [
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1),
+                                  headers={"Authorization": f"Bearer {m['api_key']}"})
+            for m in self.made
+        ]
+        self.histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+                          for _ in self.made]
+        return self
+
+    async def __aexit__(self, *exc):
+        for s in self.sessions:
+            await s.close()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.key}"}) as s:
+            patch = {"rollouts": [{"rollout_id": m["rollout_id"], "state": "succeeded"}
+                                  for m in self.made]}
+            async with s.patch(self.url + "/rollouts", json=patch) as r:
+                assert r.status == 200, await r.text()
+
+    async def call(self, k: int) -> None:
+        """Agent k's next model call: its whole history and the tools, as harnesses send them;
+        the answer and the tool results are appended to the history."""
+        history = self.histories[k]
+        body = {"model": "fake", "messages": history, "tools": TOOLS, "max_tokens": 96}
+        async with self.sessions[k].post(self.made[k]["base_url"] + "/chat/completions",
+                                         data=orjson.dumps(body), headers=JSON) as r:
+            answer = orjson.loads(await r.read())
             assert r.status == 200, answer
         message = answer["choices"][0]["message"]
-        histories[k].append({key: v for key, v in message.items() if v is not None})
+        history.append({key: v for key, v in message.items() if v is not None})
         for tc in message.get("tool_calls") or []:
-            histories[k].append({"role": "tool", "tool_call_id": tc["id"],
-                                 "content": f"{1000 + 37 * len(histories[k])}"})
+            history.append({"role": "tool", "tool_call_id": tc["id"],
+                            "content": f"{1000 + 37 * len(history)}"})
         if not message.get("tool_calls"):
-            histories[k].append({"role": "user", "content": "Go on."})
+            history.append({"role": "user", "content": "Go on."})
 
-    per_turn = []
+    async def turn(self) -> None:
+        """Every agent's next call at once; the gateway's CPU for them is recorded."""
+        c0 = cpu_s(self.pid)
+        await asyncio.gather(*(self.call(k) for k in range(self.clients)))
+        self.cpu_per_request.append((cpu_s(self.pid) - c0) / self.clients)
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return [m["rollout_id"] for m in self.made]
+
+
+async def play(gateways: dict, clients: int, turns: int) -> dict[str, Agents]:
+    """The same conversations through each gateway, turn by turn, alternating which goes first:
+    the machine's speed drifts (here by up to a third within seconds) hit both alike."""
+    agents = {c: Agents(url, key, clients, pid) for c, (url, key, pid) in gateways.items()}
+    for a in agents.values():
+        await a.__aenter__()
     try:
-        for _ in range(turns):
-            c0 = cpu_s(pid)
-            await asyncio.gather(*(call(k) for k in range(clients)))
-            per_turn.append((cpu_s(pid) - c0) / clients)
+        order = list(agents)
+        for turn in range(turns):
+            for c in order if turn % 2 == 0 else order[::-1]:
+                await agents[c].turn()
     finally:
-        for s in sessions:
-            await s.close()
-    async with aiohttp.ClientSession(headers=admin) as s:
-        patch = {"rollouts": [{"rollout_id": m["rollout_id"], "state": "succeeded"} for m in made]}
-        async with s.patch(url + "/rollouts", json=patch) as r:
-            assert r.status == 200, await r.text()
-    return [m["rollout_id"] for m in made], per_turn
+        for a in agents.values():
+            await a.__aexit__()
+    return agents
 
 
-def run(context: str, turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict:
+def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     from tracetrain.aggregate import aggregate
     from tracetrain.store import SQLiteStore
 
-    key = secrets.token_hex(16)
-    db = tmp / f"{context}-{turns}.db"
-    proc, url = start_gateway(db, upstream, tokdir, key, context)
-    try:
-        ids, per_turn = asyncio.run(play(url, key, args.clients, turns, proc.pid))
-    finally:
-        proc.kill()
-        proc.wait()
     with SQLiteStore(db) as store:
-        rollouts = store.load_rollouts(rollout_ids=ids)
+        rollouts = store.load_rollouts(rollout_ids=agents.rollout_ids)
     _, m = aggregate(rollouts, max_prompt_length=16384, max_response_length=16384,
                      pad_token_id=tok.pad_token_id or 0, tokenizer=tok)
     n = len(rollouts)
+    per_turn = agents.cpu_per_request
     out = {
         "context": context,
         "turns": turns,
@@ -169,12 +220,38 @@ def run(context: str, turns: int, args, tok, tokdir: str, upstream: str, tmp: Pa
         "rows": m["n_rows"] / n,
         "forward_tokens": m["tokens/non_pad"] / n,
         "cpu_ms": 1e3 * sum(per_turn) / len(per_turn),
-        "cpu_ms_last": 1e3 * per_turn[-1],
+        "cpu_ms_last": 1e3 * sum(per_turn[-LAST:]) / len(per_turn[-LAST:]),
     }
     kinds = " ".join(f"{k[:6]} {v:.2f}" for k, v in out["by_kind"].items())
     print(f"  {context:<8} {turns:3d} turns: breaks/rollout {out['breaks']:6.2f} ({kinds})  "
           f"rows/rollout {out['rows']:6.2f}  forward tokens/rollout {out['forward_tokens']:8.0f}  "
-          f"gateway CPU {out['cpu_ms']:.2f} ms/req (last turn {out['cpu_ms_last']:.2f})", flush=True)
+          f"gateway CPU {out['cpu_ms']:.2f} ms/req (last {LAST} turns {out['cpu_ms_last']:.2f})", flush=True)
+    return out
+
+
+def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[str, dict]:
+    """Both policies side by side, each its own gateway process, on the same CPU."""
+    procs, gateways, dbs = [], {}, {}
+    try:
+        for c in ("template", "exact"):
+            key = secrets.token_hex(16)
+            dbs[c] = tmp / f"{c}-{turns}-{secrets.token_hex(4)}.db"
+            proc, url = start_gateway(dbs[c], upstream, tokdir, key, c)
+            procs.append(proc)
+            gateways[c] = (url, key, proc.pid)
+        agents = asyncio.run(play(gateways, args.clients, turns))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return {c: figures(c, turns, agents[c], dbs[c], tok) for c in agents}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The runs' figures (all equal but the CPU ones) with the CPU figures' medians."""
+    out = dict(runs[0])
+    for k in ("cpu_ms", "cpu_ms_last"):
+        out[k] = statistics.median(r[k] for r in runs)
     return out
 
 
@@ -182,18 +259,21 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--turns", type=int, nargs="+", default=[8, 32])
     p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs per policy; CPU figures: medians")
     p.add_argument("--tokenizer", default="qwen", choices=["qwen", "smollm2", "deepseek", "tiny"])
     args = p.parse_args(argv)
     tok = tokenizer(args.tokenizer)
     print(f"tokenizer {args.tokenizer} ({len(tok)} ids), template "
           f"{'its own' if args.tokenizer == 'smollm2' else 'HERMES_TOOLS'}; {args.clients} clients; "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"gateway on CPU {GATEWAY_CPUS}, clients and fake upstream on {OTHER_CPUS}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         tokdir = str(tmp / "tok")
         tok.save_pretrained(tokdir)
+        pin(os.getpid(), OTHER_CPUS)
         fake, upstream = spawn_fake_upstream(vocab_size=len(tok), eos_id=tok.eos_token_id,
                                              max_model_len=16384)
+        pin(fake.pid, OTHER_CPUS)
         try:
             async def script():
                 async with aiohttp.ClientSession() as s:
@@ -204,11 +284,15 @@ def main(argv=None) -> None:
             results = []
             for turns in args.turns:
                 t0 = time.perf_counter()
-                pair = {c: run(c, turns, args, tok, tokdir, upstream, tmp) for c in ("template", "exact")}
+                runs = {"template": [], "exact": []}
+                for _ in range(args.repeats):
+                    for c, out in run(turns, args, tok, tokdir, upstream, tmp).items():
+                        runs[c].append(out)
+                pair = {c: median_run(rs) for c, rs in runs.items()}
                 results.append(pair)
                 e, t = pair["exact"], pair["template"]
-                print(f"  {turns} turns, template / exact: gateway CPU per request "
-                      f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last turn {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x), "
+                print(f"  {turns} turns, medians of {args.repeats}, template / exact: gateway CPU per request "
+                      f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x), "
                       f"forward tokens {t['forward_tokens'] / e['forward_tokens']:.2f}x, "
                       f"rows {t['rows'] / e['rows']:.2f}x   [{time.perf_counter() - t0:.0f} s]", flush=True)
         finally:

@@ -36,6 +36,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -142,9 +143,9 @@ def _params(
     body: dict, cfg: FakeConfig, prompt_ids: list[int]
 ) -> tuple[int, int | None, list[int]]:
     """(max_tokens, seed, stop ids) checked like vLLM does; 400 for a prompt over the context."""
-    for i in prompt_ids:
-        if not 0 <= i < cfg.vocab_size:
-            raise BadRequest(f"Token id {i} is out of vocabulary", param="prompt")
+    if prompt_ids and not (0 <= min(prompt_ids) and max(prompt_ids) < cfg.vocab_size):
+        i = next(i for i in prompt_ids if not 0 <= i < cfg.vocab_size)
+        raise BadRequest(f"Token id {i} is out of vocabulary", param="prompt")
     room = cfg.max_model_len - len(prompt_ids)
     max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1)
     if max_tokens is None:
@@ -221,7 +222,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
 
     async def read_body(request: Request, generation: bool = True) -> dict:
         try:
-            body = json.loads(await request.body())
+            body = orjson.loads(await request.body())
         except ValueError as e:
             raise BadRequest(f"body is not JSON: {e}") from None
         if not isinstance(body, dict):

@@ -170,28 +170,35 @@ class Turn:
     def validate(self, rollout_id: str | None = None, turn_index: int | None = None) -> None:
         where = _where(rollout_id, turn_index)
         _check_ids(self.prompt_ids, "prompt_ids", where, allow_empty=False)
-        _check_ids(self.response_ids, "response_ids", where, allow_empty=False)
-        lp = self.response_logprobs
-        if lp is not None:
-            if not isinstance(lp, (list, array)):
-                raise TraceError(f"{where}response_logprobs must be a list (or array.array) of float "
-                                 f"or None, got {type(lp).__name__}")
-            if len(lp) != len(self.response_ids):
-                raise TraceError(
-                    f"{where}response_logprobs has {len(lp)} values but response_ids has "
-                    f"{len(self.response_ids)} tokens; they must match one to one"
-                )
-            if isinstance(lp, array):
-                _check_logprob_array(lp, where)
-            elif not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
-                for j, v in enumerate(lp):
-                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                        raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; it must be a finite float")
-                    if v > LOGPROB_TOLERANCE:
-                        raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; a log-probability is <= 0")
-        mv = self.model_version
-        if mv is not None and (type(mv) is not int or mv < 0):
-            raise TraceError(f"{where}model_version is {mv!r}; it must be an int >= 0 or None")
+        check_generation(self.response_ids, self.response_logprobs, self.model_version, where)
+
+
+def check_generation(
+    response_ids: object, response_logprobs: object, model_version: object, where: str = ""
+) -> None:
+    """The checks a Turn runs on what the engine produced (response ids, logprobs, version)."""
+    _check_ids(response_ids, "response_ids", where, allow_empty=False)
+    lp = response_logprobs
+    if lp is not None:
+        if not isinstance(lp, (list, array)):
+            raise TraceError(f"{where}response_logprobs must be a list (or array.array) of float "
+                             f"or None, got {type(lp).__name__}")
+        if len(lp) != len(response_ids):
+            raise TraceError(
+                f"{where}response_logprobs has {len(lp)} values but response_ids has "
+                f"{len(response_ids)} tokens; they must match one to one"
+            )
+        if isinstance(lp, array):
+            _check_logprob_array(lp, where)
+        elif not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
+            for j, v in enumerate(lp):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; it must be a finite float")
+                if v > LOGPROB_TOLERANCE:
+                    raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; a log-probability is <= 0")
+    mv = model_version
+    if mv is not None and (type(mv) is not int or mv < 0):
+        raise TraceError(f"{where}model_version is {mv!r}; it must be an int >= 0 or None")
 
 
 @dataclass

@@ -68,21 +68,25 @@ class Built:
     context: str  # EXACT | RENDERED
     reason: str | None  # for RENDERED: one of REASONS
     reused_tokens: int  # prompt ids taken as they were from the earlier turn (not rendered)
+    ids: array | None = None  # prompt_ids as an int32 array, when built from one
 
 
 @dataclass(slots=True)
 class _Answered:
-    """One answered turn of a rollout: what it was sent, what it answered, its ids."""
+    """One answered turn of a rollout: what it was sent, what it answered, its ids. Kept as bytes,
+    arrays and tuples of atoms, which the garbage collector does not traverse: holding the
+    messages as dicts made its full collections cost more than building the prompts."""
 
-    sent: list[dict]
-    answer: tuple
-    tools: list | None
+    sent: bytes  # the JSON of the messages the turn was sent
+    n_sent: int
+    answer: tuple  # answer_key of the assistant message it answered with
+    tools: bytes  # the JSON of the tools it was sent
     ids: array  # prompt_ids + response_ids
-    response_tail: list[int]
+    response_tail: tuple[int, ...]
 
     @property
-    def size(self) -> int:  # bytes, roughly: the ids, and the text the messages hold
-        return 4 * len(self.ids) + 16 * len(self.ids) + 200 * len(self.sent)
+    def size(self) -> int:  # bytes, roughly
+        return len(self.sent) + len(self.tools) + 4 * len(self.ids) + 300
 
 
 # ------------------------------------------------------------------------- comparing messages
@@ -134,15 +138,23 @@ def _same(a: dict, b: dict) -> bool:
     return {k: v for k, v in a.items() if v is not None} == {k: v for k, v in b.items() if v is not None}
 
 
-def _continues(entry: _Answered, messages: list[dict], tools: list | None) -> bool:
-    """entry's conversation (its messages, then its answer) is a prefix of `messages`."""
-    n = len(entry.sent)
+def _json(value: Any) -> bytes | None:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # not JSON (an int over 64 bits in an extra field): never matched
+        return None
+
+
+def _continues(entry: _Answered, messages: list[dict], tools: bytes) -> bool:
+    """entry's conversation (its messages, then its answer) is a prefix of `messages`: the same
+    JSON (the harness resent its history unchanged), or else the same messages by `_same`."""
+    n = entry.n_sent
     if len(messages) <= n or entry.tools != tools:
         return False
     if messages[n].get("role") != "assistant" or answer_key(messages[n]) != entry.answer:
         return False
     head = messages[:n]
-    return head == entry.sent or all(map(_same, head, entry.sent))
+    return _json(head) == entry.sent or all(map(_same, head, orjson.loads(entry.sent)))
 
 
 # ------------------------------------------------------------------------- the template's part
@@ -151,9 +163,10 @@ def _continues(entry: _Answered, messages: list[dict], tools: list | None) -> bo
 def _base(history: list[dict]) -> list[dict]:
     """The history cut to what the rendering of messages after it can depend on: the first message
     if it is a system one (tools and defaults are rendered around it), the last user message, and
-    the answered assistant message with its text replaced and reasoning removed (tool calls kept),
-    so that a template that rewrites earlier assistant turns (drops their reasoning once a new user
-    message follows) renders the base alike with and without the new messages."""
+    the answered assistant message with its text replaced and its reasoning removed (its tool
+    calls kept: a template may pair results with calls). So a template that rewrites earlier
+    assistant turns (drops their reasoning once a new user message follows) renders the base alike
+    with and without the new messages."""
     answered = {k: v for k, v in history[-1].items() if k not in _REASONING_KEYS}
     if _text(answered.get("content")):
         answered["content"] = _PLACEHOLDER
@@ -208,16 +221,15 @@ class ExactContext:
         if not seen:
             return Built(full(), RENDERED, FIRST_TURN if first else FORGOTTEN, 0)
         self._rollouts.move_to_end(rollout_id)
-        entry = next((e for e in reversed(seen) if _continues(e, messages, tools)), None)
+        tools_json = _json(tools)
+        entry = next((e for e in reversed(seen) if _continues(e, messages, tools_json)), None)
         if entry is None:
             return Built(full(), RENDERED, NO_MATCH, 0)
-        suffix = self._suffix(messages, len(entry.sent) + 1, tools, entry.response_tail)
+        suffix = self._suffix(messages, entry.n_sent + 1, tools, entry.response_tail)
         if suffix is None:
             return Built(full(), RENDERED, TEMPLATE_PREFIX, 0)
-        prompt = entry.ids.tolist()
-        reused = len(prompt)
-        prompt += self.prompts.encode(suffix)
-        return Built(prompt, EXACT, None, reused)
+        ids = entry.ids + array("i", self.prompts.encode(suffix))
+        return Built(ids.tolist(), EXACT, None, len(entry.ids), ids)
 
     def _closing(self, tools: list | None) -> tuple[str, list[int]] | None:
         """(text, ids) the template writes after an assistant message's content; None if a probe
@@ -273,12 +285,13 @@ class ExactContext:
         prompt_ids: Sequence[int],
         response_ids: Sequence[int],
     ) -> None:
+        sent, tools_json = _json(messages), _json(tools)
+        if sent is None or tools_json is None:
+            return
+        prompt = prompt_ids if isinstance(prompt_ids, array) else array("i", prompt_ids)
         entry = _Answered(
-            messages,
-            answer_key(answer),
-            tools,
-            array("i", prompt_ids) + array("i", response_ids),
-            list(response_ids[-8:]),
+            sent, len(messages), answer_key(answer), tools_json,
+            prompt + array("i", response_ids), tuple(response_ids[-8:]),
         )
         if entry.size > self.max_bytes // 8:
             return

@@ -37,7 +37,7 @@ from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionI
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.tool_calls import parse_tool_calls
 from tracetrain.store import RolloutEnded, RolloutHead
-from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, Turn
+from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
 
 router = APIRouter(tags=["openai"])
 _ID = re.compile(ID_PATTERN)
@@ -89,7 +89,8 @@ async def generate_turn(
         try:
             if not isinstance(gen, Generation):
                 raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
-            Turn(prompt_ids, gen.response_ids, gen.response_logprobs, gen.model_version)
+            # the prompt ids are the gateway's own; what the engine made is checked as a Turn would
+            check_generation(gen.response_ids, gen.response_logprobs, gen.model_version)
         except TraceError as e:
             raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
         index = await store.add_turn(
@@ -147,7 +148,7 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     max_tokens = render.chat_max_tokens(body)
-    messages, tools = render.chat_messages(body)
+    messages, tools = render.chat_messages(body, raw)
 
     def full() -> list[int]:
         return render.full_prompt_ids(tok, messages, tools, slot.prompts)
@@ -170,9 +171,8 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     finish = "tool_calls" if tool_calls else gen.finish_reason
     if gw.context == "exact":
         answer = {"role": "assistant", "content": content, "tool_calls": tool_calls}
-        slot.exact.answered(
-            rollout.rollout_id, messages, tools, answer, prompt_ids, gen.response_ids
-        )
+        prompt = prompt_ids if built.ids is None else built.ids
+        slot.exact.answered(rollout.rollout_id, messages, tools, answer, prompt, gen.response_ids)
     logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None
     base = {
         "id": f"chatcmpl-{rollout.rollout_id}-{index}",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.prompt_cache import PromptEncoder
@@ -48,15 +50,12 @@ def full_prompt_ids(
     return tokenizer.encode(render(), add_special_tokens=False)
 
 
-def chat_messages(body: ChatCompletionIn) -> tuple[list[dict], list | None]:
-    """(messages as dicts, tools or None) of a chat request, as the template receives them."""
-    return [m.model_dump() for m in body.messages], body.tools or None
-
-
-def chat_prompt_ids(
-    tokenizer: Any, body: ChatCompletionIn, prompts: PromptEncoder | None = None
-) -> list[int]:
-    return full_prompt_ids(tokenizer, *chat_messages(body), prompts)
+def chat_messages(body: ChatCompletionIn, raw: bytes) -> tuple[list[dict], list | None]:
+    """(messages as dicts, tools or None) of a chat request, as the template receives them: the
+    messages as sent (`raw`, the JSON pydantic validated into `body`), with content None where
+    absent."""
+    messages = orjson.loads(raw)["messages"]
+    return [m if "content" in m else {**m, "content": None} for m in messages], body.tools or None
 
 
 def completion_prompt_ids(tokenizer: Any, body: CompletionIn) -> list[int]:
@@ -150,18 +149,6 @@ def chat_max_tokens(body: ChatCompletionIn) -> int | None:
             400, f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ", "max_tokens"
         )
     return mct or mt
-
-
-def chat_request(
-    tokenizer: Any,
-    engine: Engine,
-    body: ChatCompletionIn,
-    prompts: PromptEncoder | None = None,
-):
-    """(prompt_ids, SamplingParams) for a chat completion, the prompt fully rendered."""
-    max_tokens = chat_max_tokens(body)
-    prompt_ids = chat_prompt_ids(tokenizer, body, prompts)
-    return prompt_ids, sampling_params(tokenizer, engine, body, len(prompt_ids), max_tokens)
 
 
 def completion_request(tokenizer: Any, engine: Engine, body: CompletionIn):

@@ -185,7 +185,12 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(Loose):
+class ChatMessage(BaseModel):
+    """Role and content are checked; every other field (tool_calls, tool_call_id, name, ...)
+    reaches the chat template as sent (the gateway reads the messages from the request's JSON)
+    and is not copied here, which halves the cost of parsing a long history."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
