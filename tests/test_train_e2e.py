@@ -55,6 +55,17 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
     for m in rows:
         assert m["aggregate/n_rows"] > 0 and m["aggregate/n_rollouts"] > 0
         assert torch.isfinite(torch.tensor(m["loss"]))
+        # How prompts were built (gateway context: exact): each rollout's first call renders the
+        # template, every later call of the guessing game continues the one before it.
+        db = sqlite3.connect(run / "traces.db")
+        ids = ids_of_step(run, m["step"])
+        n_turns = db.execute(f"SELECT count(*) FROM turns WHERE rollout_id IN ({','.join('?' * len(ids))})",
+                             ids).fetchone()[0]
+        db.close()
+        assert m["context/rendered/first_turn"] == len(ids) == 3 * 4
+        assert m["context/exact"] == n_turns - len(ids)
+        assert m["context/rendered/no_match"] == m["context/rendered/template_prefix"] == 0
+        assert m["aggregate/breaks/total"] == 0
         assert 0.0 <= m["reward_mean"] <= 1.0
     assert [m["model_version"] for m in rows] == [1, 2]  # one bump per step
     assert "eval/reward_mean" in rows[1]
