@@ -9,7 +9,7 @@ call, a third in compact JSON, a third after a sentence of text. `--clients` age
 each, one keep-alive connection each) play a `--turns`-turn conversation in lockstep: each sends
 its whole history (system prompt, task, every answer as the SDK returned it, every tool result)
 with the tools, as harnesses do. The chat template is HERMES_TOOLS (tests/chat_templates.py: Qwen
-2.5 / Hermes behaviour) on the Qwen tokenizer (tests/real_tokenizers.py), or the tokenizer's own.
+2.5 / Hermes behaviour) on the Qwen tokenizer (tests/real_tokenizers.py) or another (--tokenizer).
 
 Per policy and conversation length it prints, from the recorded turns (aggregate at the
 trajectory level, with the tokenizer): prefix breaks per rollout by kind, rows per rollout, the
@@ -67,8 +67,7 @@ def tokenizer(name: str):
         return with_template(build_tokenizer(), HERMES_TOOLS)
     import real_tokenizers
 
-    tok = getattr(real_tokenizers, name)()
-    return tok if name == "smollm2" else with_template(tok, HERMES_TOOLS)
+    return with_template(getattr(real_tokenizers, name)(), HERMES_TOOLS)
 
 
 def scripted_replies(tok) -> list[list[int]]:
@@ -263,8 +262,7 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", default="qwen", choices=["qwen", "smollm2", "deepseek", "tiny"])
     args = p.parse_args(argv)
     tok = tokenizer(args.tokenizer)
-    print(f"tokenizer {args.tokenizer} ({len(tok)} ids), template "
-          f"{'its own' if args.tokenizer == 'smollm2' else 'HERMES_TOOLS'}; {args.clients} clients; "
+    print(f"tokenizer {args.tokenizer} ({len(tok)} ids), template HERMES_TOOLS; {args.clients} clients; "
           f"gateway on CPU {GATEWAY_CPUS}, clients and fake upstream on {OTHER_CPUS}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
