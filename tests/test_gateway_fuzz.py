@@ -94,6 +94,7 @@ def valid_request(op, rid: str) -> dict:
         "GET /rollouts/{rollout_id}/events": {},
         "POST /rollouts/{rollout_id}/v1/chat/completions": {"body": chat},
         "POST /rollouts/{rollout_id}/v1/completions": {"body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+        "POST /rollouts/{rollout_id}/v1/responses": {"body": {"input": "hi", "max_output_tokens": 2}},
         "GET /rollouts/{rollout_id}/v1/models": {},
         "GET /engines": {},
         "POST /engines": {"body": {"name": "fuzz-engine", "base_url": "http://127.0.0.1:9", "model": "m"}},

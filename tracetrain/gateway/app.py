@@ -23,7 +23,14 @@ from fastapi import FastAPI, Request
 from starlette.types import Receive, Scope, Send
 
 from tracetrain.engines.base import Engine, EngineError
-from tracetrain.gateway import engine_routes, errors, hot, openai_routes, rollout_routes
+from tracetrain.gateway import (
+    engine_routes,
+    errors,
+    hot,
+    openai_routes,
+    responses_routes,
+    rollout_routes,
+)
 from tracetrain.gateway.context import CONTEXT_POLICIES
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
@@ -164,7 +171,7 @@ def create_app(
     app.state.gateway = app.gateway = gw
     errors.install(app)
     app.include_router(rollout_routes.router)
-    openai_routes.install(app)
+    openai_routes.install(app, [*openai_routes.HOT_ROUTES, responses_routes.ROUTE])
     app.include_router(engine_routes.router)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
 

@@ -1,8 +1,9 @@
 """The model routes answered straight from ASGI, before FastAPI's middleware stack and router.
 
-    POST /rollouts/{rollout_id}/v1/chat/completions | /v1/completions
-      -> size limit (limits.declared_error, limits.read_body) -> openai_routes.chat_turn or
-         completion_turn -> the answer; an exception -> errors.handle, as the FastAPI routes do
+    POST /rollouts/{rollout_id}/v1/chat/completions | /v1/completions | /v1/responses
+      -> size limit (limits.declared_error, limits.read_body) -> openai_routes.chat_turn,
+         completion_turn or responses_routes.responses_turn -> the answer; an exception ->
+         errors.handle, as the FastAPI routes do
 
 Every agent call takes this path; on the shared 2-core machine the middleware stack (five layers)
 and the route matching over every route cost about as much as rendering the prompt. The behaviour
@@ -18,8 +19,11 @@ import re
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from tracetrain.gateway import errors, limits
-from tracetrain.gateway.openai_routes import HOT_PATH, TURNS
+from tracetrain.gateway import errors, limits, openai_routes, responses_routes
+
+# What is served here, before the middleware stack: path -> (rollout id, route)
+HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions|responses)")
+TURNS = {**openai_routes.TURNS, "responses": responses_routes.responses_turn}
 
 log = logging.getLogger("tracetrain.gateway")
 

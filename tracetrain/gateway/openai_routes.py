@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -141,14 +142,40 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     ]
 
 
-async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
-    """OpenAI chat completion: one turn of the rollout."""
-    rollout = _rollout(gw, authorization, rollout_id)
-    body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
-    slot = gw.slot_for(rollout)
+@dataclass
+class ChatAnswer:
+    """One chat-shaped turn, generated and recorded: what every chat-shaped API answers from."""
+
+    prompt_ids: list[int]
+    gen: Generation
+    index: int
+    params: SamplingParams
+    content: str | None  # the text, without the tool-call blocks parsed out of it
+    tool_calls: list[dict[str, Any]]  # OpenAI chat shape: {id, type, function: {name, arguments}}
+
+    @property
+    def finish(self) -> str | None:
+        return "tool_calls" if self.tool_calls else self.gen.finish_reason
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant message, as a chat client sends it back."""
+        return {"role": "assistant", "content": self.content, "tool_calls": self.tool_calls}
+
+
+async def chat_answer(
+    gw,
+    rollout: RolloutHead,
+    slot: EngineSlot,
+    messages: list[dict],
+    tools: list | None,
+    sampling: Any,
+    max_tokens: int | None,
+) -> ChatAnswer:
+    """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
+    ids + the new messages, or the template's full render) -> generate and record -> the answer,
+    tool calls parsed when tools were offered. `sampling`: temperature, top_p, stop, seed."""
     tok = slot.engine.tokenizer
-    max_tokens = render.chat_max_tokens(body)
-    messages, tools = render.chat_messages(body, raw)
 
     def full() -> list[int]:
         return render.full_prompt_ids(tok, messages, tools, slot.prompts)
@@ -159,20 +186,32 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     else:
         built = Built(full(), RENDERED, POLICY, 0)
     prompt_ids = built.prompt_ids
-    params = render.sampling_params(tok, slot.engine, body, len(prompt_ids), max_tokens)
+    params = render.sampling_params(tok, slot.engine, sampling, len(prompt_ids), max_tokens)
     how = (built.context, built.reason, built.reused_tokens)
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
 
     text = _text(tok, gen, params)
-    tool_calls: list[dict[str, Any]] = []
-    content: str | None = text
-    if body.tools:
-        content, tool_calls = parse_tool_calls(text)
-    finish = "tool_calls" if tool_calls else gen.finish_reason
+    content, tool_calls = parse_tool_calls(text) if tools else (text, [])
+    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls)
     if gw.context == "exact":
-        answer = {"role": "assistant", "content": content, "tool_calls": tool_calls}
         prompt = prompt_ids if built.ids is None else built.ids
-        slot.exact.answered(rollout.rollout_id, messages, tools, answer, prompt, gen.response_ids)
+        slot.exact.answered(
+            rollout.rollout_id, messages, tools, answer.message, prompt, gen.response_ids
+        )
+    return answer
+
+
+async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+    """OpenAI chat completion: one turn of the rollout."""
+    rollout = _rollout(gw, authorization, rollout_id)
+    body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
+    slot = gw.slot_for(rollout)
+    tok = slot.engine.tokenizer
+    max_tokens = render.chat_max_tokens(body)
+    messages, tools = render.chat_messages(body, raw)
+    answer = await chat_answer(gw, rollout, slot, messages, tools, body, max_tokens)
+    prompt_ids, gen, index = answer.prompt_ids, answer.gen, answer.index
+    content, tool_calls, finish = answer.content, answer.tool_calls, answer.finish
     logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None
     base = {
         "id": f"chatcmpl-{rollout.rollout_id}-{index}",
@@ -339,14 +378,12 @@ HOT_ROUTES = [
     ("/rollouts/{rollout_id}/v1/chat/completions", chat_completions, ChatCompletionIn),
     ("/rollouts/{rollout_id}/v1/completions", completions, CompletionIn),
 ]
-# What hot.py serves before the middleware stack: path -> (rollout id, route)
-HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions)")
-TURNS = {"chat/completions": chat_turn, "completions": completion_turn}
+TURNS = {"chat/completions": chat_turn, "completions": completion_turn}  # hot.py serves these
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, routes: list = HOT_ROUTES) -> None:
     """Register and document the model routes (hot.py answers them first)."""
-    for path, endpoint, model in HOT_ROUTES:
+    for path, endpoint, model in routes:
         app.add_api_route(
             path,
             endpoint,
