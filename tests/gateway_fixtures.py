@@ -87,15 +87,22 @@ class FakeEngine:
 
 
 class ScriptedEngine(FakeEngine):
-    """Answers each call with the next token ids in `script`, whatever the prompt."""
+    """Answers each call with the next token ids in `script`, whatever the prompt, as an engine
+    would: up to and including the first stop id (eos or one asked for), at most max_tokens."""
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
         self.script: deque[list[int]] = deque()
 
     async def generate(self, prompt_ids, params):
-        ids = self.script.popleft()
-        finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
+        planned = self.script.popleft()
+        stops = {self.tokenizer.eos_token_id, *params.stop_token_ids}
+        ids, finish = [], "length"
+        for t in planned[: params.max_tokens]:
+            ids.append(t)
+            if t in stops:
+                finish = "stop"
+                break
         gen = Generation(ids, [-0.5] * len(ids), finish, self.model_version)
         self.calls.append((list(prompt_ids), gen))
         return gen

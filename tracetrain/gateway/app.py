@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from tracetrain.engines.base import Engine, EngineError
 from tracetrain.gateway import (
+    anthropic_routes,
     engine_routes,
     errors,
     hot,
@@ -171,7 +172,9 @@ def create_app(
     app.state.gateway = app.gateway = gw
     errors.install(app)
     app.include_router(rollout_routes.router)
-    openai_routes.install(app, [*openai_routes.HOT_ROUTES, responses_routes.ROUTE])
+    openai_routes.install(
+        app, [*openai_routes.HOT_ROUTES, responses_routes.ROUTE, anthropic_routes.ROUTE]
+    )
     app.include_router(engine_routes.router)
     app.add_middleware(BodySizeLimit, max_body_bytes=max_body_bytes)
 

@@ -1,9 +1,11 @@
 """The model routes answered straight from ASGI, before FastAPI's middleware stack and router.
 
     POST /rollouts/{rollout_id}/v1/chat/completions | /v1/completions | /v1/responses
+         | /v1/messages
       -> size limit (limits.declared_error, limits.read_body) -> openai_routes.chat_turn,
-         completion_turn or responses_routes.responses_turn -> the answer; an exception ->
-         errors.handle, as the FastAPI routes do
+         completion_turn, responses_routes.responses_turn or anthropic_routes.messages_turn ->
+         the answer; an exception -> errors.handle, as the FastAPI routes do (in Anthropic's
+         error shape on /v1/messages)
 
 Every agent call takes this path; on the shared 2-core machine the middleware stack (five layers)
 and the route matching over every route cost about as much as rendering the prompt. The behaviour
@@ -19,33 +21,43 @@ import re
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
-from tracetrain.gateway import errors, limits, openai_routes, responses_routes
+from tracetrain.gateway import anthropic_routes, errors, limits, openai_routes, responses_routes
 
 # What is served here, before the middleware stack: path -> (rollout id, route)
-HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions|responses)")
-TURNS = {**openai_routes.TURNS, "responses": responses_routes.responses_turn}
+HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions|responses|messages)")
+TURNS = {
+    **openai_routes.TURNS,
+    "responses": responses_routes.responses_turn,
+    "messages": anthropic_routes.messages_turn,
+}
 
 log = logging.getLogger("tracetrain.gateway")
 
 
 async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send) -> None:
     """Answer one model call; `match` is HOT_PATH's match of the path."""
+    anthropic = match[2] == "messages"
     try:
         headers = scope["headers"]
         refused = limits.declared_error(headers, gw.max_body_bytes)
         if refused is not None:
             return await refused(scope, receive, send)
-        authorization = None
+        authorization = x_api_key = None
         for name, value in headers:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
-                break
+            elif name == b"x-api-key":
+                x_api_key = value.decode("latin-1")
+        if anthropic:  # the anthropic SDK sends its key as x-api-key
+            authorization = anthropic_routes.authorization_of(authorization, x_api_key)
         raw = await limits.read_body(receive, gw.max_body_bytes)
         response = await TURNS[match[2]](gw, match[1], authorization, raw)
     except ClientDisconnect:
         return
     except Exception as exc:
         response = await errors.handle(Request(scope, receive), exc)
+    if anthropic and response.status_code >= 400:
+        response = anthropic_routes.anthropic_error(response)
     await response(scope, receive, send)
 
 

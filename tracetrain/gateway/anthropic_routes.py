@@ -1,0 +1,264 @@
+"""Anthropic Messages API, one base URL per rollout: POST {base}/rollouts/{rollout_id}/v1/messages.
+
+The request is turned into the chat conversation it stands for and takes the chat completions'
+path (openai_routes.chat_answer: exact context, the chat template, generate, record, tool calls
+parsed); the answer is written back as content blocks:
+
+    system (a string or text blocks)   -> a system message first
+    user message     text blocks        -> a user message (after its tool results, if any)
+                     tool_result blocks -> a tool message each (tool_use_id must name a tool_use
+                                           before it)
+    assistant        text blocks        -> the assistant message's content
+                     tool_use blocks    -> its tool calls (input as JSON arguments)
+                     thinking blocks    -> dropped (the gateway never produces them)
+    tools [{name, description, input_schema}] -> chat function tools
+    stop_sequences                      -> stop tokens (each must be one token)
+
+    content: a text block when there is text, a tool_use block per parsed call; stop_reason
+    tool_use | end_turn | stop_sequence | max_tokens.
+
+The key may come as `x-api-key` (what the anthropic SDK sends) or `Authorization: Bearer`.
+Errors are Anthropic's shape, {"type": "error", "error": {"type", "message"}}, the message naming
+the field at fault. Streaming sends the whole turn, once recorded, as Anthropic's events
+(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tracetrain.gateway import errors, render
+from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.openai_routes import ChatAnswer, _json, _parse, _rollout, chat_answer
+from tracetrain.gateway.schemas import (
+    MessagesIn,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    _Sampling,
+)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def _text(content: str | list | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def conversation(body: MessagesIn) -> list[dict]:
+    """The chat messages an Anthropic request stands for."""
+    messages: list[dict] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system)})
+    uses: set[str] = set()
+    for k, m in enumerate(body.messages):
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if m.role == "assistant":
+            calls = [
+                {
+                    "id": b.id,
+                    "type": "function",
+                    "function": {"name": b.name, "arguments": orjson.dumps(b.input).decode()},
+                }
+                for b in blocks
+                if isinstance(b, ToolUseBlock)
+            ]
+            uses.update(c["id"] for c in calls)
+            message: dict[str, Any] = {"role": "assistant", "content": text or None}
+            if calls:
+                message["tool_calls"] = calls
+            messages.append(message)
+            continue
+        for j, b in enumerate(blocks):
+            if isinstance(b, ToolResultBlock):
+                if b.tool_use_id not in uses:
+                    field = f"messages[{k}].content[{j}].tool_use_id"
+                    raise ApiError(
+                        400, f"{field} {b.tool_use_id!r} names no tool_use before it", field
+                    )
+                messages.append(
+                    {"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+                )
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            messages.append({"role": "user", "content": text})
+    return messages
+
+
+def chat_tools(body: MessagesIn) -> list[dict] | None:
+    if not body.tools:
+        return None
+    out = []
+    for t in body.tools:
+        function = {"name": t.name, "parameters": t.input_schema}
+        if t.description is not None:
+            function["description"] = t.description
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def content_blocks(answer: ChatAnswer) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if answer.content:
+        blocks.append({"type": "text", "text": answer.content})
+    for call in answer.tool_calls:
+        try:
+            args = orjson.loads(call["function"]["arguments"])
+        except orjson.JSONDecodeError:
+            args = None
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": args if isinstance(args, dict) else {"arguments": args},
+            }
+        )
+    return blocks
+
+
+def stop_reason(answer: ChatAnswer, stops: dict[int, str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if answer.tool_calls:
+        return "tool_use", None
+    if answer.gen.finish_reason == "length":
+        return "max_tokens", None
+    last = answer.gen.response_ids[-1] if answer.gen.response_ids else None
+    if last in stops:
+        return "stop_sequence", stops[last]
+    return "end_turn", None
+
+
+def anthropic_error(response: Response) -> Response:
+    """An error answer (OpenAI's shape, errors.py) in Anthropic's shape; the message names the
+    field at fault."""
+    try:
+        error = orjson.loads(response.body)["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return response
+    message = error.get("message") or ""
+    param = error.get("param")
+    if param and param not in message:
+        message = f"{param}: {message}"
+    status = response.status_code
+    kind = _ERROR_TYPES.get(status, "api_error")
+    headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse(
+        {"type": "error", "error": {"type": kind, "message": message}},
+        status_code=status,
+        headers=headers,
+    )
+
+
+def stream_events(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic's events of a whole turn."""
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**message["usage"], "output_tokens": 0}}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            events += [
+                {"type": "content_block_start", "index": i,
+                 "content_block": {"type": "text", "text": ""}},
+                {"type": "content_block_delta", "index": i,
+                 "delta": {"type": "text_delta", "text": block["text"]}},
+            ]
+        else:
+            events += [
+                {"type": "content_block_start", "index": i,
+                 "content_block": {**block, "input": {}}},
+                {"type": "content_block_delta", "index": i,
+                 "delta": {"type": "input_json_delta",
+                           "partial_json": orjson.dumps(block["input"]).decode()}},
+            ]
+        events.append({"type": "content_block_stop", "index": i})
+    events += [
+        {"type": "message_delta",
+         "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+         "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+        {"type": "message_stop"},
+    ]
+    return events
+
+
+def _sse(events: list[dict[str, Any]]) -> Response:
+    body = b"".join(
+        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events
+    )
+    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+    """Anthropic Messages: one turn of the rollout."""
+    rollout = _rollout(gw, authorization, rollout_id)
+    body: MessagesIn = _parse(MessagesIn, raw)
+    slot = gw.slot_for(rollout)
+    tok = slot.engine.tokenizer
+    try:
+        stop_ids = render._stop_ids(tok, body.stop_sequences)
+    except ApiError as e:
+        raise ApiError(e.status_code, str(e.detail).replace("stop ", "stop_sequences: ", 1),
+                       "stop_sequences") from None
+    stops = dict(zip(stop_ids, body.stop_sequences or (), strict=True))
+    sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, stop=body.stop_sequences)
+    answer = await chat_answer(
+        gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens
+    )
+    reason, sequence = stop_reason(answer, stops)
+    message: dict[str, Any] = {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": body.model or slot.name,
+        "content": content_blocks(answer),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": len(answer.prompt_ids),
+                  "output_tokens": len(answer.gen.response_ids)},
+        "tracetrain": {"rollout_id": rollout_id, "turn_index": answer.index,
+                       "model_version": answer.gen.model_version},
+    }
+    if body.return_token_ids:
+        message["prompt_token_ids"] = answer.prompt_ids
+        message["token_ids"] = answer.gen.response_ids
+    return _sse(stream_events(message)) if body.stream else _json(message)
+
+
+def authorization_of(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The key as `Authorization: Bearer`, from that header or from `x-api-key`."""
+    if authorization is None and x_api_key is not None:
+        return f"Bearer {x_api_key}"
+    return authorization
+
+
+async def messages(request: Request) -> Response:
+    """Anthropic Messages: one turn of the rollout."""
+    try:
+        return await messages_turn(
+            request.app.state.gateway,
+            request.path_params["rollout_id"],
+            authorization_of(request.headers.get("authorization"), request.headers.get("x-api-key")),
+            await request.body(),
+        )
+    except Exception as exc:
+        return anthropic_error(await errors.handle(request, exc))
+
+
+ROUTE = ("/rollouts/{rollout_id}/v1/messages", messages, MessagesIn)
