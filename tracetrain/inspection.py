@@ -1,6 +1,6 @@
 """`tracetrain inspect`: one rollout from a run, down the path of the data.
 
-Shows its turns (decoded), the rows it became (trained tokens marked), the drift breaks that cut
+Shows its turns (decoded, and how each prompt was built: exact or rendered), the rows it became (trained tokens marked), the drift breaks that cut
 it (with decoded snippets), its advantage within its group, and its loss weight: the share of the
 mass of the optimizer update it was trained in (its step's rows planned into mini-batches as the
 trainer plans them, from the run's own config: optim.mini_batches, micro_batch_tokens, loss.mode).
@@ -63,6 +63,7 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         prefix = _step_prefix(rec.group_id)
         step_ids = [r.rollout_id for r in done if _step_prefix(r.group_id) == prefix]
         rollouts = store.load_rollouts(rollout_ids=step_ids)
+        how = [(t.context, t.context_reason, t.reused_tokens) for t in store.get_turns(rollout_id)]
     finally:
         store.close()
     tok = _tokenizer(cfg)
@@ -70,8 +71,11 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
     mine = next(r for r in rollouts if r.rollout_id == rollout_id)
     out(f"rollout {rollout_id}  group {mine.group_id}  state {mine.state.value}  reward {mine.reward}")
     for k, t in enumerate(mine.turns):
+        context, reason, reused = how[k]
+        built = {"exact": f"exact: {reused} ids of the turn before + the new messages",
+                 "rendered": f"rendered in full ({reason})"}.get(context, "a raw prompt")
         out(f"  turn {k} (model_version {t.model_version}): prompt {len(t.prompt_ids)} tokens, "
-            f"response {len(t.response_ids)} tokens")
+            f"response {len(t.response_ids)} tokens; prompt {built}")
         out(f"    response: {_text(tok, t.response_ids)!r}")
     batch, agg, breaks = aggregate(
         rollouts,
