@@ -9,7 +9,8 @@ context. Generation is a pure function of (prompt ids, seed, max_tokens, stop id
 `fake_generation`, which tests use as the oracle.
 
 Text is faked too: a text prompt is tokenized as one id per UTF-8 byte (byte + 3); an id
-decodes to one letter. Failure injection: `fail_first` requests answer `fail_status` (a code,
+decodes to one letter. `stop` strings end an answer (completions) at the token whose letter
+completes one, as vLLM's do. Failure injection: `fail_first` requests answer `fail_status` (a code,
 or 0 = drop the connection mid-answer), every answer waits `delay_s`. Change these at run time
 with `POST /fake/config {...}`; read counters at `GET /fake/stats`.
 
@@ -85,6 +86,19 @@ def fake_generation(
         if tok in stops:
             return ids, logprobs, "stop"
     return ids, logprobs, "length"
+
+
+def _stop_strings(ids, lps, finish, stop):
+    """vLLM's `stop` strings: the answer ends with the token whose text completes one."""
+    if not stop:
+        return ids, lps, finish
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a string or a list of non-empty strings", param="stop")
+    for k in range(len(ids)):
+        if any(s in fake_detokenize(ids[: k + 1]) for s in stops):
+            return ids[: k + 1], lps[: k + 1], "stop"
+    return ids, lps, finish
 
 
 def fake_tokenize(text: str) -> list[int]:
@@ -261,6 +275,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             ids, lps, finish = fake_generation(
                 prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
             )
+        ids, lps, finish = _stop_strings(ids, lps, finish, body.get("stop"))
         text = fake_detokenize(ids)
         choice: dict[str, Any] = {
             "index": 0,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tracetrain.engines.base import EngineError, Generation, SamplingParams
+from tracetrain.engines.base import EngineError, Generation, SamplingParams, stop_string_in
 from tracetrain.gateway import create_app
 from tracetrain.gateway.serve import ThreadedServer
 from tracetrain.store import SQLiteStore
@@ -88,7 +88,8 @@ class FakeEngine:
 
 class ScriptedEngine(FakeEngine):
     """Answers each call with the next token ids in `script`, whatever the prompt, as an engine
-    would: up to and including the first stop id (eos or one asked for), at most max_tokens."""
+    would: up to and including the first stop id (eos or one asked for) or the token that
+    completes a stop string, at most max_tokens."""
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
@@ -100,7 +101,7 @@ class ScriptedEngine(FakeEngine):
         ids, finish = [], "length"
         for t in planned[: params.max_tokens]:
             ids.append(t)
-            if t in stops:
+            if t in stops or (params.stop and stop_string_in(self.tokenizer, ids, params.stop)):
                 finish = "stop"
                 break
         gen = Generation(ids, [-0.5] * len(ids), finish, self.model_version)

@@ -142,6 +142,11 @@ def test_stops_at_eos_and_stop_ids_and_respects_max_tokens(tok, prompts):
         for n in (1, 4):
             for g in eng.generate_batch(prompts, SamplingParams(max_tokens=n)):
                 assert g.response_ids == [77] * n and g.finish_reason == "length"
+        # a stop string ends a row with the token that completes it (kept in the response)
+        text = tok.decode([77])
+        for n in (2, 3):
+            for g in eng.generate_batch(prompts, SamplingParams(max_tokens=6, stop=(text * n,))):
+                assert g.response_ids == [77] * n and g.finish_reason == "stop"
     finally:
         hook.remove()
 

@@ -84,6 +84,16 @@ def test_ids_and_logprobs_pass_through_exactly(clean, api):
     assert clean.stats["completions" if api == "vllm" else "generate"] == 6
 
 
+def test_stop_strings_end_the_answer_upstream(clean):
+    """A stop string is sent as vLLM's `stop`; the answer ends with the token that completes it."""
+    clean.config.replies = [[3, 4, 5, 6, 7, 8, 2]]  # the fake's letters: d e f g h i, then eos
+    try:
+        gen = run(engine(clean.url).generate([5, 6], SamplingParams(max_tokens=20, stop=("fg",))))
+    finally:
+        clean.config.replies = None
+    assert (gen.response_ids, gen.finish_reason) == ([3, 4, 5, 6], "stop")
+
+
 def test_request_body_is_vllm_shaped():
     body = request_body(
         "m", [1, 2], SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,))

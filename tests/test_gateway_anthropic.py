@@ -110,7 +110,7 @@ def test_stop_reasons_and_a_bearer_key(gw):
         ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
           "tools": [{"name": "f"}]}, 422, "tools"),
         ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
-          "stop_sequences": ["two words"]}, 400, "stop_sequences"),
+          "stop_sequences": ["end", ""]}, 400, "stop_sequences"),
     ],
 )
 def test_bad_input_is_an_anthropic_error_naming_the_field(gw, body, status, field):

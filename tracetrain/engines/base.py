@@ -30,6 +30,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()  # generation also ends at the tokenizer's eos
     seed: int | None = None
+    # Stop strings: generation ends after the token whose text completes one (the tokens are kept
+    # in the response; the gateway leaves the string out of the text it answers).
+    stop: tuple[str, ...] = ()
 
 
 def check_sampling_params(params: SamplingParams) -> None:
@@ -46,6 +49,17 @@ def check_sampling_params(params: SamplingParams) -> None:
     for k, i in enumerate(params.stop_token_ids):
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise ValueError(f"stop_token_ids[{k}] must be a token id (int >= 0), got {i!r}")
+    for k, text in enumerate(params.stop):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"stop[{k}] must be a non-empty string, got {text!r}")
+
+
+def stop_string_in(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the text of the last tokens of `ids` holds one of the stop strings (checked after
+    each new token, so a string is found when its last token arrives)."""
+    window = ids[-(4 * max(map(len, stop)) + 4) :]
+    text = tokenizer.decode(window, skip_special_tokens=False)
+    return any(s in text for s in stop)
 
 
 @dataclass(frozen=True)

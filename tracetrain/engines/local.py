@@ -20,7 +20,8 @@ One decode step for the rows b of the batch, with logits l_b of the next token:
                        top-p), the quantity `tracetrain.logprobs.response_logprobs` recomputes
 
 A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
-request's stop_token_ids; the stop id is kept in the response, finish "stop") or at max_tokens
+request's stop_token_ids; the stop id is kept in the response, finish "stop"), after the token that
+completes one of the request's stop strings (finish "stop") or at max_tokens
 ("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
 
 Prefill computes the prompts' common prefix once (a group's samples share their whole first
@@ -44,6 +45,7 @@ from tracetrain.engines.base import (
     PromptTooLong,
     SamplingParams,
     check_sampling_params,
+    stop_string_in,
 )
 
 _M64 = (1 << 64) - 1
@@ -377,7 +379,9 @@ class LocalEngine:
                 r = reqs[i]
                 r.ids.append(t)
                 r.logprobs.append(v)
-                if t in stops[i]:
+                if t in stops[i] or (
+                    r.params.stop and stop_string_in(self.tokenizer, r.ids, r.params.stop)
+                ):
                     r.finish = "stop"
                 elif len(r.ids) >= r.params.max_tokens:
                     r.finish = "length"

@@ -3,7 +3,8 @@
 One turn is one `POST {base_url}/v1/completions` with the prompt as a list of token ids:
 
     {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
-     "stop_token_ids": [...], "logprobs": 1, "return_token_ids": true, "n": 1, "stream": false}
+     "stop_token_ids": [...], "stop": [strings], "logprobs": 1, "return_token_ids": true, "n": 1,
+     "stream": false}
 
 and the turn is read from `choices[0]`:
 
@@ -14,7 +15,8 @@ and the turn is read from `choices[0]`:
 SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate`:
 
     {"input_ids": [ids], "sampling_params": {"max_new_tokens": N, "temperature": T, "top_p": P,
-     "stop_token_ids": [...], "sampling_seed": S}, "return_logprob": true, "stream": false}
+     "stop_token_ids": [...], "stop": [strings], "sampling_seed": S}, "return_logprob": true,
+     "stream": false}
     -> meta_info.output_token_logprobs = [[logprob, id, text], ...], meta_info.finish_reason.type
 
 Which distribution the logprobs come from is the server's choice: vLLM V1 returns raw
@@ -88,6 +90,8 @@ def request_body(model: str, prompt_ids: list[int], params: SamplingParams) -> d
     }
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
     return body
@@ -133,6 +137,8 @@ def sglang_request_body(
     }
     if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        sp["stop"] = list(params.stop)
     if params.seed is not None:
         sp["sampling_seed"] = params.seed
     return {"input_ids": prompt_ids, "sampling_params": sp, "return_logprob": True, "stream": False}

@@ -12,7 +12,7 @@ parsed); the answer is written back as content blocks:
                      tool_use blocks    -> its tool calls (input as JSON arguments)
                      thinking blocks    -> dropped (the gateway never produces them)
     tools [{name, description, input_schema}] -> chat function tools
-    stop_sequences                      -> stop tokens (each must be one token)
+    stop_sequences                      -> stop tokens (one-token sequences) and stop strings
 
     content: a text block when there is text, a tool_use block per parsed call; stop_reason
     tool_use | end_turn | stop_sequence | max_tokens.
@@ -135,11 +135,13 @@ def content_blocks(answer: ChatAnswer) -> list[dict[str, Any]]:
 
 
 def stop_reason(answer: ChatAnswer, stops: dict[int, str]) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence)."""
+    """(stop_reason, stop_sequence); `stops`: the stop sequences that are one token, by id."""
     if answer.tool_calls:
         return "tool_use", None
     if answer.gen.finish_reason == "length":
         return "max_tokens", None
+    if answer.stop_string is not None:
+        return "stop_sequence", answer.stop_string
     last = answer.gen.response_ids[-1] if answer.gen.response_ids else None
     if last in stops:
         return "stop_sequence", stops[last]
@@ -212,11 +214,12 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     try:
-        stop_ids = render._stop_ids(tok, body.stop_sequences)
+        stop_ids, _ = render.stops(tok, body.stop_sequences)
     except ApiError as e:
-        raise ApiError(e.status_code, str(e.detail).replace("stop ", "stop_sequences: ", 1),
+        raise ApiError(e.status_code, str(e.detail).replace("stop", "stop_sequences", 1),
                        "stop_sequences") from None
-    stops = dict(zip(stop_ids, body.stop_sequences or (), strict=True))
+    one_token = [s for s in body.stop_sequences or () if len(tok.encode(s, add_special_tokens=False)) == 1]
+    stops = dict(zip(stop_ids, one_token, strict=True))
     sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, stop=body.stop_sequences)
     answer = await chat_answer(
         gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens

@@ -106,11 +106,20 @@ async def generate_turn(
     return gen, index
 
 
-def _text(tokenizer: Any, gen: Generation, params: SamplingParams) -> str:
+def _text(tokenizer: Any, gen: Generation, params: SamplingParams) -> tuple[str, str | None]:
+    """(the answer's text, the stop string that ended it or None). Like OpenAI, a stop sequence is
+    not part of the text: a stop id at the end is left out, and the text ends before a stop
+    string; the recorded ids keep every token generated."""
     ids = gen.response_ids
     if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
-        ids = ids[:-1]  # like OpenAI: the stop sequence is not part of the text
-    return tokenizer.decode(ids, skip_special_tokens=True)
+        ids = ids[:-1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if params.stop and gen.finish_reason == "stop":
+        found = [(text.find(s), s) for s in params.stop if s in text]
+        if found:
+            at, matched = min(found)
+            return text[:at], matched
+    return text, None
 
 
 def _usage(prompt_ids: list[int], gen: Generation) -> dict[str, int]:
@@ -152,6 +161,7 @@ class ChatAnswer:
     params: SamplingParams
     content: str | None  # the text, without the tool-call blocks parsed out of it
     tool_calls: list[dict[str, Any]]  # OpenAI chat shape: {id, type, function: {name, arguments}}
+    stop_string: str | None = None  # the stop string that ended generation
 
     @property
     def finish(self) -> str | None:
@@ -190,9 +200,9 @@ async def chat_answer(
     how = (built.context, built.reason, built.reused_tokens)
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
 
-    text = _text(tok, gen, params)
+    text, stop_string = _text(tok, gen, params)
     content, tool_calls = parse_tool_calls(text) if tools else (text, [])
-    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls)
+    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids
         slot.exact.answered(
@@ -272,7 +282,7 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params)
 
-    text = _text(tok, gen, params)
+    text, _ = _text(tok, gen, params)
     logprobs = None
     if body.logprobs is not None:
         tokens = [tok.decode([t]) for t in gen.response_ids]

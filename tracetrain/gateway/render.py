@@ -5,8 +5,7 @@ A full render of chat messages uses the engine tokenizer's chat template: the id
 transformers does it: render to text, then encode without adding special tokens). Under
 `context: exact` most turns are not rendered in full (context.py). With a prompt_cache.PromptEncoder, prompts and
 pieces of prompts seen before are not rendered or encoded again (exact by construction). Nothing the engine
-cannot honour is dropped silently: n > 1, penalties, echo, suffix, best_of > 1 and multi-token stop
-strings are 400s.
+cannot honour is dropped silently: n > 1, penalties, echo, suffix and best_of > 1 are 400s.
 """
 
 from __future__ import annotations
@@ -94,23 +93,24 @@ def _reject(body: _Sampling, extra: dict[str, Any]) -> None:
             raise ApiError(400, f"{name}={value!r} is not supported", name)
 
 
-def _stop_ids(tokenizer: Any, stop: str | list[str] | None) -> tuple[int, ...]:
+def stops(tokenizer: Any, stop: str | list[str] | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(stop token ids, stop strings) of a request's `stop`: a stop that is one token ends
+    generation at that id; a longer one when the text of the tokens generated completes it."""
     if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > 4:
-        raise ApiError(400, f"stop has {len(stops)} entries; at most 4", "stop")
-    ids = []
-    for s in stops:
+        return (), ()
+    asked = [stop] if isinstance(stop, str) else stop
+    if len(asked) > 4:
+        raise ApiError(400, f"stop has {len(asked)} entries; at most 4", "stop")
+    ids, strings = [], []
+    for k, s in enumerate(asked):
+        if not s:
+            raise ApiError(400, f"stop[{k}] is empty", "stop")
         toks = tokenizer.encode(s, add_special_tokens=False)
-        if len(toks) != 1:
-            raise ApiError(
-                400,
-                f"stop {s!r} is {len(toks)} tokens; only single-token stops are supported",
-                "stop",
-            )
-        ids.append(toks[0])
-    return tuple(ids)
+        if len(toks) == 1:
+            ids.append(toks[0])
+        else:
+            strings.append(s)
+    return tuple(ids), tuple(strings)
 
 
 def sampling_params(
@@ -118,6 +118,7 @@ def sampling_params(
 ) -> SamplingParams:
     """Check the prompt fits: prompt_len + max_tokens <= engine.max_context (default max_tokens:
     all the room left, like vLLM)."""
+    stop_ids, stop_strings = stops(tokenizer, body.stop)
     room = engine.max_context - prompt_len
     if max_tokens is None:
         if room < 1:
@@ -135,7 +136,8 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        stop_token_ids=_stop_ids(tokenizer, body.stop),
+        stop_token_ids=stop_ids,
+        stop=stop_strings,
         seed=body.seed,
     )
 
