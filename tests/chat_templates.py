@@ -11,6 +11,10 @@
     R1_STYLE              DeepSeek's markers (bos, <｜User｜>, <｜Assistant｜>, eos after each answer),
                           the system prompt bare at the start, and every earlier assistant turn's
                           <think>...</think> dropped (DeepSeek-R1).
+    LLAMA3_JSON_TOOLS     Llama 3.1 headers; a tool call is the whole answer, <|python_tag|> then
+                          {"name", "parameters"}; results come back in "ipython" turns.
+    MISTRAL_TOOLS         [INST] ... [/INST] turns; tool calls as [TOOL_CALLS] and a JSON list of
+                          {"name", "arguments"}; results in [TOOL_RESULTS] ... [/TOOL_RESULTS].
     MARKS_LAST_MESSAGE    ChatML that tags the final message: appending a message changes how an
                           earlier one renders, so no rendering of "only the new messages" exists.
 """
@@ -132,6 +136,50 @@ R1_STYLE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"
+)
+
+LLAMA3_JSON_TOOLS = (
+    _TEXT
+    + "{%- for m in messages -%}"
+    "{%- set role = 'ipython' if m.role == 'tool' else m.role -%}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\n\n' -}}"
+    "{%- if loop.first and tools -%}"
+    "{{- 'Call a function by answering with its JSON {\"name\": ..., \"parameters\": ...}:' -}}"
+    "{%- for t in tools -%}{{- '\n' + (t | tojson) -}}{%- endfor -%}{{- '\n\n' -}}"
+    "{%- endif -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}"
+    "{%- for tc in m.tool_calls -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- set args = f.arguments if f.arguments is string else (f.arguments | tojson) -%}"
+    "{{- '<|python_tag|>{\"name\": \"' + f.name + '\", \"parameters\": ' + args + '}' -}}"
+    "{%- endfor -%}"
+    "{%- else -%}{{- text(m.content) -}}{%- endif -%}"
+    "{{- '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"
+)
+
+MISTRAL_TOOLS = (
+    _TEXT
+    + "{%- for m in messages -%}"
+    "{%- if m.role == 'user' or m.role == 'system' -%}"
+    "{%- if loop.first and tools -%}"
+    "{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' -}}{%- endif -%}"
+    "{{- '[INST] ' + text(m.content) + ' [/INST]' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '[TOOL_RESULTS]' + text(m.content) + '[/TOOL_RESULTS]' -}}"
+    "{%- else -%}"
+    "{{- text(m.content) -}}"
+    "{%- if m.tool_calls -%}{{- '[TOOL_CALLS][' -}}"
+    "{%- for tc in m.tool_calls -%}"
+    "{%- set f = tc.function if tc.function is defined else tc -%}"
+    "{%- set args = f.arguments if f.arguments is string else (f.arguments | tojson) -%}"
+    "{{- ('' if loop.first else ', ') + '{\"name\": \"' + f.name + '\", \"arguments\": ' + args + '}' -}}"
+    "{%- endfor -%}{{- ']' -}}{%- endif -%}"
+    "{{- eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
 )
 
 MARKS_LAST_MESSAGE = (

@@ -144,12 +144,14 @@ class GatewayConfig(_Section):
     of it, say); `{port}` in it stands for the bound port. Off loopback the admin key must come
     from $TRACETRAIN_ADMIN_KEY; agents always need their rollout's own key. `context`: how chat
     prompts are built, `exact` (the earlier turn's ids + the new messages) or `template` (the chat
-    template's full render); docs/gateway.md."""
+    template's full render); docs/gateway.md. `tool_parser`: the format of the model's tool calls
+    (auto: detected from the chat template)."""
 
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(0, ge=0, le=65535)  # 0: a free port
     public_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
     context: Literal["exact", "template"] = "exact"
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
 
     @field_validator("public_url")
     @classmethod

@@ -35,6 +35,7 @@ from tracetrain.gateway import (
 from tracetrain.gateway.context import CONTEXT_POLICIES
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
+from tracetrain.gateway.tool_calls import PARSERS
 from tracetrain.store import RolloutHead, Store
 
 log = logging.getLogger("tracetrain.gateway")
@@ -52,6 +53,7 @@ class Gateway:
     engine_factory: EngineFactory | None = None
     max_body_bytes: int = 8 << 20
     context: str = "exact"  # how chat prompts are built: exact | template (gateway/context.py)
+    tool_parser: str = "auto"  # tool calls' format (gateway/tool_calls.py); auto: from the template
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
@@ -109,13 +111,15 @@ def create_app(
     engine_factory: EngineFactory | None = None,
     close_engines: bool = False,
     context: str = "exact",
+    tool_parser: str = "auto",
 ) -> FastAPI:
     """Build the gateway. `engines`: one engine (named "default") or {name: engine}; the default
     engine serves rollouts that name none. `engine_factory(spec, gateway)` builds engines registered
     over HTTP (and rebuilds persisted ones at startup); without it registration is refused.
     close_engines: also close the given engines at shutdown (the app then owns them).
     context: "exact" (a turn's prompt continues the ids of the turn it follows) or "template" (the
-    chat template's full render every time); gateway/context.py."""
+    chat template's full render every time); gateway/context.py. tool_parser: the format of the
+    model's tool calls, "auto" (detected from the chat template) or a name in tool_calls.PARSERS."""
     if not isinstance(admin_key, str) or not admin_key.strip():
         raise ValueError("admin_key must be a non-empty string")
     if (
@@ -124,6 +128,8 @@ def create_app(
         or max_body_bytes < 1
     ):
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
+    if tool_parser != "auto" and tool_parser not in PARSERS:
+        raise ValueError(f"tool_parser must be auto or one of {', '.join(PARSERS)}, got {tool_parser!r}")
     if context not in CONTEXT_POLICIES:
         raise ValueError(f"context must be one of {', '.join(CONTEXT_POLICIES)}, got {context!r}")
     engines = {"default": engines} if not isinstance(engines, Mapping) else dict(engines)
@@ -143,6 +149,7 @@ def create_app(
         engine_factory,
         max_body_bytes,
         context,
+        tool_parser,
     )
     for name, engine in engines.items():
         gw.add_engine(name, engine)

@@ -36,7 +36,6 @@ from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
-from tracetrain.gateway.tool_calls import parse_tool_calls
 from tracetrain.store import RolloutEnded, RolloutHead
 from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
 
@@ -106,14 +105,23 @@ async def generate_turn(
     return gen, index
 
 
-def _text(tokenizer: Any, gen: Generation, params: SamplingParams) -> tuple[str, str | None]:
-    """(the answer's text, the stop string that ended it or None). Like OpenAI, a stop sequence is
-    not part of the text: a stop id at the end is left out, and the text ends before a stop
-    string; the recorded ids keep every token generated."""
+def _text(
+    tokenizer: Any, gen: Generation, params: SamplingParams, keep: tuple[str, ...] = ()
+) -> tuple[str, str | None]:
+    """(the answer's text, the stop string that ended it or None). Special tokens are left out,
+    but those in `keep` (a tool parser's markers). Like OpenAI, a stop sequence is not part of
+    the text: a stop id at the end is left out, and the text ends before a stop string; the
+    recorded ids keep every token generated."""
     ids = gen.response_ids
     if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if keep:
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        for special in tokenizer.all_special_tokens:
+            if special not in keep:
+                text = text.replace(special, "")
+    else:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
     if params.stop and gen.finish_reason == "stop":
         found = [(text.find(s), s) for s in params.stop if s in text]
         if found:
@@ -184,7 +192,8 @@ async def chat_answer(
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
-    tool calls parsed when tools were offered. `sampling`: temperature, top_p, stop, seed."""
+    tool calls parsed when tools were offered (in the model's format: tool_calls.py).
+    `sampling`: temperature, top_p, stop, seed."""
     tok = slot.engine.tokenizer
 
     def full() -> list[int]:
@@ -200,8 +209,9 @@ async def chat_answer(
     how = (built.context, built.reason, built.reused_tokens)
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
 
-    text, stop_string = _text(tok, gen, params)
-    content, tool_calls = parse_tool_calls(text) if tools else (text, [])
+    parser = slot.tool_parser(gw.tool_parser)
+    text, stop_string = _text(tok, gen, params, parser.markers if tools else ())
+    content, tool_calls = parser.parse(text) if tools else (text, [])
     answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids

@@ -188,6 +188,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="exact: a turn's prompt is the ids of the turn it follows plus the new messages; "
         "template: the chat template's full render every time (docs/gateway.md)",
     )
+    p.add_argument(
+        "--tool-parser",
+        default="auto",
+        help="format of the model's tool calls: auto (from the chat template), hermes, "
+        "llama3_json, mistral (gateway/tool_calls.py)",
+    )
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -196,6 +202,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not is_loopback(args.host) and len(args.admin_key.strip()) < MIN_ADMIN_KEY_CHARS:
         p.error(f"--host {args.host} is not loopback: the admin key must have at least "
                 f"{MIN_ADMIN_KEY_CHARS} characters")
+    from tracetrain.gateway.tool_calls import PARSERS
+
+    if args.tool_parser != "auto" and args.tool_parser not in PARSERS:
+        p.error(f"--tool-parser {args.tool_parser!r} is unknown; known: auto, {', '.join(PARSERS)}")
     if args.engine == "upstream":
         missing = [f for f in ("upstream_url", "model", "tokenizer") if not getattr(args, f)]
         if missing:
@@ -222,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_factory=upstream_factory,
             close_engines=True,
             context=args.context,
+            tool_parser=args.tool_parser,
         )
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]

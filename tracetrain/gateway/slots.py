@@ -23,6 +23,7 @@ from tracetrain.engines.base import Engine, EngineError
 from tracetrain.gateway.context import ExactContext
 from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.render import template_text
+from tracetrain.gateway.tool_calls import Parser, parser_for
 
 
 class EngineSlot:
@@ -39,6 +40,7 @@ class EngineSlot:
         self._idle.set()
         self._prompts: PromptEncoder | None = None
         self._exact: ExactContext | None = None
+        self._parser: tuple[Any, str, Parser] | None = None  # (template, asked, parser)
 
     @property
     def prompts(self) -> PromptEncoder:
@@ -53,6 +55,13 @@ class EngineSlot:
             tok = prompts.tokenizer
             self._exact = ExactContext(tok, prompts, lambda m, t, g: template_text(tok, m, t, g))
         return self._exact
+
+    def tool_parser(self, name: str) -> Parser:
+        """The tool-call parser `name` ("auto": detected from the engine's chat template)."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        if self._parser is None or self._parser[:2] != (template, name):
+            self._parser = (template, name, parser_for(name, template))
+        return self._parser[2]
 
     @property
     def paused(self) -> bool:

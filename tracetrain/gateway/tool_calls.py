@@ -1,7 +1,20 @@
-"""Tool calls out of the model's text, Hermes/Qwen style: `<tool_call>{"name", "arguments"}</tool_call>`.
+"""Tool calls out of the model's text, in the model's own format: a registry of parsers.
 
-Only when the request offered `tools`. A block that is not valid JSON with a string "name" stays
-plain text (never guessed). The recorded turn is unaffected: it holds the raw response ids.
+    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number, text around
+                 them kept (Hermes, Qwen 2.5 / Qwen3, many fine-tunes)
+    llama3_json  the whole answer is one JSON object {"name": ..., "parameters": {...}} (or several
+                 joined by ";"), optionally after <|python_tag|> (Llama 3.1 / 3.2 / 3.3)
+    mistral      [TOOL_CALLS] then a JSON list [{"name": ..., "arguments": {...}}, ...], or
+                 [TOOL_CALLS]name[ARGS]{...} repeated (Mistral v0.3 and later templates)
+
+`parser_for(name, chat_template)`: the parser named, or for "auto" the one whose markers the
+template writes (hermes when none does). `register(name, markers=...)` adds one: a function
+text -> (content or None, calls), where `markers` are special tokens it must see in the text (the
+gateway keeps those, and strips the other special tokens, when it decodes an answer).
+
+Only when the request offered tools. A call that is not valid JSON with a string name stays plain
+text (never guessed). The recorded turn is unaffected: it holds the raw response ids. Calls come
+out in OpenAI's chat shape: {id, type: "function", function: {name, arguments: JSON string}}.
 """
 
 from __future__ import annotations
@@ -9,32 +22,62 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+Calls = list[dict[str, Any]]
+Parse = Callable[[str], tuple[str | None, Calls]]
+
+
+@dataclass(frozen=True)
+class Parser:
+    name: str
+    parse: Parse
+    markers: tuple[str, ...] = ()  # special tokens the parser needs to see
+
+
+PARSERS: dict[str, Parser] = {}
+
+
+def register(name: str, *, markers: tuple[str, ...] = ()) -> Callable[[Parse], Parse]:
+    def add(parse: Parse) -> Parse:
+        PARSERS[name] = Parser(name, parse, markers)
+        return parse
+
+    return add
+
+
+def _call(name: str, args: Any) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)},
+    }
+
+
+def _named(obj: Any, args_key: str = "arguments") -> dict[str, Any] | None:
+    """A call from a parsed JSON object {"name": str, args_key: ...}; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _call(obj["name"], obj.get(args_key, {}))
+
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content without the parsed blocks or None if nothing is left, OpenAI tool_calls list)."""
+@register("hermes")
+def parse_hermes(text: str) -> tuple[str | None, Calls]:
+    """(content without the parsed blocks or None if nothing is left, calls)."""
     calls, keep, last = [], [], 0
     for m in _BLOCK.finditer(text):
         try:
-            obj = json.loads(m.group(1))
+            call = _named(json.loads(m.group(1)))
         except ValueError:
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if call is None:
             continue
-        args = obj.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": obj["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+        calls.append(call)
         keep.append(text[last : m.start()])
         last = m.end()
     if not calls:
@@ -42,3 +85,87 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     keep.append(text[last:])
     content = "".join(keep).strip()
     return content or None, calls
+
+
+parse_tool_calls = parse_hermes  # the default
+
+
+@register("llama3_json", markers=("<|python_tag|>",))
+def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
+    """The whole answer is the call(s); anything else is text."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>") :].strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _named(obj, "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+    return None, calls
+
+
+_MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]")
+
+
+@register("mistral", markers=("[TOOL_CALLS]", "[ARGS]"))
+def parse_mistral(text: str) -> tuple[str | None, Calls]:
+    """Text before [TOOL_CALLS] is content; after it a JSON list of calls, or name[ARGS]{...}."""
+    head, sep, tail = text.partition("[TOOL_CALLS]")
+    if not sep:
+        return text, []
+    tail = tail.replace("[TOOL_CALLS]", "").strip()
+    calls: Calls = []
+    if tail.startswith("["):
+        try:
+            objs = json.loads(tail)
+        except ValueError:
+            return text, []
+        calls = [c for c in map(_named, objs if isinstance(objs, list) else []) if c]
+        if not calls or len(calls) != len(objs):
+            return text, []
+    else:
+        decoder = json.JSONDecoder()
+        at = 0
+        while at < len(tail):
+            m = _MISTRAL_NAMED.match(tail, at)
+            if m is None:
+                return text, []
+            try:
+                args, end = decoder.raw_decode(tail, m.end())
+            except ValueError:
+                return text, []
+            calls.append(_call(m.group(1), args))
+            at = end
+            while at < len(tail) and tail[at].isspace():
+                at += 1
+        if not calls:
+            return text, []
+    content = head.strip()
+    return content or None, calls
+
+
+_DETECT = [("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"), ("hermes", "<tool_call>")]
+
+
+def parser_for(name: str, chat_template: Any) -> Parser:
+    """The parser `name`, or for "auto" the one whose marker the chat template writes."""
+    if name != "auto":
+        if name not in PARSERS:
+            raise ValueError(f"tool parser {name!r} is unknown; known: auto, {', '.join(PARSERS)}")
+        return PARSERS[name]
+    template = str(chat_template or "")
+    for parser, marker in _DETECT:
+        if marker in template:
+            return PARSERS[parser]
+    if '"parameters"' in template and "<|eot_id|>" in template:  # Llama 3 JSON without python_tag
+        return PARSERS["llama3_json"]
+    return PARSERS["hermes"]

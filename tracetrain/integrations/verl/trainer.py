@@ -315,7 +315,7 @@ class VerlRun:
         sock = bind(cfg.gateway)
         app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
                          public_url=public_url(cfg.gateway, sock.getsockname()[1]),
-                         context=cfg.gateway.context)
+                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser)
         sinks, history = metric_sinks(cfg, self.run_dir), []
         try:
             async with (
