@@ -111,3 +111,50 @@ def test_through_the_gateway(tmp_path, fmt):
     assert turns[1].context == "exact"
     before = turns[0].prompt_ids + turns[0].response_ids
     assert turns[1].prompt_ids[: len(before)] == before
+
+
+# ------------------------------------------------------------------------------ tool_choice
+
+HERMES_CALL = "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": "1"}}) + "</tool_call>"
+CHOICES = {  # route -> (body without tool_choice, none, forcing choices)
+    "chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+                         "none", ["required", {"type": "function", "function": {"name": "calc"}}]),
+    "responses": ({"input": "hi", "tools": [{"type": "function", "name": "calc", "parameters": {}}]},
+                  "none", ["required", {"type": "function", "name": "calc"}]),
+    "messages": ({"max_tokens": 64, "messages": [{"role": "user", "content": "hi"}],
+                  "tools": [{"name": "calc", "input_schema": {"type": "object"}}]},
+                 {"type": "none"}, [{"type": "any"}, {"type": "tool", "name": "calc"}]),
+}
+
+
+@pytest.mark.parametrize("route", list(CHOICES))
+def test_tool_choice_none_leaves_text_and_forcing_a_call_is_refused(tmp_path, route):
+    import httpx
+
+    body, none, forcing = CHOICES[route]
+    engine = ScriptedEngine()
+    tok = engine.tokenizer
+    with live_gateway(tmp_path, engine) as gw:
+        (r,) = gw.create(1)
+        headers = {"Authorization": f"Bearer {r['api_key']}"}
+        url = f"{r['base_url']}/{route}"
+        for choice in forcing:  # refused before any generation, naming the field
+            got = httpx.post(url, json={**body, "tool_choice": choice}, headers=headers)
+            assert got.status_code == 400, got.text
+            assert "tool_choice" in got.text and "forces a tool call" in got.text
+        assert engine.calls == [] and gw.store.get_turns(r["rollout_id"]) == []
+        for choice, parsed in ((none, False), (None, True)):
+            engine.script.append(tok.encode(HERMES_CALL, add_special_tokens=False) + [tok.eos_token_id])
+            extra = {} if choice is None else {"tool_choice": choice}
+            got = httpx.post(url, json={**body, **extra}, headers=headers)
+            assert got.status_code == 200, got.text
+            assert called(route, got.json()) == parsed, got.text
+
+
+def called(route: str, answer: dict) -> bool:
+    """Whether the answer carries a parsed tool call, in the route's own shape."""
+    if route == "chat/completions":
+        return bool(answer["choices"][0]["message"].get("tool_calls"))
+    if route == "responses":
+        return any(o["type"] == "function_call" for o in answer["output"])
+    return any(b["type"] == "tool_use" for b in answer["content"])

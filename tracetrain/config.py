@@ -20,23 +20,37 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # use_attribute_docstrings: the string literal after a field is its description (docs/config.md)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
+                              use_attribute_docstrings=True)
 
 
 class ModelConfig(_Section):
     """Where the policy comes from: a tiny model built from a config, a local path, or a GGUF file."""
 
     kind: Literal["tiny", "pretrained", "gguf"] = "tiny"
-    path: str | None = None  # pretrained dir, or the dir holding the GGUF file
+    """`tiny`: a small Llama built offline from the sizes below, with tracetrain's byte-level
+    tokenizer; `pretrained`: a transformers directory at `path`; `gguf`: `gguf_file` in `path`,
+    loaded dequantized as a plain trainable transformers model."""
+    path: str | None = None
+    """The pretrained model's directory, or the directory holding the GGUF file; required for
+    kinds `pretrained` and `gguf`."""
     gguf_file: str | None = None
+    """The GGUF file's name in `path`; required for kind `gguf`."""
     hidden_size: int = Field(128, gt=0)
+    """Hidden size of the tiny model (kind `tiny` only)."""
     num_layers: int = Field(4, gt=0)
+    """Transformer layers of the tiny model (kind `tiny` only)."""
     num_heads: int = Field(4, gt=0)
+    """Attention heads of the tiny model (kind `tiny` only)."""
     num_kv_heads: int = Field(2, gt=0)
+    """Key/value heads of the tiny model (grouped-query attention; kind `tiny` only)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # The attention kernel (transformers' name); None: transformers' default (sdpa). "eager" is
-    # the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times slower).
+    """The policy's weight dtype: the loaded model is cast to it (a launched vLLM server gets the
+    same)."""
     attn_implementation: Literal["sdpa", "eager"] | None = None
+    """The attention kernel (transformers' name); null: transformers' default (sdpa). `eager` is
+    the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times slower)."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> ModelConfig:
@@ -51,38 +65,77 @@ class WarmStartConfig(_Section):
     """Optional supervised phase before RL (loss on every token of example transcripts)."""
 
     steps: int = Field(0, ge=0)
+    """Supervised AdamW steps before RL; 0: no warm start. Not run when the run resumes from a
+    checkpoint."""
     batch_size: int = Field(64, gt=0)
+    """Transcripts per warm-start step (drawn from the `steps * batch_size` the task module makes)."""
     lr: float = Field(1e-3, gt=0)
-    transcripts: str = "warm_start_transcripts"  # the task module's function that makes them
+    """AdamW learning rate of the warm start (constant, no weight decay, gradient norm clipped at 1)."""
+    transcripts: str = "warm_start_transcripts"
+    """The task module's function that makes them: `fn(n, seed=trainer.seed, **task_args)` returns
+    `n` chat transcripts (lists of messages)."""
 
 
 class RolloutConfig(_Section):
+    """How each step's rollouts are collected: tasks, group size, concurrency, and the sampling
+    settings handed to the agents."""
+
     tasks_per_step: int = Field(16, gt=0)
-    n_per_task: int = Field(8, gt=0)  # the group size
+    """Tasks per training step, from the task module's `tasks(n, seed=...)`."""
+    n_per_task: int = Field(8, gt=0)
+    """Rollouts per task: the group size of the advantage estimators."""
     concurrency: int = Field(256, gt=0)
+    """Most agents running at once."""
     timeout_s: float = Field(60.0, gt=0)
+    """Seconds an agent may take for one rollout; past it the rollout is `timed_out` (a command
+    agent is killed)."""
     temperature: float = Field(1.0, ge=0)
+    """Sampling temperature handed to each agent (`client["temperature"]`); the trainer's
+    logprobs are computed at the same temperature. Eval passes use 0 (greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus-sampling threshold, written into verl's rollout config (backend `verl`); the
+    embedded trainer does not hand it to the agents."""
     max_tokens: int = Field(16, gt=0)
-    agent_workers: int = Field(0, ge=0)  # 0: agents on the trainer's event loop; k: in k processes
-    # local engine gathering: a batch closes after a quiet batch_window_ms (the loop awake, no request)
+    """Response-token limit of one model call, handed to each agent (`client["max_tokens"]`)."""
+    agent_workers: int = Field(0, ge=0)
+    """0: agents on the trainer's event loop; k: in k processes (tracetrain/agent_workers.py)."""
     batch_window_ms: float = Field(2.0, ge=0)
+    """Local engine gathering: a batch closes after a quiet `batch_window_ms` (the loop awake, no
+    request)."""
 
 
 class AggregateConfig(_Section):
+    """How the turns of finished rollouts become training rows (tracetrain/aggregate.py)."""
+
     level: Literal["trajectory", "transition"] = "trajectory"
+    """`trajectory`: a rollout's turns join one row while each prompt extends the previous context
+    (a break, or the length limit, starts a new row); `transition`: one row per turn."""
     max_prompt_length: int = Field(512, gt=0)
+    """Tokens a row's prompt may hold; a longer one is handled by `overlong`."""
     max_response_length: int = Field(512, gt=0)
+    """Tokens a row's response region may hold (at the trajectory level: its turns' observations
+    and responses); a single response over it is handled by `overlong`."""
     overlong: Literal["drop_rollout", "truncate"] = "drop_rollout"
+    """`drop_rollout`: the whole rollout leaves the batch (counted per cause); `truncate`: the
+    prompt keeps its last `max_prompt_length` tokens, the response its first `max_response_length`."""
 
 
 class AdvantageConfig(_Section):
+    """One advantage per rollout, from its reward and its group's (tracetrain/advantage.py)."""
+
     estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++"] = "grpo"
+    """`grpo`: (r - group mean) / (group std + eps); `dr-grpo`: r - group mean; `rloo`: r - mean of
+    the group's others; `reinforce++`: r - group mean, over the batch std of those + eps."""
     failed_rollouts: Literal["exclude", "zero_reward"] = "exclude"
+    """Failed and timed-out rollouts: `exclude` them before grouping (no advantage, no effect on
+    their group's mean), or train them with reward 0 (`zero_reward`)."""
     eps: float = Field(1e-6, gt=0)
+    """Added to the standard deviation the advantage is divided by (grpo, reinforce++)."""
 
 
 class LossConfig(_Section):
+    """The PPO objective and how its tokens are weighted (tracetrain/loss.py, docs/objective.md)."""
+
     mode: Literal[
         "rollout-mean",
         "token-mean",
@@ -90,48 +143,91 @@ class LossConfig(_Section):
         "seq-mean-token-sum",
         "seq-mean-token-sum-norm",
     ] = "rollout-mean"
+    """Token weights of the loss: `rollout-mean` every rollout counts the same; `token-mean` every
+    token; `seq-mean-token-mean` every row; `seq-mean-token-sum` token sums averaged over rows;
+    `seq-mean-token-sum-norm` the same divided by `norm_length` (docs/objective.md)."""
     norm_length: float | None = Field(None, gt=0)
+    """The constant token count `seq-mean-token-sum-norm` divides by: required for that mode,
+    refused by the loss for the others."""
     clip_low: float = Field(0.2, ge=0)
+    """PPO clip of the probability ratio below: at 1 - clip_low."""
     clip_high: float = Field(0.2, ge=0)
+    """PPO clip of the probability ratio above: at 1 + clip_high."""
     dual_clip: float | None = Field(3.0, gt=1)
+    """Dual-clip PPO: a token with a negative advantage A loses at most |A| * dual_clip; null: no cap."""
     kl_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token KL to a reference policy (a frozen copy of the policy after the warm
+    start); 0: no KL term and no reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's KL estimators, with x = ref - logprob: `k1` -x; `k2` x^2 / 2; `k3` exp(x) - x - 1
+    (clamped as verl's low_var_kl)."""
     entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss); 0: the entropy is not computed."""
 
 
 class OptimConfig(_Section):
+    """AdamW, its learning-rate schedule, and how a step's update is cut (tracetrain/minibatch.py)."""
+
     lr: float = Field(5e-4, gt=0)
+    """AdamW learning rate (after the warm-up)."""
     warmup_steps: int = Field(10, ge=0)
+    """Linear learning-rate warm-up, in training steps."""
     decay: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate decay after the warm-up, to 0 at the last of `trainer.steps` (backend `verl`:
+    constant or cosine)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's (decoupled) weight decay."""
     grad_clip: float = Field(1.0, gt=0)
-    mini_batches: int = Field(1, gt=0)  # optimizer updates per PPO epoch
+    """Gradient norm clip of each optimizer update."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimizer updates per PPO epoch: mini-batches of whole rollouts, balanced by tokens."""
     ppo_epochs: int = Field(1, gt=0)
+    """Passes over a step's rollouts."""
     micro_batch_tokens: int = Field(65536, gt=0)
+    """Token budget of one micro-batch (gradients accumulate over a mini-batch's micro-batches;
+    backend `verl`: per GPU)."""
 
 
 class TrainerConfig(_Section):
+    """The run: its length, seed, directory, checkpoints, eval passes, devices and metric sinks."""
+
     steps: int = Field(100, gt=0)
+    """Training steps (each: one step's rollouts, then the update)."""
     seed: int = 0
+    """Seeds torch and Python, the tiny model's weights, each step's tasks and the agents'
+    sampling seeds."""
     max_staleness: int = Field(0, ge=0)
-    eval_every: int = Field(0, ge=0)  # 0: no eval pass
+    """Rollouts with a turn made by a policy more than this many versions (updates) old are
+    dropped (counted)."""
+    eval_every: int = Field(0, ge=0)
+    """Every this many steps, an eval pass: one greedy rollout on each of `eval_tasks` tasks (not
+    trained on); 0: no eval pass."""
     eval_tasks: int = Field(64, gt=0)
-    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    """Tasks of an eval pass."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Write a checkpoint every this many steps; 0: only at the end."""
     run_dir: str = "runs/default"
+    """The run's directory (metrics.jsonl, traces.db, checkpoint.pt, ...); one that holds an
+    earlier run is refused unless `resume` is true."""
     resume: bool = False
-    # where the policy trains (and the local engine decodes): "cpu", "cuda" or "cuda:N"
+    """Continue from the checkpoint in `run_dir` (none there: start over in it)."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    threads: int = Field(0, ge=0)  # torch intra-op threads (engine decode); 0: torch's default
-    update_threads: int = Field(0, ge=0)  # torch threads of the update (the warm start: the larger of the two); 0: threads
-    # The training forward passes (warm start, update, reference): "bf16-mixed" runs them under
-    # torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected.
+    """Where the policy trains (and the local engine decodes): `cpu`, `cuda` or `cuda:N`."""
+    threads: int = Field(0, ge=0)
+    """Torch intra-op threads (engine decode); 0: torch's default."""
+    update_threads: int = Field(0, ge=0)
+    """Torch threads of the update (the warm start: the larger of the two); 0: `threads`."""
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
-    # Collect step k+1's rollouts while step k's update runs (with the policy before that update:
-    # its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
-    # copy of the weights and takes the new ones between two collects.
+    """The training forward passes (warm start, update, reference): `bf16-mixed` runs them under
+    torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected."""
     overlap_collect: bool = False
+    """Collect step k+1's rollouts while step k's update runs (with the policy before that update:
+    its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
+    copy of the weights and takes the new ones between two collects."""
     tensorboard: bool = False
+    """Also log each step's metrics to TensorBoard, in run_dir/tensorboard (needs tensorboard)."""
     wandb: bool = False
+    """Also log each step's metrics to Weights & Biases, project `tracetrain` (needs wandb)."""
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: an address to bind, not one to reach
@@ -148,10 +244,18 @@ class GatewayConfig(_Section):
     (auto: detected from the chat template)."""
 
     host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(0, ge=0, le=65535)  # 0: a free port
+    """The address the gateway binds: loopback, an interface address, or a wildcard (0.0.0.0, ::;
+    then `public_url` is required)."""
+    port: int = Field(0, ge=0, le=65535)
+    """The port it binds; 0: a free port."""
     public_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    """The base URL agents are given; `{port}` stands for the bound port. null: http://HOST:PORT
+    for an interface address, the loopback URL on loopback."""
     context: Literal["exact", "template"] = "exact"
+    """How chat prompts are built: `exact` (the earlier turn's ids + the new messages) or
+    `template` (the chat template's full render); docs/gateway.md."""
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """The format of the model's tool calls; `auto`: detected from the chat template."""
 
     @field_validator("public_url")
     @classmethod
@@ -171,21 +275,29 @@ class EngineConfig(_Section):
     pushed to it (engines/vllm.py)."""
 
     kind: Literal["local", "vllm"] = "local"
+    """`local`: the trainer's own transformers loop, in this process; `vllm`: a vLLM server (one
+    of `base_url` and `python`)."""
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    """A running vLLM server (started with VLLM_SERVER_DEV_MODE=1) the new weights are pushed to."""
     python: str | None = Field(None, min_length=1)
+    """The interpreter of the venv that has vLLM: tracetrain launches the server with it."""
     args: list[str] = Field(default_factory=list)
-    # environment of a launched server, on top of this process's (e.g. VLLM_CPU_OMP_THREADS_BIND)
+    """Extra arguments of the server tracetrain launches."""
     env: dict[str, str] = Field(default_factory=dict)
-    # disk: a Hugging Face directory and vLLM's reload_weights (CPU or GPU, the server on this
-    # machine); nccl: vLLM's NCCL weight-transfer engine (CUDA GPUs)
+    """Environment of a launched server, on top of this process's (e.g. VLLM_CPU_OMP_THREADS_BIND)."""
     sync: Literal["disk", "nccl"] = "disk"
-    # one GPU for vLLM and the trainer: the server sleeps during each update (1: weights to CPU
-    # memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only)
+    """How new weights reach the server: `disk`, a Hugging Face directory and vLLM's
+    reload_weights (CPU or GPU, the server on this machine); `nccl`, vLLM's NCCL weight-transfer
+    engine (CUDA GPUs)."""
     sleep_level: Literal[0, 1, 2] = 0
-    start_timeout_s: float = Field(600.0, gt=0)  # launch until the server answers /health
+    """One GPU for vLLM and the trainer: the server sleeps during each update (1: weights to CPU
+    memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only)."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """Seconds until the server answers /health (a launched one: from its launch)."""
     request_timeout_s: float = Field(300.0, gt=0)
-    # the server's context (prompt + response tokens); None: aggregate's prompt + response lengths
+    """Seconds one request to the server may take."""
     max_model_len: int | None = Field(None, gt=0)
+    """The server's context (prompt + response tokens); null: aggregate's prompt + response lengths."""
 
     @model_validator(mode="after")
     def _where(self) -> EngineConfig:

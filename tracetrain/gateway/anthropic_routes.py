@@ -213,6 +213,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     body: MessagesIn = _parse(MessagesIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
+    parse_calls = render.tool_choice_parses(body.tool_choice)
     try:
         stop_ids, _ = render.stops(tok, body.stop_sequences)
     except ApiError as e:
@@ -222,7 +223,8 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     stops = dict(zip(stop_ids, one_token, strict=True))
     sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, stop=body.stop_sequences)
     answer = await chat_answer(
-        gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens
+        gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens,
+        parse_calls,
     )
     reason, sequence = stop_reason(answer, stops)
     message: dict[str, Any] = {

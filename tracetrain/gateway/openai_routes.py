@@ -189,11 +189,13 @@ async def chat_answer(
     tools: list | None,
     sampling: Any,
     max_tokens: int | None,
+    parse_calls: bool = True,
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
     tool calls parsed when tools were offered (in the model's format: tool_calls.py).
-    `sampling`: temperature, top_p, stop, seed."""
+    `sampling`: temperature, top_p, stop, seed. `parse_calls` False (tool_choice none): the answer
+    stays text."""
     tok = slot.engine.tokenizer
 
     def full() -> list[int]:
@@ -210,8 +212,9 @@ async def chat_answer(
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
 
     parser = slot.tool_parser(gw.tool_parser)
-    text, stop_string = _text(tok, gen, params, parser.markers if tools else ())
-    content, tool_calls = parser.parse(text) if tools else (text, [])
+    parse = bool(tools) and parse_calls
+    text, stop_string = _text(tok, gen, params, parser.markers if parse else ())
+    content, tool_calls = parser.parse(text) if parse else (text, [])
     answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids
@@ -228,8 +231,9 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     max_tokens = render.chat_max_tokens(body)
+    parse_calls = render.tool_choice_parses(body.tool_choice)
     messages, tools = render.chat_messages(body, raw)
-    answer = await chat_answer(gw, rollout, slot, messages, tools, body, max_tokens)
+    answer = await chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, parse_calls)
     prompt_ids, gen, index = answer.prompt_ids, answer.gen, answer.index
     content, tool_calls, finish = answer.content, answer.tool_calls, answer.finish
     logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None

@@ -36,6 +36,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from tracetrain.gateway import render
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.openai_routes import ChatAnswer, _json, _parse, _rollout, chat_answer
 from tracetrain.gateway.schemas import (
@@ -257,13 +258,15 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     rollout = _rollout(gw, authorization, rollout_id)
     body: ResponsesIn = _parse(ResponsesIn, raw)
     slot = gw.slot_for(rollout)
+    parse_calls = render.tool_choice_parses(body.tool_choice)
     kept = _kept(gw)
     before = [] if body.previous_response_id is None else kept.get(body.previous_response_id, rollout_id)
     history = conversation(body, before)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
     answer = await chat_answer(
-        gw, rollout, slot, system + history, chat_tools(body), sampling, body.max_output_tokens
+        gw, rollout, slot, system + history, chat_tools(body), sampling, body.max_output_tokens,
+        parse_calls,
     )
     response_id = f"resp_{uuid.uuid4().hex}"
     kept.keep(response_id, rollout_id, [*history, answer.message])
