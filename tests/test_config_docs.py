@@ -1,0 +1,115 @@
+"""docs/config.md is generated from the typed config and stays in step with it: every key has a
+meaning in the code, the file is what the generator prints, and the defaults it shows are the
+config's defaults (read back through both ways of setting a key)."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from tracetrain.config import (
+    EXTERNAL_DESCRIPTIONS,
+    REFERENCE_COMMAND,
+    TrainConfig,
+    build_config,
+    config_reference,
+    describe,
+    leaf_keys,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "config.md"
+
+
+def walk(model: type[BaseModel], prefix: str = ""):
+    """(dotted key, model, field name) of every leaf of `model`, found independently of the
+    generator's own walk."""
+    for name, field in model.model_fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            assert field.annotation.__doc__, f"section {key!r} ({field.annotation.__name__}) has no docstring"
+            yield from walk(field.annotation, key)
+        else:
+            yield key, model, name
+
+
+def doc_rows(text: str) -> dict[str, dict[str, str]]:
+    """{key: {column: cell}} of the tables in the reference (cells unescaped, backticks off)."""
+    rows: dict[str, dict[str, str]] = {}
+    columns = ["key", "type", "default", "constraints", "meaning"]
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        assert len(cells) == len(columns), line
+        row = dict(zip(columns, cells, strict=True))
+        for col in ("key", "type", "default"):
+            row[col] = row[col].removeprefix("`").removesuffix("`")
+        assert row["key"] not in rows, f"{row['key']!r} appears twice"
+        rows[row["key"]] = row
+    return rows
+
+
+def test_doc_is_generated_from_the_config():
+    want = config_reference()
+    have = DOC.read_text() if DOC.is_file() else ""
+    if have != want:
+        diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                                 "docs/config.md", "config_reference()"))[:60])
+        raise AssertionError(f"docs/config.md is out of date with tracetrain/config.py; regenerate "
+                             f"it with `{REFERENCE_COMMAND}`\n{diff}")
+
+
+def test_the_documented_command_prints_the_reference():
+    out = subprocess.run([sys.executable, "-m", "tracetrain.config", "--markdown"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out == config_reference()
+
+
+def test_every_key_has_a_meaning():
+    keys = list(walk(TrainConfig))
+    missing = [key for key, model, name in keys if not describe(model, name)]
+    assert not missing, (f"config keys without a description: {missing}; give each one an "
+                         "attribute docstring (a string on the line after the field)")
+    assert [k for k, _, _ in leaf_keys()] == [k for k, _, _ in keys]
+    for model, descriptions in EXTERNAL_DESCRIPTIONS.items():  # no entry for a key that is gone
+        assert set(descriptions) <= set(model.model_fields), model.__name__
+
+
+def test_doc_lists_every_key_once_with_its_meaning():
+    rows = doc_rows(config_reference())
+    assert list(rows) == [key for key, _, _ in walk(TrainConfig)]
+    assert all(row["meaning"] and row["type"] for row in rows.values())
+    assert rows["model.kind"]["type"] == "tiny | pretrained | gguf"
+    assert rows["loss.dual_clip"]["type"] == "float | null"
+    assert rows["rollout.top_p"]["constraints"] == "> 0, <= 1"
+
+
+def test_documented_defaults_are_the_defaults():
+    """Each default as the doc shows it, given back as a command-line override and as YAML,
+    builds the default config; and key by key, it is the default's value."""
+    rows = doc_rows(DOC.read_text())
+    default = TrainConfig()
+    overrides = [f"{key}={row['default']}" for key, row in rows.items()]
+    assert build_config({}, overrides) == default
+    tree: dict = {}
+    for key, row in rows.items():
+        *parents, last = key.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = yaml.safe_load(row["default"])
+    assert build_config(tree) == default
+    dumped = default.model_dump()
+    for key, row in rows.items():
+        value = dumped
+        for p in key.split("."):
+            value = value[p]
+        shown = yaml.safe_load(row["default"])
+        assert shown == value and type(shown) is type(value), f"{key}: doc shows {row['default']!r}, default is {value!r}"
