@@ -33,7 +33,7 @@ def walk(model: type[BaseModel], prefix: str = ""):
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            assert field.annotation.__doc__, f"section {key!r} ({field.annotation.__name__}) has no docstring"
+            assert field.annotation.__doc__, f"section {key!r} has no docstring (its intro)"
             yield from walk(field.annotation, key)
         else:
             yield key, model, name
@@ -112,4 +112,5 @@ def test_documented_defaults_are_the_defaults():
         for p in key.split("."):
             value = value[p]
         shown = yaml.safe_load(row["default"])
-        assert shown == value and type(shown) is type(value), f"{key}: doc shows {row['default']!r}, default is {value!r}"
+        assert shown == value and type(shown) is type(value), (
+            f"{key}: the doc shows {row['default']!r}, the default is {value!r}")

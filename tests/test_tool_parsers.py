@@ -158,3 +158,27 @@ def called(route: str, answer: dict) -> bool:
     if route == "responses":
         return any(o["type"] == "function_call" for o in answer["output"])
     return any(b["type"] == "tool_use" for b in answer["content"])
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+     "text.format"),
+])
+def test_structured_output_is_refused_not_faked(tmp_path, route, body, field):
+    import httpx
+
+    with live_gateway(tmp_path, ScriptedEngine()) as gw:
+        (r,) = gw.create(1)
+        headers = {"Authorization": f"Bearer {r['api_key']}"}
+        got = httpx.post(f"{r['base_url']}/{route}", json=body, headers=headers)
+        assert got.status_code == 400 and got.json()["error"]["param"] == field, got.text
+        ok = {**body, **({"response_format": {"type": "text"}} if "messages" in body
+                         else {"text": {"format": {"type": "text"}}})}
+        gw.engine.script.append([5, gw.engine.tokenizer.eos_token_id])
+        assert httpx.post(f"{r['base_url']}/{route}", json=ok, headers=headers).status_code == 200
+        assert len(gw.store.get_turns(r["rollout_id"])) == 1

@@ -31,7 +31,8 @@ class ModelConfig(_Section):
     kind: Literal["tiny", "pretrained", "gguf"] = "tiny"
     """`tiny`: a small Llama built offline from the sizes below, with tracetrain's byte-level
     tokenizer; `pretrained`: a transformers directory at `path`; `gguf`: `gguf_file` in `path`,
-    loaded dequantized as a plain trainable transformers model."""
+    loaded dequantized as a plain trainable transformers model. Backend `verl` needs
+    `pretrained`."""
     path: str | None = None
     """The pretrained model's directory, or the directory holding the GGUF file; required for
     kinds `pretrained` and `gguf`."""
@@ -50,7 +51,8 @@ class ModelConfig(_Section):
     same)."""
     attn_implementation: Literal["sdpa", "eager"] | None = None
     """The attention kernel (transformers' name); null: transformers' default (sdpa). `eager` is
-    the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times slower)."""
+    the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times
+    slower)."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> ModelConfig:
@@ -68,9 +70,11 @@ class WarmStartConfig(_Section):
     """Supervised AdamW steps before RL; 0: no warm start. Not run when the run resumes from a
     checkpoint."""
     batch_size: int = Field(64, gt=0)
-    """Transcripts per warm-start step (drawn from the `steps * batch_size` the task module makes)."""
+    """Transcripts per warm-start step (drawn from the `steps * batch_size` the task module
+    makes)."""
     lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate of the warm start (constant, no weight decay, gradient norm clipped at 1)."""
+    """AdamW learning rate of the warm start (constant, no weight decay, gradient norm clipped
+    at 1)."""
     transcripts: str = "warm_start_transcripts"
     """The task module's function that makes them: `fn(n, seed=trainer.seed, **task_args)` returns
     `n` chat transcripts (lists of messages)."""
@@ -117,7 +121,8 @@ class AggregateConfig(_Section):
     and responses); a single response over it is handled by `overlong`."""
     overlong: Literal["drop_rollout", "truncate"] = "drop_rollout"
     """`drop_rollout`: the whole rollout leaves the batch (counted per cause); `truncate`: the
-    prompt keeps its last `max_prompt_length` tokens, the response its first `max_response_length`."""
+    prompt keeps its last `max_prompt_length` tokens, the response its first
+    `max_response_length`."""
 
 
 class AdvantageConfig(_Section):
@@ -154,7 +159,8 @@ class LossConfig(_Section):
     clip_high: float = Field(0.2, ge=0)
     """PPO clip of the probability ratio above: at 1 + clip_high."""
     dual_clip: float | None = Field(3.0, gt=1)
-    """Dual-clip PPO: a token with a negative advantage A loses at most |A| * dual_clip; null: no cap."""
+    """Dual-clip PPO: a token with a negative advantage A loses at most |A| * dual_clip; null: no
+    cap."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the per-token KL to a reference policy (a frozen copy of the policy after the warm
     start); 0: no KL term and no reference model."""
@@ -166,7 +172,8 @@ class LossConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """AdamW, its learning-rate schedule, and how a step's update is cut (tracetrain/minibatch.py)."""
+    """AdamW, its learning-rate schedule, and how a step's update is cut
+    (tracetrain/minibatch.py)."""
 
     lr: float = Field(5e-4, gt=0)
     """AdamW learning rate (after the warm-up)."""
@@ -180,7 +187,8 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
     """Gradient norm clip of each optimizer update."""
     mini_batches: int = Field(1, gt=0)
-    """Optimizer updates per PPO epoch: mini-batches of whole rollouts, balanced by tokens."""
+    """Optimizer updates per PPO epoch: mini-batches of whole rollouts, balanced by tokens
+    (backend `verl`: it must divide `rollout.tasks_per_step`)."""
     ppo_epochs: int = Field(1, gt=0)
     """Passes over a step's rollouts."""
     micro_batch_tokens: int = Field(65536, gt=0)
@@ -219,11 +227,13 @@ class TrainerConfig(_Section):
     """Torch threads of the update (the warm start: the larger of the two); 0: `threads`."""
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     """The training forward passes (warm start, update, reference): `bf16-mixed` runs them under
-    torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected."""
+    torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected.
+    `bf16-mixed` is for backend `embedded`."""
     overlap_collect: bool = False
     """Collect step k+1's rollouts while step k's update runs (with the policy before that update:
     its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
-    copy of the weights and takes the new ones between two collects."""
+    copy of the weights and takes the new ones between two collects. Backend `embedded` only, and
+    not with `engine.sleep_level`."""
     tensorboard: bool = False
     """Also log each step's metrics to TensorBoard, in run_dir/tensorboard (needs tensorboard)."""
     wandb: bool = False
@@ -278,26 +288,31 @@ class EngineConfig(_Section):
     """`local`: the trainer's own transformers loop, in this process; `vllm`: a vLLM server (one
     of `base_url` and `python`)."""
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
-    """A running vLLM server (started with VLLM_SERVER_DEV_MODE=1) the new weights are pushed to."""
+    """A running vLLM server (started with VLLM_SERVER_DEV_MODE=1) the new weights are pushed to
+    (kind `vllm`; not with `python`)."""
     python: str | None = Field(None, min_length=1)
-    """The interpreter of the venv that has vLLM: tracetrain launches the server with it."""
+    """The interpreter of the venv that has vLLM: tracetrain launches the server with it (kind
+    `vllm`; not with `base_url`)."""
     args: list[str] = Field(default_factory=list)
-    """Extra arguments of the server tracetrain launches."""
+    """Extra arguments of the server tracetrain launches (`python`)."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Environment of a launched server, on top of this process's (e.g. VLLM_CPU_OMP_THREADS_BIND)."""
+    """Environment of a launched server (`python`), on top of this process's (e.g.
+    VLLM_CPU_OMP_THREADS_BIND)."""
     sync: Literal["disk", "nccl"] = "disk"
     """How new weights reach the server: `disk`, a Hugging Face directory and vLLM's
     reload_weights (CPU or GPU, the server on this machine); `nccl`, vLLM's NCCL weight-transfer
     engine (CUDA GPUs)."""
     sleep_level: Literal[0, 1, 2] = 0
     """One GPU for vLLM and the trainer: the server sleeps during each update (1: weights to CPU
-    memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only)."""
+    memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only).
+    For a server tracetrain launches (`python`); not with `trainer.overlap_collect`."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds until the server answers /health (a launched one: from its launch)."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Seconds one request to the server may take."""
     max_model_len: int | None = Field(None, gt=0)
-    """The server's context (prompt + response tokens); null: aggregate's prompt + response lengths."""
+    """The server's context (prompt + response tokens); null: aggregate's prompt + response
+    lengths."""
 
     @model_validator(mode="after")
     def _where(self) -> EngineConfig:
@@ -328,10 +343,19 @@ class TrainConfig(_Section):
     warm-start transcripts function named by `warm_start.transcripts`."""
 
     task: str = "examples/guess/task.py"
+    """The task module: a .py path (relative to the config file, then the working directory) or a
+    module name."""
     task_args: dict[str, Any] = Field(default_factory=dict)
-    agent: str = "agent"  # the task module's agent function (or a command, see runner.load_agent)
+    """Keyword arguments of the task module's `tasks` (and warm-start transcripts) function."""
+    agent: str = "agent"
+    """The task module's agent function (or a `module:function` or a command, see
+    runner.load_agent)."""
     backend: Literal["embedded", "verl"] = "embedded"
+    """Who trains: `embedded`, tracetrain's own trainer in this process (or under torchrun);
+    `verl`, verl's FSDP actor and rollout servers on Ray (docs/scaling.md)."""
     runner: Literal["local", "ray"] = "local"
+    """Where the agents run: `local`, in this process (or `rollout.agent_workers` processes);
+    `ray`, as Ray tasks (RAY_ADDRESS, else a local Ray)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -341,8 +365,10 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)  # backend: embedded only
-    verl: VerlConfig = Field(default_factory=VerlConfig)  # backend: verl only
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """For backend `embedded` only."""
+    verl: VerlConfig = Field(default_factory=VerlConfig)
+    """For backend `verl` only."""
 
     @model_validator(mode="after")
     def _embedded_only(self) -> TrainConfig:
@@ -458,3 +484,192 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return build_config(data, overrides)
+
+
+# ------------------------------------------------------------- the reference (docs/config.md)
+
+REFERENCE_COMMAND = "python -m tracetrain.config --markdown > docs/config.md"
+
+# Descriptions of the keys of sections defined elsewhere without attribute docstrings (the verl
+# section, tracetrain/integrations/verl/config.py); a field's own description wins.
+EXTERNAL_DESCRIPTIONS: dict[type[BaseModel], dict[str, str]] = {
+    VerlConfig: {
+        "nnodes": "Nodes of the Ray cluster verl uses.",
+        "n_gpus_per_node": "GPUs per node (the actor and the rollout servers share them).",
+        "strategy": "verl's actor strategy, `fsdp` or `fsdp2` (the engines the loss scaling was "
+                    "checked against).",
+        "rollout": "verl's rollout server; the gateway calls it.",
+        "rollout_tp": "Tensor-parallel size of one rollout replica (it must divide the GPUs).",
+        "gpu_memory_utilization": "The rollout servers' share of GPU memory while awake.",
+        "param_offload": "FSDP CPU offload of the parameters.",
+        "optimizer_offload": "FSDP CPU offload of the optimizer state.",
+        "gradient_checkpointing": "verl's model option `enable_gradient_checkpointing`.",
+        "use_remove_padding": "Packed sequences (needs flash-attn on the GPUs).",
+        "ray_address": "null: start a local Ray (or join RAY_ADDRESS if set); `auto`: the running "
+                       "cluster.",
+        "overrides": "Dotted verl config keys, applied last (`+key` adds a key verl's yaml does "
+                     "not have).",
+    },
+}
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def describe(model: type[BaseModel], name: str) -> str:
+    """The meaning of `model`'s field `name`: its attribute docstring, else
+    EXTERNAL_DESCRIPTIONS."""
+    text = (model.model_fields[name].description
+            or EXTERNAL_DESCRIPTIONS.get(model, {}).get(name, ""))
+    return " ".join(text.split())
+
+
+def sections(
+    model: type[BaseModel] = TrainConfig, prefix: str = ""
+) -> list[tuple[str, type[BaseModel]]]:
+    """[(dotted prefix, model)]: the top level ("") and every section below it, in field order."""
+    out: list[tuple[str, type[BaseModel]]] = [(prefix, model)]
+    for name, field in model.model_fields.items():
+        if _is_section(field.annotation):
+            out += sections(field.annotation, f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def leaf_keys() -> list[tuple[str, type[BaseModel], str]]:
+    """[(dotted key, model, field name)] of every key that holds a value (not a section)."""
+    return [(f"{prefix}.{name}" if prefix else name, model, name)
+            for prefix, model in sections()
+            for name, field in model.model_fields.items() if not _is_section(field.annotation)]
+
+
+def _type_name(tp: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(parts + (["null"] if type(None) in args else []))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return tp.__name__ if isinstance(tp, type) else str(tp)
+
+
+def _yaml_value(value: Any) -> str:
+    """`value` as YAML writes it in flow style (`null`, `true`, `1.0e-06`, `[]`)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip()
+
+
+def _default(field: Any) -> Any:
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _constraints(field: Any) -> list[str]:
+    out = []
+    for m in field.metadata:
+        for attr, op in _BOUNDS:
+            if getattr(m, attr, None) is not None:
+                out.append(f"{op} {getattr(m, attr)}")
+        if getattr(m, "min_length", None) is not None:
+            out.append(f"length >= {m.min_length}")
+        if getattr(m, "pattern", None) is not None:
+            out.append(f"matches `{m.pattern}`")
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+_HEADER = f"""\
+# Configuration reference
+
+<!-- Generated from tracetrain/config.py by `{REFERENCE_COMMAND}`; do not edit.
+     tests/test_config_docs.py fails when the two differ. -->
+
+A run is configured by a YAML file, and `key.sub=value` overrides after it on the command line
+are applied over the file:
+
+```bash
+tracetrain train examples/guess/config.yaml optim.lr=3e-4 trainer.steps=200
+```
+
+```yaml
+# the same in the file
+optim: {{lr: 3.0e-4}}
+trainer:
+  steps: 200
+```
+
+An override's value is read as an int, else a float, else a YAML value (`true`, `null`,
+`[a, b]`, `{{k: v}}`; anything else is a string). In the YAML file an exponent needs a dot and a
+sign (`3.0e-4`): YAML 1.1 reads `3e-4` as a string, which a float key refuses.
+`tracetrain train --backend verl` is the same as the override `backend=verl`.
+
+Every key is typed and checked when the config is built: an unknown key, a value of the wrong
+type (nothing is coerced: `trainer.steps=true` and `optim.lr="0.1"` are refused) or one outside
+its constraints is an error that names the key. Defaults are shown as YAML writes them; a key
+not given takes its default. Some rules tie keys together (e.g. `model.path` is required for
+`model.kind: pretrained`); they are given with the keys they concern.
+"""
+
+
+def _intro(model: type[BaseModel], note: str) -> str:
+    import inspect
+
+    doc = inspect.cleandoc(model.__doc__ or "")
+    return "\n\n".join(p for p in (doc, note) if p)
+
+
+def config_reference() -> str:
+    """docs/config.md: every key of TrainConfig with its type, default, constraints and meaning,
+    generated from the models (deterministic)."""
+    parts, models = [_HEADER], dict(sections())
+    for prefix, model in models.items():
+        title = f"`{prefix}`" if prefix else "Top level"
+        parent, _, last = prefix.rpartition(".")
+        note = describe(models[parent], last) if prefix else ""  # the section's own field
+        lines = [f"## {title}", "", _intro(model, note), "",
+                 "| key | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+        for name, field in model.model_fields.items():
+            if _is_section(field.annotation):
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            cells = [_code(key), _code(_type_name(field.annotation)),
+                     _code(_yaml_value(_default(field))), ", ".join(_constraints(field)),
+                     describe(model, name)]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m tracetrain.config",
+                                description="Print the configuration reference.")
+    p.add_argument("--markdown", action="store_true", required=True,
+                   help=f"the Markdown reference (`{REFERENCE_COMMAND}`)")
+    p.parse_args(argv)
+    sys.stdout.write(config_reference())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -164,9 +164,25 @@ def tool_choice_parses(choice: Any, field: str = "tool_choice") -> bool:
     raise ApiError(400, f"{field} {choice!r} is not one this API knows", field)
 
 
+def plain_text_only(fmt: Any, field: str) -> None:
+    """A structured-output request (JSON mode, a JSON schema) needs decoding constrained to it,
+    which no engine here does: a 400 naming the field, rather than unconstrained text that the
+    client would take for valid JSON. Plain text ({"type": "text"}) is what is produced anyway."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if fmt is None or kind == "text":
+        return
+    raise ApiError(
+        400,
+        f"{field} {kind!r} needs decoding constrained to a format; the engine cannot do that "
+        "(plain text only: leave it out, or ask for the format in the prompt)",
+        field,
+    )
+
+
 def chat_max_tokens(body: ChatCompletionIn) -> int | None:
     """Refuse what the engine cannot honour; the request's max_tokens (or None)."""
     _reject(body, {"top_logprobs": 0})
+    plain_text_only(getattr(body, "response_format", None), "response_format")
     mt, mct = body.max_tokens, body.max_completion_tokens
     if mt is not None and mct is not None and mt != mct:
         raise ApiError(

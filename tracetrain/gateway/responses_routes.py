@@ -259,6 +259,8 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     body: ResponsesIn = _parse(ResponsesIn, raw)
     slot = gw.slot_for(rollout)
     parse_calls = render.tool_choice_parses(body.tool_choice)
+    text = getattr(body, "text", None)
+    render.plain_text_only(text.get("format") if isinstance(text, dict) else None, "text.format")
     kept = _kept(gw)
     before = [] if body.previous_response_id is None else kept.get(body.previous_response_id, rollout_id)
     history = conversation(body, before)
