@@ -63,12 +63,15 @@ def test_langgraph_react_agent_over_langchain_openai(gw):
         ("rendered", "first_turn"), ("exact", None), ("rendered", "no_match"), ("exact", None)]
 
 
-def test_smolagents_tool_calling_agent(gw):
-    """smolagents' ToolCallingAgent at its defaults: it sends stop strings ("Observation:", ...),
-    and it writes its history its own way (the model's tool call becomes the text "Calling tools:
-    [...]", the result a user message "Observation: ..."), so its later calls match no earlier
-    turn: rendered in full, the prefix break classified as the assistant turn rewritten."""
+def test_smolagents_tool_calling_agent(tmp_path):
+    """smolagents' ToolCallingAgent at its defaults: it asks for tool_choice "required" (which
+    no engine here enforces: a gateway run with forced_tool_choice as_auto serves it; the default
+    refuses it, saying so), it sends stop strings ("Observation:", ...), and it writes its history
+    its own way (the model's tool call becomes the text "Calling tools: [...]", the result a user
+    message "Observation: ..."), so its later calls match no earlier turn: rendered in full, the
+    prefix break classified as the assistant turn rewritten."""
     from smolagents import OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.utils import AgentGenerationError
 
     from tracetrain.aggregate import aggregate
 
@@ -84,19 +87,30 @@ def test_smolagents_tool_calling_agent(gw):
         seen.append(expr)
         return str(eval(expr, {}, {}))
 
-    gw.engine.max_context = 32768  # its system prompt lists every tool and rule
-    (r,) = gw.create(1)
-    model = OpenAIServerModel(model_id="policy", api_base=r["base_url"], api_key=r["api_key"])
-    agent = ToolCallingAgent(tools=[calc], model=model, verbosity_level=0)
-    say(gw.engine, call("calc", {"expr": "6*7"}))
-    say(gw.engine, call("final_answer", {"answer": "42"}))
-    assert str(agent.run("What is 6*7?")) == "42" and seen == ["6*7"]
-    turns = gw.store.get_turns(r["rollout_id"])
+    def agent_on(gw):
+        gw.engine.max_context = 32768  # its system prompt lists every tool and rule
+        (r,) = gw.create(1)
+        model = OpenAIServerModel(model_id="policy", api_base=r["base_url"], api_key=r["api_key"])
+        return r, ToolCallingAgent(tools=[calc], model=model, verbosity_level=0)
+
+    (tmp_path / "refuse").mkdir()
+    (tmp_path / "as_auto").mkdir()
+    with live_gateway(tmp_path / "refuse", ScriptedEngine()) as gw:
+        _, agent = agent_on(gw)
+        with pytest.raises(AgentGenerationError, match="forces a tool call"):
+            agent.run("What is 6*7?", max_steps=1)
+    gw = live_gateway(tmp_path / "as_auto", ScriptedEngine(), forced_tool_choice="as_auto")
+    with gw as gw:
+        r, agent = agent_on(gw)
+        say(gw.engine, call("calc", {"expr": "6*7"}))
+        say(gw.engine, call("final_answer", {"answer": "42"}))
+        assert str(agent.run("What is 6*7?")) == "42" and seen == ["6*7"]
+        turns = gw.store.get_turns(r["rollout_id"])
+        gw.admin.patch(f"/rollouts/{r['rollout_id']}", json={"state": "succeeded"})
+        rollouts = gw.store.load_rollouts(rollout_ids=[r["rollout_id"]])
     assert [(t.context, t.context_reason) for t in turns] == [("rendered", "first_turn"),
                                                              ("rendered", "no_match")]
-    gw.admin.patch(f"/rollouts/{r['rollout_id']}", json={"state": "succeeded"})
-    _, metrics, breaks = aggregate(gw.store.load_rollouts(rollout_ids=[r["rollout_id"]]),
-                                   max_prompt_length=32768, max_response_length=4096,
+    _, metrics, breaks = aggregate(rollouts, max_prompt_length=32768, max_response_length=4096,
                                    pad_token_id=0, tokenizer=gw.engine.tokenizer,
                                    return_breaks=True)
     assert metrics["n_rows"] == 2 and [b.kind for b in breaks] == ["assistant_rewrite"]

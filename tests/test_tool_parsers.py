@@ -182,3 +182,19 @@ def test_structured_output_is_refused_not_faked(tmp_path, route, body, field):
         gw.engine.script.append([5, gw.engine.tokenizer.eos_token_id])
         assert httpx.post(f"{r['base_url']}/{route}", json=ok, headers=headers).status_code == 200
         assert len(gw.store.get_turns(r["rollout_id"])) == 1
+
+
+@pytest.mark.parametrize("route", list(CHOICES))
+def test_a_gateway_set_to_as_auto_serves_a_forced_choice_as_auto(tmp_path, route):
+    import httpx
+
+    body, _, forcing = CHOICES[route]
+    engine = ScriptedEngine()
+    tok = engine.tokenizer
+    with live_gateway(tmp_path, engine, forced_tool_choice="as_auto") as gw:
+        (r,) = gw.create(1)
+        for choice in forcing:
+            engine.script.append(tok.encode(HERMES_CALL, add_special_tokens=False) + [tok.eos_token_id])
+            got = httpx.post(f"{r['base_url']}/{route}", json={**body, "tool_choice": choice},
+                             headers={"Authorization": f"Bearer {r['api_key']}"})
+            assert got.status_code == 200 and called(route, got.json()), got.text

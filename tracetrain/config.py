@@ -266,6 +266,10 @@ class GatewayConfig(_Section):
     `template` (the chat template's full render); docs/gateway.md."""
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     """The format of the model's tool calls; `auto`: detected from the chat template."""
+    forced_tool_choice: Literal["refuse", "as_auto"] = "refuse"
+    """A request's tool_choice that forces a call (`required`, a named tool), which no engine
+    here can enforce: `refuse` answers 400; `as_auto` generates it as `auto` (smolagents'
+    ToolCallingAgent asks for `required`)."""
 
     @field_validator("public_url")
     @classmethod

@@ -695,7 +695,8 @@ class Trainer:
         sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key,
                          public_url=public_url(cfg.gateway, sock.getsockname()[1]),
-                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser)
+                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser,
+                         forced_tool_choice=cfg.gateway.forced_tool_choice)
         self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
             async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:

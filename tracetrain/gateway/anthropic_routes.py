@@ -213,7 +213,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     body: MessagesIn = _parse(MessagesIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
-    parse_calls = render.tool_choice_parses(body.tool_choice)
+    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
     try:
         stop_ids, _ = render.stops(tok, body.stop_sequences)
     except ApiError as e:

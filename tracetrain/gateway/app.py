@@ -54,6 +54,7 @@ class Gateway:
     max_body_bytes: int = 8 << 20
     context: str = "exact"  # how chat prompts are built: exact | template (gateway/context.py)
     tool_parser: str = "auto"  # tool calls' format (gateway/tool_calls.py); auto: from the template
+    forced_tool_choice: str = "refuse"  # a tool_choice forcing a call: refuse (400) | as_auto
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
@@ -112,6 +113,7 @@ def create_app(
     close_engines: bool = False,
     context: str = "exact",
     tool_parser: str = "auto",
+    forced_tool_choice: str = "refuse",
 ) -> FastAPI:
     """Build the gateway. `engines`: one engine (named "default") or {name: engine}; the default
     engine serves rollouts that name none. `engine_factory(spec, gateway)` builds engines registered
@@ -119,7 +121,10 @@ def create_app(
     close_engines: also close the given engines at shutdown (the app then owns them).
     context: "exact" (a turn's prompt continues the ids of the turn it follows) or "template" (the
     chat template's full render every time); gateway/context.py. tool_parser: the format of the
-    model's tool calls, "auto" (detected from the chat template) or a name in tool_calls.PARSERS."""
+    model's tool calls, "auto" (detected from the chat template) or a name in tool_calls.PARSERS.
+    forced_tool_choice: what a tool_choice that forces a call gets, since no engine constrains
+    decoding: "refuse" (400) or "as_auto" (generated as auto; smolagents' ToolCallingAgent sends
+    "required")."""
     if not isinstance(admin_key, str) or not admin_key.strip():
         raise ValueError("admin_key must be a non-empty string")
     if (
@@ -130,6 +135,8 @@ def create_app(
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
     if tool_parser != "auto" and tool_parser not in PARSERS:
         raise ValueError(f"tool_parser must be auto or one of {', '.join(PARSERS)}, got {tool_parser!r}")
+    if forced_tool_choice not in ("refuse", "as_auto"):
+        raise ValueError(f"forced_tool_choice must be refuse or as_auto, got {forced_tool_choice!r}")
     if context not in CONTEXT_POLICIES:
         raise ValueError(f"context must be one of {', '.join(CONTEXT_POLICIES)}, got {context!r}")
     engines = {"default": engines} if not isinstance(engines, Mapping) else dict(engines)
@@ -150,6 +157,7 @@ def create_app(
         max_body_bytes,
         context,
         tool_parser,
+        forced_tool_choice,
     )
     for name, engine in engines.items():
         gw.add_engine(name, engine)

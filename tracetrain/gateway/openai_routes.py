@@ -231,7 +231,7 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     max_tokens = render.chat_max_tokens(body)
-    parse_calls = render.tool_choice_parses(body.tool_choice)
+    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
     messages, tools = render.chat_messages(body, raw)
     answer = await chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, parse_calls)
     prompt_ids, gen, index = answer.prompt_ids, answer.gen, answer.index

@@ -142,23 +142,28 @@ def sampling_params(
     )
 
 
-def tool_choice_parses(choice: Any, field: str = "tool_choice") -> bool:
+def tool_choice_parses(choice: Any, forced: str = "refuse", field: str = "tool_choice") -> bool:
     """Whether tool calls are parsed out of the answer, for a request's tool_choice in any API's
     spelling: auto (None, "auto", {"type": "auto"}) -> True; none ("none", {"type": "none"}) ->
     False (the tools stay in the prompt; the answer is text). A choice that forces a call
     ("required", {"type": "any"}, a named function or tool) needs decoding constrained to a call,
-    which no engine here does: a 400 rather than a call the model may not make."""
+    which no engine here does: with `forced` "refuse" (the gateway's default) a 400 rather than a
+    call the model may not make; with "as_auto" it is generated as auto (the model may answer
+    without a call, and the harness sees that)."""
     kind = choice.get("type") if isinstance(choice, dict) else choice
     if kind in (None, "auto"):
         return True
     if kind == "none":
         return False
+    if kind in ("required", "any", "function", "tool") and forced == "as_auto":
+        return True
     if kind in ("required", "any", "function", "tool"):
         what = repr(kind) if isinstance(choice, str) else f"{{'type': {kind!r}, ...}}"
         raise ApiError(
             400,
             f"{field} {what} forces a tool call, which needs decoding constrained to one; the "
-            "engine cannot do that: send 'auto' (or 'none')",
+            "engine cannot do that: send 'auto' (or 'none'), or run the gateway with "
+            "forced_tool_choice 'as_auto'",
             field,
         )
     raise ApiError(400, f"{field} {choice!r} is not one this API knows", field)

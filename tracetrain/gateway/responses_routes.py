@@ -258,7 +258,7 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     rollout = _rollout(gw, authorization, rollout_id)
     body: ResponsesIn = _parse(ResponsesIn, raw)
     slot = gw.slot_for(rollout)
-    parse_calls = render.tool_choice_parses(body.tool_choice)
+    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
     text = getattr(body, "text", None)
     render.plain_text_only(text.get("format") if isinstance(text, dict) else None, "text.format")
     kept = _kept(gw)

@@ -194,6 +194,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="format of the model's tool calls: auto (from the chat template), hermes, "
         "llama3_json, mistral (gateway/tool_calls.py)",
     )
+    p.add_argument(
+        "--forced-tool-choice",
+        choices=["refuse", "as_auto"],
+        default="refuse",
+        help="a tool_choice that forces a call (no engine constrains decoding): refuse with a "
+        "400, or generate it as auto (smolagents' ToolCallingAgent sends 'required')",
+    )
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             close_engines=True,
             context=args.context,
             tool_parser=args.tool_parser,
+            forced_tool_choice=args.forced_tool_choice,
         )
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]

@@ -315,7 +315,8 @@ class VerlRun:
         sock = bind(cfg.gateway)
         app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
                          public_url=public_url(cfg.gateway, sock.getsockname()[1]),
-                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser)
+                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser,
+                         forced_tool_choice=cfg.gateway.forced_tool_choice)
         sinks, history = metric_sinks(cfg, self.run_dir), []
         try:
             async with (
