@@ -71,29 +71,12 @@ def qwen():
 
 
 def _smollm2_from_gguf(directory: Path):
-    from tokenizers import decoders, pre_tokenizers
-    from transformers import AutoTokenizer
-
-    from tracetrain.models import end_turns_at_im_end
+    """tracetrain's own GGUF tokenizer load (models.gguf_tokenizer: the file's "smollm"
+    pre-tokenizer put back, which transformers drops)."""
+    from tracetrain.models import gguf_tokenizer
 
     _require("gguf", "gguf")
-    tokenizer = end_turns_at_im_end(
-        AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF)
-    )
-    # transformers rebuilds a GGUF "gpt2" vocabulary with a plain byte-level pre-tokenizer and
-    # ignores the file's tokenizer.ggml.pre = "smollm": SmolLM2 splits digits one by one first
-    # (" 1" was never a token), as its tokenizer.json and llama.cpp do. Its decoder gets
-    # sentencepiece steps it does not need. Both back to what SmolLM2's tokenizer.json has:
-    backend = tokenizer.backend_tokenizer
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    tokenizer.clean_up_tokenization_spaces = False
-    return tokenizer
+    return gguf_tokenizer(str(directory), SMOLLM2_GGUF)
 
 
 def _qwen_from_tiktoken(ranks: Path):
@@ -141,7 +124,9 @@ def _cached(name: str, distribution: str, build):
     """`build()` once per version of `distribution`, saved in the cache directory; later processes
     read it back from there. The key also covers this file and the versions of transformers and
     tokenizers, which the build depends on."""
-    recipe = [Path(__file__).read_bytes()]
+    import tracetrain.models
+
+    recipe = [Path(__file__).read_bytes(), Path(tracetrain.models.__file__).read_bytes()]
     recipe += [importlib.metadata.version(d).encode() for d in ("transformers", "tokenizers")]
     digest = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:12]
     saved = _cache_root() / f"{name}-{importlib.metadata.version(distribution)}-{digest}"

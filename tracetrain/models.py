@@ -51,9 +51,46 @@ def load_tokenizer(mc: ModelConfig):
         return tiny.build_tokenizer()
     if mc.kind == "pretrained":
         return AutoTokenizer.from_pretrained(mc.path)
-    return end_turns_at_im_end(
-        AutoTokenizer.from_pretrained(resolve_package_dir(mc.path), gguf_file=mc.gguf_file)
+    return gguf_tokenizer(resolve_package_dir(mc.path), mc.gguf_file)
+
+
+def gguf_tokenizer(directory: str, gguf_file: str):
+    """The tokenizer of a GGUF file as its model was trained with it: transformers' own load, then
+    the file's pre-tokenizer (tokenizer.ggml.pre), which transformers ignores, put back, and a
+    ChatML template's end of turn as eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    return end_turns_at_im_end(match_pretokenizer(tokenizer, gguf_pretokenizer(Path(directory) / gguf_file)))
+
+
+def gguf_pretokenizer(path: Path) -> str | None:
+    """A GGUF file's tokenizer.ggml.pre (the name of its pre-tokenizer, llama.cpp's), or None."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
+def match_pretokenizer(tokenizer, pre: str | None):
+    """transformers rebuilds a GGUF "gpt2" vocabulary with a plain byte-level pre-tokenizer. For
+    "smollm" (SmolLM, SmolLM2) digits are split one by one first, as its tokenizer.json and
+    llama.cpp do (so " 12" is " ", "1", "2", never " 1"); the decoder is plain byte-level, and
+    no space clean-up on decode. Other names are left as transformers built them."""
+    if pre != "smollm":
+        return tokenizer
+    from tokenizers import decoders, pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
     )
+    backend.decoder = decoders.ByteLevel()
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
 
 
 def end_turns_at_im_end(tokenizer):
@@ -67,13 +104,13 @@ def end_turns_at_im_end(tokenizer):
 def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
     """A GGUF checkpoint loads dequantized; it is rebuilt as a plain model from its config and
     state dict so that it can be trained and saved like any transformers model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     directory = resolve_package_dir(directory)
     path = Path(directory) / gguf_file
     if not path.is_file():
         raise ConfigError(f"config keys 'model.path'/'model.gguf_file': {str(path)!r} does not exist")
-    tokenizer = end_turns_at_im_end(AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file))
+    tokenizer = gguf_tokenizer(directory, gguf_file)
     loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
     model = type(loaded)(loaded.config)
     model.load_state_dict(loaded.state_dict())
