@@ -368,6 +368,22 @@ def test_sampled_logprobs_after_a_sync_equal_the_trainers(served, tok):
 
 
 @pytest.mark.slow
+def test_a_stop_string_ends_the_answer_with_the_token_that_completes_it(served, tok):
+    """vLLM's `stop`: the answer is the greedy answer's prefix that ends with the token whose text
+    completes the string; the ids keep that token (the gateway leaves the string out of the text)."""
+    engine = engine_on(served, tok)
+    prompt = chat(tok, "Say something long.")
+    free = asyncio.run(ask(engine, prompt)).response_ids
+    k = next(k for k in range(2, len(free) - 1) if tok.decode(free[k : k + 2]).strip())
+    stop = tok.decode(free[k : k + 2])
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(), stop=(stop,))
+    got = asyncio.run(ask(engine, prompt, params))
+    assert got.finish_reason == "stop"
+    assert got.response_ids == free[: len(got.response_ids)]
+    text = tok.decode(got.response_ids)
+    assert stop in text and stop not in tok.decode(got.response_ids[:-1])
+
+
 def test_many_seeded_requests_at_once_are_all_answered(served, tok):
     """Regression: 128 seeded requests whose prompts overflow one scheduler step (2048 tokens on
     CPU) were split by chunked prefill, and vLLM 0.32's CPU worker died rewinding a seeded
