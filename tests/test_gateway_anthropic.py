@@ -130,3 +130,18 @@ def test_a_missing_or_wrong_key_is_an_authentication_error(gw):
         got = httpx.post(r["base_url"] + "/messages", json=body, headers=headers)
         assert got.status_code == 401
         assert got.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_tool_use_input_beyond_64_bit_integers_is_served(gw):
+    """JSON has no integer limit; orjson has one (64 bits): the conversation still renders."""
+    (r,) = gw.create(1)
+    say(gw.engine, "ok")
+    body = {"max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {"a": 2**70}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]},
+    ]}
+    got = httpx.post(r["base_url"] + "/messages", json=body, headers={"x-api-key": r["api_key"]})
+    assert got.status_code == 200, got.text
+    assert str(2**70) in gw.engine.tokenizer.decode(gw.store.get_turns(r["rollout_id"])[0].prompt_ids)

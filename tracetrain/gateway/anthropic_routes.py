@@ -25,6 +25,7 @@ the field at fault. Streaming sends the whole turn, once recorded, as Anthropic'
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -62,6 +63,13 @@ def _text(content: str | list | None) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
+def _json_text(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:  # what orjson refuses (an int over 64 bits), the standard library writes
+        return json.dumps(value)
+
+
 def conversation(body: MessagesIn) -> list[dict]:
     """The chat messages an Anthropic request stands for."""
     messages: list[dict] = []
@@ -76,7 +84,7 @@ def conversation(body: MessagesIn) -> list[dict]:
                 {
                     "id": b.id,
                     "type": "function",
-                    "function": {"name": b.name, "arguments": orjson.dumps(b.input).decode()},
+                    "function": {"name": b.name, "arguments": _json_text(b.input)},
                 }
                 for b in blocks
                 if isinstance(b, ToolUseBlock)
@@ -188,7 +196,7 @@ def stream_events(message: dict[str, Any]) -> list[dict[str, Any]]:
                  "content_block": {**block, "input": {}}},
                 {"type": "content_block_delta", "index": i,
                  "delta": {"type": "input_json_delta",
-                           "partial_json": orjson.dumps(block["input"]).decode()}},
+                           "partial_json": _json_text(block["input"])}},
             ]
         events.append({"type": "content_block_stop", "index": i})
     events += [
