@@ -5,11 +5,14 @@ fake engine never fails here) and every error is a JSON error body.
 Requests go to a live uvicorn server on loopback with the admin key (it reaches every route) or,
 on a rollout's own routes, that rollout's key; path ids are random or real rollouts. Each route
 also gets one explicit valid request (a hypothesis `@example`, always run first): it must succeed,
-so every route is reached past its validation whatever the random draw.
+so every route is reached past its validation whatever the random draw. FUZZ_EXAMPLES (default
+40) sets the number of random requests per route (`FUZZ_EXAMPLES=400 pytest tests/test_gateway_fuzz.py`
+for a longer search).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import tempfile
 from pathlib import Path
@@ -127,7 +130,8 @@ def test_no_5xx_from_any_request(live, op):
     explicit = explicit_case(op, next(iter(keys)))
 
     @settings(
-        max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", 40)), deadline=None,
+        suppress_health_check=list(HealthCheck), database=None
     )
     @given(case=cases(op, list(keys)), use_rollout_key=st.booleans())
     @example(case=explicit, use_rollout_key=False)
