@@ -35,7 +35,14 @@ from fastapi.responses import JSONResponse, Response
 
 from tracetrain.gateway import errors, render
 from tracetrain.gateway.errors import ApiError
-from tracetrain.gateway.openai_routes import ChatAnswer, _json, _parse, _rollout, chat_answer
+from tracetrain.gateway.openai_routes import (
+    ChatAnswer,
+    _json,
+    _parse,
+    _rollout,
+    chat_answer,
+    named_sse,
+)
 from tracetrain.gateway.schemas import (
     MessagesIn,
     TextBlock,
@@ -208,13 +215,6 @@ def stream_events(message: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
-def _sse(events: list[dict[str, Any]]) -> Response:
-    body = b"".join(
-        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events
-    )
-    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """Anthropic Messages: one turn of the rollout."""
     rollout = _rollout(gw, authorization, rollout_id)
@@ -251,7 +251,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     if body.return_token_ids:
         message["prompt_token_ids"] = answer.prompt_ids
         message["token_ids"] = answer.gen.response_ids
-    return _sse(stream_events(message)) if body.stream else _json(message)
+    return named_sse(stream_events(message)) if body.stream else _json(message)
 
 
 def authorization_of(authorization: str | None, x_api_key: str | None) -> str | None:

@@ -152,6 +152,14 @@ def _sse(chunks: list[dict[str, Any]]) -> Response:
     )
 
 
+def named_sse(events: list[dict[str, Any]]) -> Response:
+    """Server-sent events named by their "type" (the Responses and Anthropic streams)."""
+    body = b"".join(
+        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events
+    )
+    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     return [
         {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}

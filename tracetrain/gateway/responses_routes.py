@@ -38,7 +38,14 @@ from fastapi.responses import Response
 
 from tracetrain.gateway import render
 from tracetrain.gateway.errors import ApiError
-from tracetrain.gateway.openai_routes import ChatAnswer, _json, _parse, _rollout, chat_answer
+from tracetrain.gateway.openai_routes import (
+    ChatAnswer,
+    _json,
+    _parse,
+    _rollout,
+    chat_answer,
+    named_sse,
+)
 from tracetrain.gateway.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -246,13 +253,6 @@ def stream_events(started: dict, done: dict) -> list[dict[str, Any]]:
     return events
 
 
-def _sse(events: list[dict[str, Any]]) -> Response:
-    body = b"".join(
-        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events
-    )
-    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI Responses API: one turn of the rollout."""
     rollout = _rollout(gw, authorization, rollout_id)
@@ -286,7 +286,7 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     done = response_object(body, response_id, model, answer, extra)
     if not body.stream:
         return _json(done)
-    return _sse(stream_events(response_object(body, response_id, model, None, {}), done))
+    return named_sse(stream_events(response_object(body, response_id, model, None, {}), done))
 
 
 async def responses(request: Request) -> Response:
