@@ -24,7 +24,7 @@ TASK = {"question": "What is 6*7?", "answer": 42}
 def test_the_doc_has_an_agent_per_api_and_framework():
     names = " ".join(EXAMPLES)
     for needed in ("chat completions", "Responses API", "Agents SDK", "Messages API", "LangGraph",
-                   "smolagents"):
+                   "pydantic-ai", "smolagents"):
         assert needed in names, f"docs/agents.md has no worked agent for {needed}"
 
 

@@ -149,3 +149,28 @@ def test_autogen_assistant_agent_as_a_command_agent(gw):
     turns = gw.store.get_turns("ag")
     assert [(t.context, t.context_reason) for t in turns] == [("rendered", "first_turn"),
                                                              ("exact", None)]
+
+
+def test_pydantic_ai_agent_over_its_openai_chat_model(gw):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    (r,) = gw.create(1)
+    model = OpenAIChatModel("policy", provider=OpenAIProvider(base_url=r["base_url"],
+                                                              api_key=r["api_key"]))
+    agent = Agent(model, instructions="Use calc.")
+    seen = []
+
+    @agent.tool_plain
+    def calc(expr: str) -> str:
+        """Evaluate an arithmetic expression."""
+        seen.append(expr)
+        return str(eval(expr, {}, {}))
+
+    say(gw.engine, call("calc", {"expr": "6*7"}))
+    say(gw.engine, "It is 42.")
+    assert agent.run_sync("What is 6*7?").output == "It is 42." and seen == ["6*7"]
+    turns = gw.store.get_turns(r["rollout_id"])
+    assert [(t.context, t.context_reason) for t in turns] == [("rendered", "first_turn"),
+                                                             ("exact", None)]
