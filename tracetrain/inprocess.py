@@ -84,6 +84,16 @@ def public_url(cfg: GatewayConfig, port: int) -> str | None:
     return f"http://{_url_host(cfg.host)}:{port}"
 
 
+def app_options(cfg: GatewayConfig, port: int) -> dict:
+    """create_app's keyword arguments from the gateway section, for the trainers (both backends)."""
+    return {
+        "public_url": public_url(cfg, port),
+        "context": cfg.context,
+        "tool_parser": cfg.tool_parser,
+        "forced_tool_choice": cfg.forced_tool_choice,
+    }
+
+
 def local_url(sock: socket.socket) -> str:
     """The URL this process reaches a socket bound by `bind` at (loopback for a wildcard)."""
     host, port = sock.getsockname()[:2]

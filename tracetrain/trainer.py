@@ -637,7 +637,7 @@ class Trainer:
         from tqdm import tqdm
 
         from tracetrain.gateway.app import create_app
-        from tracetrain.inprocess import admin_key_for, bind, public_url, serve_in_loop
+        from tracetrain.inprocess import admin_key_for, app_options, bind, serve_in_loop
         from tracetrain.store import SQLiteStore
         from tracetrain.warmstart import warm_start
 
@@ -694,9 +694,7 @@ class Trainer:
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
         app = create_app(self.store, {"default": engine}, admin_key=admin_key,
-                         public_url=public_url(cfg.gateway, sock.getsockname()[1]),
-                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser,
-                         forced_tool_choice=cfg.gateway.forced_tool_choice)
+                         **app_options(cfg.gateway, sock.getsockname()[1]))
         self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
             async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:

@@ -187,18 +187,20 @@ class ExactContext:
 
     build(rollout_id, messages, tools, full, first)   -> Built
     answered(rollout_id, messages, tools, answer, prompt_ids, response_ids)   remember a turn
-    forget(rollout_id)
+
+    `prompts` encodes for the engine's tokenizer; `render(messages, tools, generation_prompt)` is
+    the chat template's text.
     """
 
     def __init__(
         self,
-        tokenizer: Any,
         prompts: PromptEncoder,
         render: Callable[[list[dict], list | None, bool], str],
         *,
         max_bytes: int = 64 << 20,
     ):
-        self.tokenizer, self.prompts, self.render = tokenizer, prompts, render
+        self.prompts, self.render = prompts, render
+        self.tokenizer = prompts.tokenizer
         self.max_bytes = max_bytes
         self._rollouts: OrderedDict[str, list[_Answered]] = OrderedDict()
         self._bytes = 0
@@ -303,11 +305,6 @@ class ExactContext:
             self._bytes -= seen.pop(0).size
         while self._bytes > self.max_bytes and self._rollouts:
             _, old = self._rollouts.popitem(last=False)
-            self._bytes -= sum(e.size for e in old)
-
-    def forget(self, rollout_id: str) -> None:
-        old = self._rollouts.pop(rollout_id, None)
-        if old:
             self._bytes -= sum(e.size for e in old)
 
 

@@ -358,24 +358,24 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
     return _sse(chunks)
 
 
-async def chat_completions(request: Request) -> Response:
-    """OpenAI chat completion: one turn of the rollout."""
-    return await chat_turn(
-        request.app.state.gateway,
-        request.path_params["rollout_id"],
-        request.headers.get("authorization"),
-        await request.body(),
-    )
+def endpoint(turn):
+    """The FastAPI endpoint of a model route whose `turn(gw, rollout_id, authorization, raw)`
+    hot.py calls directly (same docstring: it is the route's summary)."""
+
+    async def serve(request: Request) -> Response:
+        return await turn(
+            request.app.state.gateway,
+            request.path_params["rollout_id"],
+            request.headers.get("authorization"),
+            await request.body(),
+        )
+
+    serve.__doc__ = turn.__doc__
+    return serve
 
 
-async def completions(request: Request) -> Response:
-    """OpenAI text completion: one turn of the rollout."""
-    return await completion_turn(
-        request.app.state.gateway,
-        request.path_params["rollout_id"],
-        request.headers.get("authorization"),
-        await request.body(),
-    )
+chat_completions = endpoint(chat_turn)
+completions = endpoint(completion_turn)
 
 
 @router.get("/rollouts/{rollout_id}/v1/models", summary="OpenAI model list (the rollout's engine)")

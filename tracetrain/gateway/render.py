@@ -155,9 +155,9 @@ def tool_choice_parses(choice: Any, forced: str = "refuse", field: str = "tool_c
         return True
     if kind == "none":
         return False
-    if kind in ("required", "any", "function", "tool") and forced == "as_auto":
-        return True
     if kind in ("required", "any", "function", "tool"):
+        if forced == "as_auto":
+            return True
         what = repr(kind) if isinstance(choice, str) else f"{{'type': {kind!r}, ...}}"
         raise ApiError(
             400,

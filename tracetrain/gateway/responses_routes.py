@@ -33,7 +33,6 @@ from collections import OrderedDict
 from typing import Any
 
 import orjson
-from fastapi import Request
 from fastapi.responses import Response
 
 from tracetrain.gateway import render
@@ -44,6 +43,7 @@ from tracetrain.gateway.openai_routes import (
     _parse,
     _rollout,
     chat_answer,
+    endpoint,
     named_sse,
 )
 from tracetrain.gateway.schemas import (
@@ -289,14 +289,4 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     return named_sse(stream_events(response_object(body, response_id, model, None, {}), done))
 
 
-async def responses(request: Request) -> Response:
-    """OpenAI Responses API: one turn of the rollout."""
-    return await responses_turn(
-        request.app.state.gateway,
-        request.path_params["rollout_id"],
-        request.headers.get("authorization"),
-        await request.body(),
-    )
-
-
-ROUTE = ("/rollouts/{rollout_id}/v1/responses", responses, ResponsesIn)
+ROUTE = ("/rollouts/{rollout_id}/v1/responses", endpoint(responses_turn), ResponsesIn)

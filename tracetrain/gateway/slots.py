@@ -53,7 +53,7 @@ class EngineSlot:
         prompts = self.prompts
         if self._exact is None or self._exact.prompts is not prompts:
             tok = prompts.tokenizer
-            self._exact = ExactContext(tok, prompts, lambda m, t, g: template_text(tok, m, t, g))
+            self._exact = ExactContext(prompts, lambda m, t, g: template_text(tok, m, t, g))
         return self._exact
 
     def tool_parser(self, name: str) -> Parser:

@@ -301,7 +301,7 @@ class VerlRun:
 
     async def run(self) -> list[dict]:
         from tracetrain.gateway.app import create_app
-        from tracetrain.inprocess import admin_key_for, bind, public_url, serve_in_loop
+        from tracetrain.inprocess import admin_key_for, app_options, bind, serve_in_loop
         from tracetrain.runner import GatewayClient, agent_http_client
         from tracetrain.store import SQLiteStore
         from tracetrain.trainer import format_step, metric_sinks, resolve_agent
@@ -314,9 +314,7 @@ class VerlRun:
         admin_key = admin_key_for(cfg.gateway.host)
         sock = bind(cfg.gateway)
         app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
-                         public_url=public_url(cfg.gateway, sock.getsockname()[1]),
-                         context=cfg.gateway.context, tool_parser=cfg.gateway.tool_parser,
-                         forced_tool_choice=cfg.gateway.forced_tool_choice)
+                         **app_options(cfg.gateway, sock.getsockname()[1]))
         sinks, history = metric_sinks(cfg, self.run_dir), []
         try:
             async with (
