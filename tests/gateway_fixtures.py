@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import secrets
 import subprocess
@@ -95,6 +96,11 @@ class ScriptedEngine(FakeEngine):
         super().__init__(tokenizer)
         self.script: deque[list[int]] = deque()
 
+    def say(self, text: str, eos: bool = True) -> None:
+        """Script the next answer: `text` tokenized, then eos (unless `eos` is False)."""
+        tok = self.tokenizer
+        self.script.append(tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else []))
+
     async def generate(self, prompt_ids, params):
         planned = self.script.popleft()
         stops = {self.tokenizer.eos_token_id, *params.stop_token_ids}
@@ -107,6 +113,24 @@ class ScriptedEngine(FakeEngine):
         gen = Generation(ids, [-0.5] * len(ids), finish, self.model_version)
         self.calls.append((list(prompt_ids), gen))
         return gen
+
+
+# The calculator tool of the chat-completions tests.
+CALC_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
+    }
+]
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    """A tool call as a Hermes/Qwen model writes it (the gateway's default parser reads it)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
 @dataclass

@@ -34,21 +34,12 @@ from chat_templates import (
     R1_STYLE,
     with_template,
 )
-from gateway_fixtures import ScriptedEngine, live_gateway, tiny_tokenizer
+from gateway_fixtures import CALC_TOOLS, ScriptedEngine, live_gateway, tiny_tokenizer
 from openai import OpenAI
 
 from tracetrain.aggregate import aggregate
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = CALC_TOOLS
 
 
 def _tokenizer(name: str):

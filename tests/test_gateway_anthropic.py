@@ -6,12 +6,10 @@ a refused request."""
 
 from __future__ import annotations
 
-import json
-
 import anthropic
 import httpx
 import pytest
-from gateway_fixtures import ScriptedEngine, live_gateway
+from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
 from tracetrain.aggregate import aggregate
 
@@ -24,13 +22,6 @@ TOOLS = [
 ]
 
 
-def say(engine, text: str, eos: bool = True) -> None:
-    tok = engine.tokenizer
-    engine.script.append(tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else []))
-
-
-def call(expr: str, prefix: str = "") -> str:
-    return prefix + "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}) + "</tool_call>"
 
 
 def client(r) -> anthropic.Anthropic:
@@ -48,7 +39,7 @@ def gw(tmp_path):
 def test_tool_use_round_trip_plain_and_streaming(gw):
     (r,) = gw.create(1)
     c = client(r)  # the key goes as x-api-key, the SDK's default
-    say(gw.engine, call("6*7", "Let me compute. "))
+    gw.engine.say("Let me compute. " + hermes_call("calc", {"expr": "6*7"}))
     messages = [{"role": "user", "content": "What is 6*7?"}]
     first = c.messages.create(model="policy", max_tokens=200, system="Use the tool.",
                               messages=messages, tools=TOOLS)
@@ -60,7 +51,7 @@ def test_tool_use_round_trip_plain_and_streaming(gw):
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "42"}]},
     ]
-    say(gw.engine, "It is 42.")
+    gw.engine.say("It is 42.")
     with c.messages.stream(model="policy", max_tokens=200, system="Use the tool.",
                            messages=messages, tools=TOOLS) as stream:
         text = "".join(stream.text_stream)
@@ -83,7 +74,7 @@ def test_stop_reasons_and_a_bearer_key(gw):
     (r,) = gw.create(1)
     c = anthropic.Anthropic(base_url=r["base_url"].removesuffix("/v1"), max_retries=0,
                             auth_token=r["api_key"])  # Authorization: Bearer
-    say(gw.engine, "one two three four five six", eos=False)
+    gw.engine.say("one two three four five six", eos=False)
     cut = c.messages.create(model="policy", max_tokens=3, messages=[{"role": "user", "content": "count"}])
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 3
     tok = gw.engine.tokenizer
@@ -135,7 +126,7 @@ def test_a_missing_or_wrong_key_is_an_authentication_error(gw):
 def test_a_tool_use_input_beyond_64_bit_integers_is_served(gw):
     """JSON has no integer limit; orjson has one (64 bits): the conversation still renders."""
     (r,) = gw.create(1)
-    say(gw.engine, "ok")
+    gw.engine.say("ok")
     body = {"max_tokens": 5, "messages": [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",

@@ -14,7 +14,7 @@ import random
 
 import pytest
 from chat_templates import DROPS_OLD_REASONING, MARKS_LAST_MESSAGE, with_template
-from gateway_fixtures import ScriptedEngine, live_gateway, tiny_tokenizer
+from gateway_fixtures import CALC_TOOLS, ScriptedEngine, live_gateway, tiny_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
@@ -24,16 +24,7 @@ from tracetrain.gateway import create_app
 from tracetrain.gateway.context import context_metrics
 from tracetrain.gateway.serve import ThreadedServer
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = CALC_TOOLS
 
 
 def turns_of(gw, rollout_id: str) -> list[dict]:
@@ -223,10 +214,6 @@ def test_prompts_continue_exactly_or_equal_the_full_render(policy_gateway, conve
 
 
 # ------------------------------------------------------------------------------ fallbacks
-
-
-def tool_call_text(args: dict) -> str:
-    return "<tool_call>" + json.dumps({"name": "calc", "arguments": args}) + "</tool_call>"
 
 
 def run_turns(gw, client, messages, replies, edit=None, tools=None):

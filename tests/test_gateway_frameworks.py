@@ -6,21 +6,11 @@ continues its first exactly (`context: exact`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from pathlib import Path
 
 import pytest
-from gateway_fixtures import ScriptedEngine, live_gateway
-
-
-def say(engine, text: str) -> None:
-    tok = engine.tokenizer
-    engine.script.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
-
-
-def call(name: str, arguments: dict) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
 
 @pytest.fixture
@@ -46,14 +36,14 @@ def test_langgraph_react_agent_over_langchain_openai(gw):
     (r,) = gw.create(1)
     agent = create_react_agent(ChatOpenAI(model="policy", base_url=r["base_url"],
                                           api_key=r["api_key"], max_retries=0), [calc])
-    say(gw.engine, call("calc", {"expr": "6*7"}))
-    say(gw.engine, "It is 42.")
+    gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+    gw.engine.say("It is 42.")
     out = agent.invoke({"messages": [("user", "What is 6*7?")]})
     assert [m.type for m in out["messages"]] == ["human", "ai", "tool", "ai"]
     assert out["messages"][2].content == "42" and out["messages"][-1].content == "It is 42."
 
-    say(gw.engine, call("calc", {"expr": "2+2"}))
-    say(gw.engine, "It is 4.")
+    gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
+    gw.engine.say("It is 4.")
     chunks = list(agent.stream({"messages": [("user", "What is 2+2?")]}, stream_mode="messages"))
     text = "".join(c.content for c, meta in chunks if meta.get("langgraph_node") == "agent")
     assert "It is 4." in text
@@ -102,8 +92,8 @@ def test_smolagents_tool_calling_agent(tmp_path):
     gw = live_gateway(tmp_path / "as_auto", ScriptedEngine(), forced_tool_choice="as_auto")
     with gw as gw:
         r, agent = agent_on(gw)
-        say(gw.engine, call("calc", {"expr": "6*7"}))
-        say(gw.engine, call("final_answer", {"answer": "42"}))
+        gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+        gw.engine.say(hermes_call("final_answer", {"answer": "42"}))
         assert str(agent.run("What is 6*7?")) == "42" and seen == ["6*7"]
         turns = gw.store.get_turns(r["rollout_id"])
         gw.admin.patch(f"/rollouts/{r['rollout_id']}", json={"state": "succeeded"})
@@ -131,8 +121,8 @@ def test_autogen_assistant_agent_as_a_command_agent(gw):
         pytest.skip(why)
     from tracetrain.runner import GatewayClient, load_agent, run_rollouts
 
-    say(gw.engine, call("calc", {"expr": "6*7"}))
-    say(gw.engine, call("calc", {"expr": "2+2"}))
+    gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+    gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
     task = {"questions": ["What is 6*7?", "And 2+2?"], "answers": ["42", "4"]}
     agent = load_agent(f"{AUTOGEN_PYTHON} {Path(__file__).with_name('autogen_agent.py')}")
 
@@ -168,8 +158,8 @@ def test_pydantic_ai_agent_over_its_openai_chat_model(gw):
         seen.append(expr)
         return str(eval(expr, {}, {}))
 
-    say(gw.engine, call("calc", {"expr": "6*7"}))
-    say(gw.engine, "It is 42.")
+    gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+    gw.engine.say("It is 42.")
     assert agent.run_sync("What is 6*7?").output == "It is 42." and seen == ["6*7"]
     turns = gw.store.get_turns(r["rollout_id"])
     assert [(t.context, t.context_reason) for t in turns] == [("rendered", "first_turn"),

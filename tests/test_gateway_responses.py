@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from gateway_fixtures import ScriptedEngine, live_gateway
+from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 from openai import AsyncOpenAI, OpenAI
 
 from tracetrain.aggregate import aggregate
@@ -25,14 +25,6 @@ TOOLS = [
 ]
 
 
-def say(engine, text: str) -> None:
-    """The engine's next answer: `text` tokenized, then eos."""
-    tok = engine.tokenizer
-    engine.script.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
-
-
-def call(expr: str, prefix: str = "") -> str:
-    return prefix + "<tool_call>" + json.dumps({"name": "calc", "arguments": {"expr": expr}}) + "</tool_call>"
 
 
 def one_row(gw, rollout_id: str) -> int:
@@ -53,7 +45,7 @@ def gw(tmp_path):
 def test_a_tool_call_round_trip_is_recorded_exactly(gw):
     (r,) = gw.create(1)
     client = OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
-    say(gw.engine, call("6*7", "Let me compute. "))
+    gw.engine.say("Let me compute. " + hermes_call("calc", {"expr": "6*7"}))
     first = client.responses.create(model="policy", input="What is 6*7?",
                                     instructions="Use the tool.", tools=TOOLS)
     assert [o.type for o in first.output] == ["message", "function_call"]
@@ -64,7 +56,7 @@ def test_a_tool_call_round_trip_is_recorded_exactly(gw):
     items = [{"role": "user", "content": "What is 6*7?"}]
     items += [o.model_dump(exclude_none=True) for o in first.output]
     items.append({"type": "function_call_output", "call_id": fc.call_id, "output": "42"})
-    say(gw.engine, "It is 42.")
+    gw.engine.say("It is 42.")
     second = client.responses.create(model="policy", input=items, instructions="Use the tool.",
                                      tools=TOOLS)
     assert second.output_text == "It is 42." and second.status == "completed"
@@ -82,7 +74,7 @@ def test_a_tool_call_round_trip_is_recorded_exactly(gw):
 def test_streaming_and_previous_response_id(gw):
     (r,) = gw.create(1)
     client = OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
-    say(gw.engine, call("2+2"))
+    gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
     events = list(client.responses.create(model="policy", input="2+2?", tools=TOOLS, stream=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
@@ -90,7 +82,7 @@ def test_streaming_and_previous_response_id(gw):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     done = events[-1].response
     (fc,) = done.output
-    say(gw.engine, "Four.")
+    gw.engine.say("Four.")
     with client.responses.stream(
         model="policy", previous_response_id=done.id, tools=TOOLS,
         input=[{"type": "function_call_output", "call_id": fc.call_id, "output": "4"}],
@@ -120,11 +112,11 @@ def test_the_agents_sdk_at_its_defaults(gw):
         client = AsyncOpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
         agents.set_default_openai_client(client, use_for_tracing=False)
         agent = agents.Agent(name="calc", instructions="Use calc.", tools=[calc], model="policy")
-        say(gw.engine, call("6*7"))
-        say(gw.engine, "It is 42.")
+        gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+        gw.engine.say("It is 42.")
         ran = await agents.Runner.run(agent, "What is 6*7?")
-        say(gw.engine, call("2+2"))
-        say(gw.engine, "It is 4.")
+        gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
+        gw.engine.say("It is 4.")
         streamed = agents.Runner.run_streamed(agent, "What is 2+2?")
         kinds = {e.type async for e in streamed.stream_events()}
         return ran.final_output, streamed.final_output, kinds
@@ -163,7 +155,7 @@ def test_bad_input_is_a_4xx_naming_the_field_and_records_nothing(gw, body, statu
 
 def test_a_response_of_another_rollout_is_not_found(gw):
     a, b = gw.create(2)
-    say(gw.engine, "Hello.")
+    gw.engine.say("Hello.")
     out = OpenAI(base_url=a["base_url"], api_key=a["api_key"]).responses.create(
         model="policy", input="hi")
     got = httpx.post(b["base_url"] + "/responses",
