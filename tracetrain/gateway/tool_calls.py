@@ -87,8 +87,6 @@ def parse_hermes(text: str) -> tuple[str | None, Calls]:
     return content or None, calls
 
 
-parse_tool_calls = parse_hermes  # the default
-
 
 @register("llama3_json", markers=("<|python_tag|>",))
 def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
