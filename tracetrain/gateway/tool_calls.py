@@ -87,7 +87,6 @@ def parse_hermes(text: str) -> tuple[str | None, Calls]:
     return content or None, calls
 
 
-
 @register("llama3_json", markers=("<|python_tag|>",))
 def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
     """The whole answer is the call(s); anything else is text."""
