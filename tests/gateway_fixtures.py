@@ -66,7 +66,9 @@ class FakeEngine:
         self.fail_with: EngineError | None = None
         self._count = itertools.count()
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens=None
+    ) -> Generation:
         if self.fail_with is not None:
             raise self.fail_with
         k = next(self._count)
@@ -78,6 +80,9 @@ class FakeEngine:
         logprobs = [-0.125 * (1 + (k + j) % 5) for j in range(len(ids))]  # exact in float32
         if self.delay:
             await asyncio.sleep(self.delay)
+        for t in ids if on_tokens is not None else ():  # a token at a time, as engines stream
+            on_tokens([t])
+            await asyncio.sleep(0)
         gen = Generation(ids, logprobs, finish, self.model_version)
         if self.record:
             self.calls.append((list(prompt_ids), gen))
@@ -92,21 +97,35 @@ class ScriptedEngine(FakeEngine):
     would: up to and including the first stop id (eos or one asked for) or the token that
     completes a stop string, at most max_tokens."""
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, *, token_delay: float = 0.0):
         super().__init__(tokenizer)
         self.script: deque[list[int]] = deque()
+        self.token_delay = token_delay  # seconds between tokens when streaming
+        self.streamed: list[list[int]] = []  # per call with on_tokens: the ids it was given
+        self.cancelled = 0  # calls cancelled while streaming
 
     def say(self, text: str, eos: bool = True) -> None:
         """Script the next answer: `text` tokenized, then eos (unless `eos` is False)."""
         tok = self.tokenizer
         self.script.append(tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else []))
 
-    async def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params, on_tokens=None):
+        """`on_tokens`: each token on its own, `token_delay` apart, as a decoding engine would."""
         planned = self.script.popleft()
         stops = {self.tokenizer.eos_token_id, *params.stop_token_ids}
         ids, finish = [], "length"
+        if on_tokens is not None:
+            self.streamed.append([])
         for t in planned[: params.max_tokens]:
             ids.append(t)
+            if on_tokens is not None:
+                try:
+                    await asyncio.sleep(self.token_delay)
+                except asyncio.CancelledError:
+                    self.cancelled += 1
+                    raise
+                self.streamed[-1].append(t)
+                on_tokens([t])
             if t in stops or (params.stop and stop_string_in(self.tokenizer, ids, params.stop)):
                 finish = "stop"
                 break

@@ -21,18 +21,20 @@ MSGS = [{"role": "user", "content": "Guess a number."}]
 
 
 def comparable(response: httpx.Response):
-    """Status and body, without what differs between two servers (creation time)."""
+    """Status and body, without what differs between two servers (creation time, random id)."""
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         chunks = [
             json.loads(line[6:])
             for line in response.text.split("\n\n")
             if line.startswith("data: {")
         ]
+        assert len({c.pop("id") for c in chunks}) == 1  # one id for the whole stream
         for c in chunks:
             c.pop("created")
         return response.status_code, chunks, response.text.endswith("data: [DONE]\n\n")
     body = response.json()
     body.pop("created", None)
+    body.pop("id", None)
     return response.status_code, body, response.headers.get("www-authenticate")
 
 

@@ -7,8 +7,12 @@ The gateway renders chat messages to ids (with the engine's tokenizer and chat t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+# Called with the new response ids, in order, as an engine makes them (in the event loop's thread).
+OnTokens = Callable[[list[int]], None]
 
 
 class EngineError(RuntimeError):
@@ -78,6 +82,13 @@ class Engine(Protocol):
     model_version: int
     max_context: int  # prompt tokens + max_tokens must fit
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None
+    ) -> Generation:
+        """The turn for exact prompt ids. `on_tokens` (streaming): called, in the event loop's
+        thread, with each run of new response ids as they are made, so that the runs so far are
+        always a prefix of `response_ids`; an engine that cannot stream never calls it (the
+        Generation stays the whole truth). Cancelling the call stops decoding for it."""
+        ...
 
     async def aclose(self) -> None: ...

@@ -42,6 +42,7 @@ import torch
 from tracetrain.engines.base import (
     EngineError,
     Generation,
+    OnTokens,
     PromptTooLong,
     SamplingParams,
     check_sampling_params,
@@ -97,15 +98,31 @@ def sample_tokens(
     return y, logp.gather(-1, y[:, None]).squeeze(-1)
 
 
+def _mark_cancelled(req: _Request):
+    def done(future: asyncio.Future) -> None:
+        if future.cancelled():
+            req.cancelled = True
+
+    return done
+
+
+def _deliver(runs: list[tuple[OnTokens, list[int]]]) -> None:
+    """One decode step's new ids to their streams (in the event loop's thread)."""
+    for on_tokens, ids in runs:
+        on_tokens(ids)
+
+
 @dataclass
 class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
     future: asyncio.Future | None = None
+    on_tokens: OnTokens | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
+    cancelled: bool = False  # set in the loop's thread when its caller gave up; read by decode
 
 
 class LocalEngine:
@@ -212,7 +229,11 @@ class LocalEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return _Request(list(prompt_ids), params, seed)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None
+    ) -> Generation:
+        """One request, decoded with the others that arrive with it. `on_tokens` gets each
+        decode step's new id; cancelling the call drops its row from the batch at the next step."""
         req = self._request(prompt_ids, params)
         loop = asyncio.get_running_loop()
         if self._loop is not loop or self._collector is None or self._collector.done():
@@ -220,6 +241,8 @@ class LocalEngine:
             self._collector = loop.create_task(self._collect())
             self._collector.add_done_callback(self._collector_ended)
         req.future = loop.create_future()
+        req.on_tokens = on_tokens
+        req.future.add_done_callback(_mark_cancelled(req))
         self._pending.append(req)
         self._wakeup.set()
         return await req.future
@@ -373,12 +396,18 @@ class LocalEngine:
                 [uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev
             )
             y, lp = sample_tokens(logits, temperature, top_p, u)
+            runs = []
             for b, (i, t, v) in enumerate(zip(rows, y.tolist(), lp.tolist(), strict=True)):
                 if not alive[b]:
                     continue
                 r = reqs[i]
+                if r.cancelled:  # its caller left: stop decoding it
+                    r.finish, alive[b] = "cancelled", False
+                    continue
                 r.ids.append(t)
                 r.logprobs.append(v)
+                if r.on_tokens is not None:
+                    runs.append((r.on_tokens, [t]))
                 if t in stops[i] or (
                     r.params.stop and stop_string_in(self.tokenizer, r.ids, r.params.stop)
                 ):
@@ -387,6 +416,8 @@ class LocalEngine:
                     r.finish = "length"
                 if r.finish is not None:
                     alive[b] = False
+            if runs and self._loop is not None:
+                self._loop.call_soon_threadsafe(_deliver, runs)
             n_alive = sum(alive)
             self.stats["tokens"] += len(rows)
             if n_alive == 0:

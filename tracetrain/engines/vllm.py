@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from tracetrain.engines.base import EngineError, Generation, SamplingParams
+from tracetrain.engines.base import EngineError, Generation, OnTokens, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
 from tracetrain.engines.vllm_server import SERVED_NAME, VLLMServer
 
@@ -184,10 +184,12 @@ class VLLMEngine(UpstreamEngine):
         self.stats["weight_syncs"] = 0
         self.sleeping = 0  # the level of the server's sleep, 0: awake
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None
+    ) -> Generation:
         self.server.check_alive()  # a dead server: its exit code and log now, not after retries
         try:
-            return await super().generate(prompt_ids, params)
+            return await super().generate(prompt_ids, params, on_tokens)
         except EngineError:
             self.server.check_alive()
             raise

@@ -93,8 +93,9 @@ async def _too_long(request: Request, exc: PromptTooLong) -> JSONResponse:
     return error_response(400, str(exc), param="messages")
 
 
-async def _bug(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s %s", request.method, request.url.path)
+async def _bug(request: Request | None, exc: Exception) -> JSONResponse:
+    where = "a stream" if request is None else f"{request.method} {request.url.path}"
+    log.exception("unhandled error on %s", where)
     return error_response(500, f"internal error: {type(exc).__name__}")
 
 
@@ -108,9 +109,10 @@ HANDLERS = {
 }
 
 
-async def handle(request: Request, exc: Exception) -> JSONResponse:
+async def handle(request: Request | None, exc: Exception) -> JSONResponse:
     """The error answer for `exc`, chosen as Starlette does: the handler of the nearest class in
-    its MRO (for routes served outside Starlette's middleware, see hot.py)."""
+    its MRO (for routes served outside Starlette's middleware, see hot.py; request None: raised
+    in a stream, after its 200 went out)."""
     for cls in type(exc).__mro__:
         if cls in HANDLERS:
             return await HANDLERS[cls](request, exc)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +31,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from tracetrain.engines.base import EngineError, Generation, PromptTooLong, SamplingParams
-from tracetrain.gateway import keys, render
+from tracetrain.engines.base import (
+    EngineError,
+    Generation,
+    OnTokens,
+    PromptTooLong,
+    SamplingParams,
+)
+from tracetrain.gateway import errors, keys, render
 from tracetrain.gateway.context import POLICY, RENDERED, Built
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
+from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.store import RolloutEnded, RolloutHead
 from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
 
@@ -68,9 +77,10 @@ async def generate_turn(
     prompt_ids: list[int],
     params: SamplingParams,
     context: tuple[str | None, str | None, int] = (None, None, 0),
+    on_tokens: OnTokens | None = None,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
-    was built, recorded with the turn (store.TurnRecord)."""
+    was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -81,7 +91,10 @@ async def generate_turn(
         if rollout.state == RolloutState.queued:
             await store.start(rid)
         try:
-            gen = await engine.generate(prompt_ids, params)
+            if on_tokens is None:
+                gen = await engine.generate(prompt_ids, params)
+            else:
+                gen = await engine.generate(prompt_ids, params, on_tokens=on_tokens)
         except (EngineError, PromptTooLong):
             raise
         except Exception as e:  # an engine bug is still the engine failing, not the client
@@ -143,13 +156,8 @@ def _json(content: dict[str, Any]) -> Response:
     return Response(orjson.dumps(content), media_type="application/json")
 
 
-def _sse(chunks: list[dict[str, Any]]) -> Response:
-    body = b"".join(b"data: %s\n\n" % orjson.dumps(c) for c in chunks)
-    return Response(
-        body + b"data: [DONE]\n\n",
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache"},
-    )
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: %s\n\n" % orjson.dumps(chunk)
 
 
 def named_sse(events: list[dict[str, Any]]) -> Response:
@@ -198,12 +206,13 @@ async def chat_answer(
     sampling: Any,
     max_tokens: int | None,
     parse_calls: bool = True,
+    deltas: TextDeltas | None = None,
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
     tool calls parsed when tools were offered (in the model's format: tool_calls.py).
     `sampling`: temperature, top_p, stop, seed. `parse_calls` False (tool_choice none): the answer
-    stays text."""
+    stays text. `deltas` (streaming): fed the answer's text as the engine makes it."""
     tok = slot.engine.tokenizer
 
     def full() -> list[int]:
@@ -217,10 +226,14 @@ async def chat_answer(
     prompt_ids = built.prompt_ids
     params = render.sampling_params(tok, slot.engine, sampling, len(prompt_ids), max_tokens)
     how = (built.context, built.reason, built.reused_tokens)
-    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how)
-
     parser = slot.tool_parser(gw.tool_parser)
     parse = bool(tools) and parse_calls
+    on_tokens = None
+    if deltas is not None:
+        deltas.start(tok, params, parser.markers if parse else (), parser.safe if parse else None)
+        on_tokens = deltas.add
+    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how, on_tokens)
+
     text, stop_string = _text(tok, gen, params, parser.markers if parse else ())
     content, tool_calls = parser.parse(text) if parse else (text, [])
     answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
@@ -237,62 +250,87 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     rollout = _rollout(gw, authorization, rollout_id)
     body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
-    tok = slot.engine.tokenizer
     max_tokens = render.chat_max_tokens(body)
     parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
     messages, tools = render.chat_messages(body, raw)
-    answer = await chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, parse_calls)
-    prompt_ids, gen, index = answer.prompt_ids, answer.gen, answer.index
-    content, tool_calls, finish = answer.content, answer.tool_calls, answer.finish
-    logprobs = {"content": _token_logprobs(tok, gen)} if body.logprobs else None
-    base = {
-        "id": f"chatcmpl-{rollout.rollout_id}-{index}",
+
+    def answer(deltas: TextDeltas | None = None):
+        return chat_answer(
+            gw, rollout, slot, messages, tools, body, max_tokens, parse_calls, deltas
+        )
+
+    chunk = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),
         "model": body.model or slot.name,
     }
-    extra = {"tracetrain": _meta(rollout.rollout_id, index, gen)}
-    if body.return_token_ids:
-        extra["prompt_token_ids"] = prompt_ids
-    ids = {"token_ids": gen.response_ids} if body.return_token_ids else {}
-
     if not body.stream:
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-            **ids,
-        }
-        return _json(
-            {
-                **base,
-                "object": "chat.completion",
-                "choices": [choice],
-                "usage": _usage(prompt_ids, gen),
-                **extra,
-            }
-        )
+        return _json(_chat_completion(chunk, body, slot, rollout_id, await answer()))
+    live = LiveTurn(answer)
+    await live.opened()
+    chunk["object"] = "chat.completion.chunk"
+    return EventStream(_chat_chunks(live, chunk, body, slot, rollout_id), live.cancel)
 
-    chunk = {**base, "object": "chat.completion.chunk"}
-    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-    if content:
-        deltas.append({"content": content})
-    if tool_calls:
-        deltas.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]})
-    chunks = [
-        {**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
-        for d in deltas
-    ]
-    if logprobs is not None:
-        chunks[-1]["choices"][0]["logprobs"] = logprobs
-    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, **ids}
-    chunks.append({**chunk, "choices": [last], **extra})
+
+def _chat_extra(body: ChatCompletionIn, rollout_id: str, a: ChatAnswer) -> dict[str, Any]:
+    extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, a.index, a.gen)}
+    if body.return_token_ids:
+        extra["prompt_token_ids"] = a.prompt_ids
+    return extra
+
+
+def _chat_completion(
+    base: dict, body: ChatCompletionIn, slot: EngineSlot, rollout_id: str, a: ChatAnswer
+) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": a.content}
+    if a.tool_calls:
+        message["tool_calls"] = a.tool_calls
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": {"content": _token_logprobs(slot.engine.tokenizer, a.gen)} if body.logprobs else None,
+        "finish_reason": a.finish,
+        **({"token_ids": a.gen.response_ids} if body.return_token_ids else {}),
+    }
+    return {
+        **base,
+        "object": "chat.completion",
+        "choices": [choice],
+        "usage": _usage(a.prompt_ids, a.gen),
+        **_chat_extra(body, rollout_id, a),
+    }
+
+
+async def _chat_chunks(
+    live: LiveTurn, chunk: dict, body: ChatCompletionIn, slot: EngineSlot, rollout_id: str
+) -> AsyncIterator[bytes]:
+    """The chat completion chunks of a live turn: the role, the text as it comes, then (once
+    recorded) the rest of the content, the tool calls, the finish reason, the usage."""
+
+    def event(delta: dict, finish: str | None = None, **more: Any) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _event({**chunk, "choices": [{**choice, **more.pop("choice", {})}], **more})
+
+    yield event({"role": "assistant", "content": ""})
+    try:
+        async for text in live.text():
+            yield event({"content": text})
+        a: ChatAnswer = live.task.result()
+    except Exception as exc:
+        yield _event(orjson.loads((await errors.handle(None, exc)).body))
+        yield b"data: [DONE]\n\n"
+        return
+    rest = live.deltas.rest(a.content)
+    if rest or body.logprobs:
+        logprobs = {"content": _token_logprobs(slot.engine.tokenizer, a.gen)} if body.logprobs else None
+        yield event({"content": rest}, choice={"logprobs": logprobs})
+    if a.tool_calls:
+        yield event({"tool_calls": [{"index": i, **c} for i, c in enumerate(a.tool_calls)]})
+    ids = {"token_ids": a.gen.response_ids} if body.return_token_ids else {}
+    yield event({}, a.finish, choice=ids, **_chat_extra(body, rollout_id, a))
     if body.stream_options is not None and body.stream_options.include_usage:
-        chunks.append({**chunk, "choices": [], "usage": _usage(prompt_ids, gen)})
-    return _sse(chunks)
+        yield _event({**chunk, "choices": [], "usage": _usage(a.prompt_ids, a.gen)})
+    yield b"data: [DONE]\n\n"
 
 
 async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
@@ -302,60 +340,80 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
-    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params)
-
-    text, _ = _text(tok, gen, params)
-    logprobs = None
-    if body.logprobs is not None:
-        tokens = [tok.decode([t]) for t in gen.response_ids]
-        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        logprobs = {
-            "tokens": tokens,
-            "token_logprobs": gen.response_logprobs,
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
     base = {
-        "id": f"cmpl-{rollout.rollout_id}-{index}",
+        "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": body.model or slot.name,
     }
-    extra: dict[str, Any] = {"tracetrain": _meta(rollout.rollout_id, index, gen)}
+
+    async def answer(deltas: TextDeltas | None = None) -> tuple[Generation, int]:
+        if deltas is not None:
+            deltas.start(tok, params, (), None)
+        on_tokens = None if deltas is None else deltas.add
+        return await generate_turn(gw, rollout, slot, prompt_ids, params, on_tokens=on_tokens)
+
+    if not body.stream:
+        gen, index = await answer()
+        text, _ = _text(tok, gen, params)
+        choice = {"index": 0, "text": text, "logprobs": _text_logprobs(tok, gen, body),
+                  "finish_reason": gen.finish_reason, **_ids(body, gen)}
+        return _json({**base, "choices": [choice], "usage": _usage(prompt_ids, gen),
+                      **_completion_extra(body, rollout_id, prompt_ids, gen, index)})
+    live = LiveTurn(answer)
+    await live.opened()
+    return EventStream(_completion_chunks(live, base, body, tok, params, rollout_id, prompt_ids),
+                       live.cancel)
+
+
+def _ids(body: Any, gen: Generation) -> dict[str, Any]:
+    return {"token_ids": gen.response_ids} if body.return_token_ids else {}
+
+
+def _text_logprobs(tok: Any, gen: Generation, body: CompletionIn) -> dict[str, Any] | None:
+    if body.logprobs is None:
+        return None
+    tokens = [tok.decode([t]) for t in gen.response_ids]
+    offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": gen.response_logprobs, "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def _completion_extra(body: CompletionIn, rollout_id: str, prompt_ids: list[int],
+                      gen: Generation, index: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, index, gen)}
     if body.return_token_ids:
         extra["prompt_token_ids"] = prompt_ids
-    ids = {"token_ids": gen.response_ids} if body.return_token_ids else {}
-    if not body.stream:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": gen.finish_reason,
-            **ids,
-        }
-        return _json({**base, "choices": [choice], "usage": _usage(prompt_ids, gen), **extra})
-    chunks = [
-        {
-            **base,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}],
-        },
-        {
-            **base,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": gen.finish_reason,
-                    **ids,
-                }
-            ],
-            **extra,
-        },
-    ]
+    return extra
+
+
+async def _completion_chunks(live: LiveTurn, base: dict, body: CompletionIn, tok: Any,
+                             params: SamplingParams, rollout_id: str, prompt_ids: list[int]
+                             ) -> AsyncIterator[bytes]:
+    """The text completion chunks of a live turn: the text as it comes, then (once recorded)
+    its rest with the logprobs, the finish reason, the usage."""
+
+    def event(text: str, finish: str | None = None, **more: Any) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return _event({**base, "choices": [{**choice, **more.pop("choice", {})}], **more})
+
+    try:
+        async for text in live.text():
+            yield event(text)
+        gen, index = live.task.result()
+    except Exception as exc:
+        yield _event(orjson.loads((await errors.handle(None, exc)).body))
+        yield b"data: [DONE]\n\n"
+        return
+    rest = live.deltas.rest(_text(tok, gen, params)[0])
+    logprobs = _text_logprobs(tok, gen, body)
+    if rest or logprobs:
+        yield event(rest, choice={"logprobs": logprobs})
+    yield event("", gen.finish_reason, choice=_ids(body, gen),
+                **_completion_extra(body, rollout_id, prompt_ids, gen, index))
     if body.stream_options is not None and body.stream_options.include_usage:
-        chunks.append({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
-    return _sse(chunks)
+        yield _event({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
+    yield b"data: [DONE]\n\n"
 
 
 def endpoint(turn):

@@ -8,9 +8,13 @@
                  [TOOL_CALLS]name[ARGS]{...} repeated (Mistral v0.3 and later templates)
 
 `parser_for(name, chat_template)`: the parser named, or for "auto" the one whose markers the
-template writes (hermes when none does). `register(name, markers=...)` adds one: a function
-text -> (content or None, calls), where `markers` are special tokens it must see in the text (the
-gateway keeps those, and strips the other special tokens, when it decodes an answer).
+template writes (hermes when none does). `register(name, markers=..., safe=...)` adds one: a
+function text -> (content or None, calls), where `markers` are special tokens it must see in the
+text (the gateway keeps those, and strips the other special tokens, when it decodes an answer) and
+`safe(text)` is how many characters of an unfinished answer are certainly content whatever follows
+(what streaming may send before the answer ends; by default none: the content is sent at the end).
+Content is the text outside the calls with its trailing whitespace stripped, so that text streamed
+before a call is the start of it.
 
 Only when the request offered tools. A call that is not valid JSON with a string name stays plain
 text (never guessed). The recorded turn is unaffected: it holds the raw response ids. Calls come
@@ -30,22 +34,49 @@ Calls = list[dict[str, Any]]
 Parse = Callable[[str], tuple[str | None, Calls]]
 
 
+Safe = Callable[[str], int]
+
+
+def _nothing(text: str) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Parser:
     name: str
     parse: Parse
     markers: tuple[str, ...] = ()  # special tokens the parser needs to see
+    safe: Safe = _nothing  # characters of an unfinished answer that are certainly content
 
 
 PARSERS: dict[str, Parser] = {}
 
 
-def register(name: str, *, markers: tuple[str, ...] = ()) -> Callable[[Parse], Parse]:
+def register(
+    name: str, *, markers: tuple[str, ...] = (), safe: Safe = _nothing
+) -> Callable[[Parse], Parse]:
     def add(parse: Parse) -> Parse:
-        PARSERS[name] = Parser(name, parse, markers)
+        PARSERS[name] = Parser(name, parse, markers, safe)
         return parse
 
     return add
+
+
+def before(marker: str) -> Safe:
+    """safe(text) for a format whose calls begin with `marker`: the text before it (or before a
+    tail that may be its start), less trailing whitespace."""
+
+    def safe(text: str) -> int:
+        at = text.find(marker)
+        if at < 0:
+            at = len(text)
+            for n in range(min(len(marker) - 1, len(text)), 0, -1):
+                if marker.startswith(text[-n:]):
+                    at -= n
+                    break
+        return len(text[:at].rstrip())
+
+    return safe
 
 
 def _call(name: str, args: Any) -> dict[str, Any]:
@@ -66,7 +97,7 @@ def _named(obj: Any, args_key: str = "arguments") -> dict[str, Any] | None:
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-@register("hermes")
+@register("hermes", safe=before("<tool_call>"))
 def parse_hermes(text: str) -> tuple[str | None, Calls]:
     """(content without the parsed blocks or None if nothing is left, calls)."""
     calls, keep, last = [], [], 0
@@ -83,11 +114,19 @@ def parse_hermes(text: str) -> tuple[str | None, Calls]:
     if not calls:
         return text, []
     keep.append(text[last:])
-    content = "".join(keep).strip()
+    content = "".join(keep).rstrip()
     return content or None, calls
 
 
-@register("llama3_json", markers=("<|python_tag|>",))
+def _llama3_safe(text: str) -> int:
+    """All of it once it begins with neither "{" nor <|python_tag|> (so it is not a call)."""
+    body = text.lstrip()
+    if not body or body[0] == "{" or "<|python_tag|>".startswith(body[:14]):
+        return 0
+    return len(text)
+
+
+@register("llama3_json", markers=("<|python_tag|>",), safe=_llama3_safe)
 def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
     """The whole answer is the call(s); anything else is text."""
     body = text.strip()
@@ -113,7 +152,7 @@ def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
 _MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]")
 
 
-@register("mistral", markers=("[TOOL_CALLS]", "[ARGS]"))
+@register("mistral", markers=("[TOOL_CALLS]", "[ARGS]"), safe=before("[TOOL_CALLS]"))
 def parse_mistral(text: str) -> tuple[str | None, Calls]:
     """Text before [TOOL_CALLS] is content; after it a JSON list of calls, or name[ARGS]{...}."""
     head, sep, tail = text.partition("[TOOL_CALLS]")
@@ -146,7 +185,7 @@ def parse_mistral(text: str) -> tuple[str | None, Calls]:
                 at += 1
         if not calls:
             return text, []
-    content = head.strip()
+    content = head.rstrip()
     return content or None, calls
 
 
