@@ -373,3 +373,72 @@ def test_a_failing_model_fails_its_batch_with_503_and_the_engine_recovers(tok, p
     assert all(isinstance(r, EngineError) and r.status == 503 for r in results)
     assert "simulated out of memory" in str(results[0])
     assert len(after.response_ids) >= 1
+
+
+def test_streamed_ids_arrive_step_by_step_and_equal_the_generation(model, tok, prompts):
+    """on_tokens gets each decode step's id in the event loop's thread, before generate returns;
+    the runs are the response ids, for every request of a batch, seeded as without streaming."""
+    eng = LocalEngine(model, tok, batch_window_ms=5.0)
+    reqs = [(prompts[i % 4], SamplingParams(max_tokens=12, seed=i)) for i in range(6)]
+    loop_thread: list[bool] = []
+
+    async def go():
+        runs = [[] for _ in reqs]
+
+        def sink(k):
+            def on_tokens(ids):
+                loop_thread.append(threading.current_thread() is threading.main_thread())
+                runs[k].append(list(ids))
+            return on_tokens
+
+        try:
+            gens = await asyncio.gather(
+                *(eng.generate(p, sp, on_tokens=sink(k)) for k, (p, sp) in enumerate(reqs))
+            )
+        finally:
+            await eng.aclose()
+        return runs, gens
+
+    runs, gens = asyncio.run(go())
+    direct = LocalEngine(model, tok).generate_batch([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert [g.response_ids for g in gens] == [g.response_ids for g in direct]
+    for r, g in zip(runs, gens, strict=True):
+        assert [t for run in r for t in run] == g.response_ids
+        assert all(len(run) == 1 for run in r)  # one id per decode step: it is not held back
+    assert loop_thread and all(loop_thread)
+
+
+def test_cancelled_request_stops_decoding_and_the_rest_of_its_batch_is_unchanged(model, tok, prompts):
+    """Cancelling a streaming generate drops its row at the next step: the engine decodes far
+    fewer row-steps than max_tokens for it, and the batch's other request gets its own ids."""
+    stop_never = SamplingParams(max_tokens=200, seed=1, temperature=1.0)
+    other = SamplingParams(max_tokens=40, seed=2, temperature=1.0)
+    alone = LocalEngine(model, tok).generate_batch([prompts[1]], [other])[0]
+    eng = LocalEngine(model, tok, batch_window_ms=5.0)
+
+    async def go():
+        seen = asyncio.Event()
+        got: list[int] = []
+
+        def on_tokens(ids):
+            got.extend(ids)
+            if len(got) >= 3:
+                seen.set()
+
+        try:
+            victim = asyncio.ensure_future(eng.generate(prompts[2], stop_never, on_tokens=on_tokens))
+            kept = asyncio.ensure_future(eng.generate(prompts[1], other))
+            await seen.wait()
+            victim.cancel()
+            gen = await kept
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            return gen, len(got)
+        finally:
+            await eng.aclose()
+
+    gen, streamed = asyncio.run(go())
+    assert gen.response_ids == alone.response_ids
+    # row-steps: the kept request's, plus the victim's until it was dropped (not 200 of them)
+    assert eng.stats["tokens"] < len(gen.response_ids) + 100
+    assert streamed < 100

@@ -19,14 +19,17 @@ parsed); the answer is written back as content blocks:
 
 The key may come as `x-api-key` (what the anthropic SDK sends) or `Authorization: Bearer`.
 Errors are Anthropic's shape, {"type": "error", "error": {"type", "message"}}, the message naming
-the field at fault. Streaming sends the whole turn, once recorded, as Anthropic's events
-(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+the field at fault. Streaming (streaming.py) sends Anthropic's events: message_start, the text
+block's text_delta events as the engine makes the text; once the turn is recorded, the rest of
+the text, each tool_use block (its input as one input_json_delta), message_delta (stop_reason,
+output tokens) and message_stop.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -41,7 +44,6 @@ from tracetrain.gateway.openai_routes import (
     _parse,
     _rollout,
     chat_answer,
-    named_sse,
 )
 from tracetrain.gateway.schemas import (
     MessagesIn,
@@ -50,6 +52,7 @@ from tracetrain.gateway.schemas import (
     ToolUseBlock,
     _Sampling,
 )
+from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -184,35 +187,56 @@ def anthropic_error(response: Response) -> Response:
     )
 
 
-def stream_events(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """Anthropic's events of a whole turn."""
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**message["usage"], "output_tokens": 0}}
-    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+async def live_events(
+    live: LiveTurn, head: dict[str, Any], done: Callable[[ChatAnswer], dict]
+) -> AsyncIterator[bytes]:
+    """Anthropic's events of a live turn (module docstring); `head`: the message's fixed fields;
+    `done(answer)`: the whole message."""
+
+    def event(e: dict[str, Any]) -> bytes:
+        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+
+    def text_delta(text: str) -> bytes:
+        return event({"type": "content_block_delta", "index": 0,
+                      "delta": {"type": "text_delta", "text": text}})
+
+    opening = event({"type": "content_block_start", "index": 0,
+                     "content_block": {"type": "text", "text": ""}})
+    yield event({"type": "message_start", "message": {
+        **head, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": live.deltas.prompt_tokens, "output_tokens": 0}}})
+    opened = False
+    try:
+        async for text in live.text():
+            if not opened:
+                opened = True
+                yield opening
+            yield text_delta(text)
+        answer: ChatAnswer = live.task.result()
+    except Exception as exc:
+        error = anthropic_error(await errors.handle(None, exc))
+        yield event(orjson.loads(error.body))
+        return
+    message = done(answer)
     for i, block in enumerate(message["content"]):
         if block["type"] == "text":
-            events += [
-                {"type": "content_block_start", "index": i,
-                 "content_block": {"type": "text", "text": ""}},
-                {"type": "content_block_delta", "index": i,
-                 "delta": {"type": "text_delta", "text": block["text"]}},
-            ]
+            if not opened:
+                yield opening
+            rest = live.deltas.rest(answer.content)
+            if rest:
+                yield text_delta(rest)
         else:
-            events += [
-                {"type": "content_block_start", "index": i,
-                 "content_block": {**block, "input": {}}},
-                {"type": "content_block_delta", "index": i,
-                 "delta": {"type": "input_json_delta",
-                           "partial_json": _json_text(block["input"])}},
-            ]
-        events.append({"type": "content_block_stop", "index": i})
-    events += [
-        {"type": "message_delta",
-         "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-         "usage": {"output_tokens": message["usage"]["output_tokens"]}},
-        {"type": "message_stop"},
-    ]
-    return events
+            yield event({"type": "content_block_start", "index": i,
+                         "content_block": {**block, "input": {}}})
+            yield event({"type": "content_block_delta", "index": i,
+                         "delta": {"type": "input_json_delta",
+                                   "partial_json": _json_text(block["input"])}})
+        yield event({"type": "content_block_stop", "index": i})
+    yield event({"type": "message_delta",
+                 "delta": {"stop_reason": message["stop_reason"],
+                           "stop_sequence": message["stop_sequence"]},
+                 "usage": {"output_tokens": message["usage"]["output_tokens"]}})
+    yield event({"type": "message_stop"})
 
 
 async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
@@ -230,28 +254,36 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     one_token = [s for s in body.stop_sequences or () if len(tok.encode(s, add_special_tokens=False)) == 1]
     stops = dict(zip(stop_ids, one_token, strict=True))
     sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, stop=body.stop_sequences)
-    answer = await chat_answer(
-        gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens,
-        parse_calls,
-    )
-    reason, sequence = stop_reason(answer, stops)
-    message: dict[str, Any] = {
-        "id": f"msg_{uuid.uuid4().hex}",
-        "type": "message",
-        "role": "assistant",
-        "model": body.model or slot.name,
-        "content": content_blocks(answer),
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": {"input_tokens": len(answer.prompt_ids),
-                  "output_tokens": len(answer.gen.response_ids)},
-        "tracetrain": {"rollout_id": rollout_id, "turn_index": answer.index,
-                       "model_version": answer.gen.model_version},
-    }
-    if body.return_token_ids:
-        message["prompt_token_ids"] = answer.prompt_ids
-        message["token_ids"] = answer.gen.response_ids
-    return named_sse(stream_events(message)) if body.stream else _json(message)
+    head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+            "model": body.model or slot.name}
+
+    def answer(deltas: TextDeltas | None = None):
+        return chat_answer(
+            gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens,
+            parse_calls, deltas,
+        )
+
+    def done(a: ChatAnswer) -> dict[str, Any]:
+        reason, sequence = stop_reason(a, stops)
+        message: dict[str, Any] = {
+            **head,
+            "content": content_blocks(a),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": {"input_tokens": len(a.prompt_ids), "output_tokens": len(a.gen.response_ids)},
+            "tracetrain": {"rollout_id": rollout_id, "turn_index": a.index,
+                           "model_version": a.gen.model_version},
+        }
+        if body.return_token_ids:
+            message["prompt_token_ids"] = a.prompt_ids
+            message["token_ids"] = a.gen.response_ids
+        return message
+
+    if not body.stream:
+        return _json(done(await answer()))
+    live = LiveTurn(answer)
+    await live.opened()
+    return EventStream(live_events(live, head, done), live.cancel)
 
 
 def authorization_of(authorization: str | None, x_api_key: str | None) -> str | None:

@@ -160,14 +160,6 @@ def _event(chunk: dict[str, Any]) -> bytes:
     return b"data: %s\n\n" % orjson.dumps(chunk)
 
 
-def named_sse(events: list[dict[str, Any]]) -> Response:
-    """Server-sent events named by their "type" (the Responses and Anthropic streams)."""
-    body = b"".join(
-        b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)) for e in events
-    )
-    return Response(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     return [
         {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
@@ -230,7 +222,8 @@ async def chat_answer(
     parse = bool(tools) and parse_calls
     on_tokens = None
     if deltas is not None:
-        deltas.start(tok, params, parser.markers if parse else (), parser.safe if parse else None)
+        markers, safe = (parser.markers, parser.safe) if parse else ((), None)
+        deltas.start(tok, params, markers, safe, len(prompt_ids))
         on_tokens = deltas.add
     gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how, on_tokens)
 
@@ -349,7 +342,7 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
 
     async def answer(deltas: TextDeltas | None = None) -> tuple[Generation, int]:
         if deltas is not None:
-            deltas.start(tok, params, (), None)
+            deltas.start(tok, params, (), None, len(prompt_ids))
         on_tokens = None if deltas is None else deltas.add
         return await generate_turn(gw, rollout, slot, prompt_ids, params, on_tokens=on_tokens)
 

@@ -21,21 +21,25 @@ parsed), and the answer is written back as Responses output items:
     parsed call (call_id = the chat tool call's id); status "incomplete" (reason
     max_output_tokens) when generation was cut.
 
-Streaming sends the whole turn, once recorded, as the Responses events the SDK parses
-(response.created ... response.completed, each with a sequence_number).
+Streaming (streaming.py) sends the Responses events the SDK parses, each with a sequence_number:
+response.created and response.in_progress at once; the message item's output_text deltas as the
+engine makes the text; once the turn is recorded, the rest of the text, each function_call item
+(its arguments as one delta) and response.completed.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 from fastapi.responses import Response
 
-from tracetrain.gateway import render
+from tracetrain.gateway import errors, render
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.openai_routes import (
     ChatAnswer,
@@ -44,7 +48,6 @@ from tracetrain.gateway.openai_routes import (
     _rollout,
     chat_answer,
     endpoint,
-    named_sse,
 )
 from tracetrain.gateway.schemas import (
     FunctionCallItem,
@@ -53,6 +56,7 @@ from tracetrain.gateway.schemas import (
     ResponsesIn,
     _Sampling,
 )
+from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 
 KEPT_RESPONSES = 4096  # conversations kept for previous_response_id (an LRU over all rollouts)
 
@@ -149,13 +153,13 @@ def _kept(gw) -> KeptResponses:
     return kept
 
 
-def output_items(answer: ChatAnswer) -> list[dict[str, Any]]:
+def output_items(answer: ChatAnswer, message_id: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if answer.content:
         items.append(
             {
                 "type": "message",
-                "id": f"msg_{uuid.uuid4().hex}",
+                "id": message_id,
                 "status": "completed",
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": answer.content, "annotations": []}],
@@ -176,9 +180,11 @@ def output_items(answer: ChatAnswer) -> list[dict[str, Any]]:
 
 
 def response_object(
-    body: ResponsesIn, response_id: str, model: str, answer: ChatAnswer | None, extra: dict
+    body: ResponsesIn, ids: tuple[str, str], model: str, answer: ChatAnswer | None, extra: dict
 ) -> dict[str, Any]:
-    """The Response; `answer` None: the in-progress one streaming opens with."""
+    """The Response; `ids`: its id and its message item's; `answer` None: the in-progress one
+    streaming opens with."""
+    response_id, message_id = ids
     cut = answer is not None and answer.gen.finish_reason == "length" and not answer.tool_calls
     out: dict[str, Any] = {
         "id": response_id,
@@ -190,7 +196,7 @@ def response_object(
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "model": model,
-        "output": [] if answer is None else output_items(answer),
+        "output": [] if answer is None else output_items(answer, message_id),
         "parallel_tool_calls": True,
         "previous_response_id": body.previous_response_id,
         "temperature": body.temperature,
@@ -214,43 +220,66 @@ def response_object(
     return out
 
 
-def stream_events(started: dict, done: dict) -> list[dict[str, Any]]:
-    """The Responses events of a whole turn: created, in_progress, each output item (added, its
-    content or arguments as one delta, done), completed."""
-    events: list[dict[str, Any]] = [
-        {"type": "response.created", "response": started},
-        {"type": "response.in_progress", "response": started},
-    ]
-    for i, item in enumerate(done["output"]):
-        base = {"item_id": item["id"], "output_index": i}
+async def live_events(
+    live: LiveTurn, started: dict, done: Callable[[ChatAnswer], dict], message_id: str
+) -> AsyncIterator[bytes]:
+    """The Responses events of a live turn (module docstring); `done(answer)`: the Response."""
+    numbers = itertools.count()
+
+    def event(e: dict[str, Any]) -> bytes:
+        e["sequence_number"] = next(numbers)
+        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+
+    part = {"item_id": message_id, "output_index": 0, "content_index": 0}
+
+    def opening() -> list[bytes]:
+        item = {"type": "message", "id": message_id, "status": "in_progress", "role": "assistant",
+                "content": []}
+        return [event({"type": "response.output_item.added", "output_index": 0, "item": item}),
+                event({"type": "response.content_part.added", **part,
+                       "part": {"type": "output_text", "text": "", "annotations": []}})]
+
+    def delta(text: str) -> bytes:
+        return event({"type": "response.output_text.delta", **part, "delta": text, "logprobs": []})
+
+    yield event({"type": "response.created", "response": started})
+    yield event({"type": "response.in_progress", "response": started})
+    opened = False
+    try:
+        async for text in live.text():
+            if not opened:
+                opened = True
+                for e in opening():
+                    yield e
+            yield delta(text)
+        answer: ChatAnswer = live.task.result()
+    except Exception as exc:
+        error = orjson.loads((await errors.handle(None, exc)).body)["error"]
+        yield event({"type": "error", "code": str(error["code"]), "message": error["message"],
+                     "param": error["param"]})
+        return
+    response = done(answer)
+    for i, item in enumerate(response["output"]):
         if item["type"] == "message":
+            if not opened:
+                for e in opening():
+                    yield e
+            rest = live.deltas.rest(answer.content)
+            if rest:
+                yield delta(rest)
             text = item["content"][0]["text"]
-            events += [
-                {"type": "response.output_item.added", "output_index": i,
-                 "item": {**item, "status": "in_progress", "content": []}},
-                {"type": "response.content_part.added", **base, "content_index": 0,
-                 "part": {"type": "output_text", "text": "", "annotations": []}},
-                {"type": "response.output_text.delta", **base, "content_index": 0,
-                 "delta": text, "logprobs": []},
-                {"type": "response.output_text.done", **base, "content_index": 0,
-                 "text": text, "logprobs": []},
-                {"type": "response.content_part.done", **base, "content_index": 0,
-                 "part": item["content"][0]},
-            ]
+            yield event({"type": "response.output_text.done", **part, "text": text, "logprobs": []})
+            yield event({"type": "response.content_part.done", **part, "part": item["content"][0]})
         else:
-            events += [
-                {"type": "response.output_item.added", "output_index": i,
-                 "item": {**item, "status": "in_progress", "arguments": ""}},
-                {"type": "response.function_call_arguments.delta", **base,
-                 "delta": item["arguments"]},
-                {"type": "response.function_call_arguments.done", **base,
-                 "name": item["name"], "arguments": item["arguments"]},
-            ]
-        events.append({"type": "response.output_item.done", "output_index": i, "item": item})
-    events.append({"type": "response.completed", "response": done})
-    for n, e in enumerate(events):
-        e["sequence_number"] = n
-    return events
+            base = {"item_id": item["id"], "output_index": i}
+            yield event({"type": "response.output_item.added", "output_index": i,
+                         "item": {**item, "status": "in_progress", "arguments": ""}})
+            yield event({"type": "response.function_call_arguments.delta", **base,
+                         "delta": item["arguments"]})
+            yield event({"type": "response.function_call_arguments.done", **base,
+                         "name": item["name"], "arguments": item["arguments"]})
+        yield event({"type": "response.output_item.done", "output_index": i, "item": item})
+    yield event({"type": "response.completed", "response": response})
 
 
 async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
@@ -266,27 +295,36 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     history = conversation(body, before)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     sampling = _Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-    answer = await chat_answer(
-        gw, rollout, slot, system + history, chat_tools(body), sampling, body.max_output_tokens,
-        parse_calls,
-    )
-    response_id = f"resp_{uuid.uuid4().hex}"
-    kept.keep(response_id, rollout_id, [*history, answer.message])
-    extra: dict[str, Any] = {
-        "tracetrain": {
-            "rollout_id": rollout_id,
-            "turn_index": answer.index,
-            "model_version": answer.gen.model_version,
-        }
-    }
-    if body.return_token_ids:
-        extra["prompt_token_ids"] = answer.prompt_ids
-        extra["token_ids"] = answer.gen.response_ids
+    ids = (f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}")
     model = body.model or slot.name
-    done = response_object(body, response_id, model, answer, extra)
+
+    async def answer(deltas: TextDeltas | None = None) -> ChatAnswer:
+        a = await chat_answer(
+            gw, rollout, slot, system + history, chat_tools(body), sampling,
+            body.max_output_tokens, parse_calls, deltas,
+        )
+        kept.keep(ids[0], rollout_id, [*history, a.message])
+        return a
+
+    def done(a: ChatAnswer) -> dict[str, Any]:
+        extra: dict[str, Any] = {
+            "tracetrain": {
+                "rollout_id": rollout_id,
+                "turn_index": a.index,
+                "model_version": a.gen.model_version,
+            }
+        }
+        if body.return_token_ids:
+            extra["prompt_token_ids"] = a.prompt_ids
+            extra["token_ids"] = a.gen.response_ids
+        return response_object(body, ids, model, a, extra)
+
     if not body.stream:
-        return _json(done)
-    return named_sse(stream_events(response_object(body, response_id, model, None, {}), done))
+        return _json(done(await answer()))
+    live = LiveTurn(answer)
+    await live.opened()
+    started = response_object(body, ids, model, None, {})
+    return EventStream(live_events(live, started, done, ids[1]), live.cancel)
 
 
 ROUTE = ("/rollouts/{rollout_id}/v1/responses", endpoint(responses_turn), ResponsesIn)

@@ -69,11 +69,13 @@ class TextDeltas:
         self._open = False  # start() called: tokens are expected
         self._stopped = False  # the decoded text stopped extending what was sent
 
-    def start(self, tokenizer: Any, params: SamplingParams, markers: tuple[str, ...] | None,
-              safe: Callable[[str], int] | None) -> None:
-        """`markers`: the tool parser's markers to keep in the text (None: no tools, every special
-        token left out); `safe`: the parser's safe(text) when tool calls are parsed."""
+    def start(self, tokenizer: Any, params: SamplingParams, markers: tuple[str, ...],
+              safe: Callable[[str], int] | None, prompt_tokens: int) -> None:
+        """`markers`: the tool parser's markers to keep in the text (none: every special token
+        left out); `safe`: the parser's safe(text) when tool calls are parsed; `prompt_tokens`:
+        the prompt's length (Anthropic's first event tells it)."""
         self.tokenizer, self.params, self.markers, self.safe = tokenizer, params, markers, safe
+        self.prompt_tokens = prompt_tokens
         self._drop = frozenset(tokenizer.all_special_tokens) - set(markers or ())
         self._open = True
 
