@@ -11,8 +11,10 @@ context. Generation is a pure function of (prompt ids, seed, max_tokens, stop id
 Text is faked too: a text prompt is tokenized as one id per UTF-8 byte (byte + 3); an id
 decodes to one letter. `stop` strings end an answer (completions) at the token whose letter
 completes one, as vLLM's do. Failure injection: `fail_first` requests answer `fail_status` (a code,
-or 0 = drop the connection mid-answer), every answer waits `delay_s`. Change these at run time
-with `POST /fake/config {...}`; read counters at `GET /fake/stats`.
+or 0 = drop the connection mid-answer), every answer waits `delay_s`. A streamed completion sends
+one token per chunk, as vLLM does (`completion_chunks`), each after `token_delay_s`; `stats
+["streams_cut"]` counts the streams whose client went away before their end. Change these at run
+time with `POST /fake/config {...}`; read counters at `GET /fake/stats`.
 
     with FakeUpstream(response_len=8) as fake:          # in a thread of this process
         httpx.post(fake.url + "/v1/completions", json={...})
@@ -57,6 +59,7 @@ class FakeConfig:
     fail_first: int = 0  # the first k generation requests fail...
     fail_status: int = 500  # ...with this HTTP status, or 0: the connection drops mid-answer
     delay_s: float = 0.0  # every generation request waits this long first
+    token_delay_s: float = 0.0  # a streamed answer waits this long before each chunk
     # Scripted answers (set with POST /fake/config): generation request k of a route answers
     # replies[k % len(replies)] (token ids, cut at max_tokens) instead of random ids.
     replies: list | None = None
@@ -198,13 +201,58 @@ def _usage(prompt_ids: list[int], ids: list[int]) -> dict:
     }
 
 
-def _sse(chunks: list[dict]):
+def _sse(chunks: list[dict], delay_s: float, stats: dict) -> StreamingResponse:
+    """The chunks as server-sent events, each after delay_s, then [DONE]; a stream whose client
+    goes away first (Starlette cancels it) counts in stats["streams_cut"]."""
+
     async def gen():
-        for c in chunks:
-            yield b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+        ended = False
+        try:
+            for c in chunks:
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                yield b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            ended = True
+        finally:
+            if not ended:
+                stats["streams_cut"] += 1
 
     return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def completion_chunks(
+    head: dict, prompt_ids: list[int], ids: list[int], lps: list[float], finish: str, body: dict
+) -> list[dict]:
+    """vLLM's streamed completion (serving.py, completion_stream_generator): one chunk per new
+    token; each choice carries its new text, token_ids and logprobs (null unless asked for);
+    prompt_token_ids on the first chunk only, finish_reason on the last; then a usage chunk with
+    empty choices if stream_options.include_usage."""
+    want_ids = bool(body.get("return_token_ids"))
+    chunks = []
+    for k, (i, lp) in enumerate(zip(ids, lps, strict=True)):
+        token = fake_detokenize([i])
+        logprobs = None
+        if body.get("logprobs") is not None:
+            logprobs = {
+                "text_offset": [k],
+                "token_logprobs": [lp],
+                "tokens": [token],
+                "top_logprobs": [{token: lp}],
+            }
+        choice = {
+            "index": 0,
+            "text": token,
+            "logprobs": logprobs,
+            "finish_reason": finish if k == len(ids) - 1 else None,
+            "stop_reason": None,
+            "prompt_token_ids": prompt_ids if want_ids and k == 0 else None,
+            "token_ids": [i] if want_ids else None,
+        }
+        chunks.append(dict(head, choices=[choice]))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(dict(head, choices=[], usage=_usage(prompt_ids, ids)))
+    return chunks
 
 
 def make_app(config: FakeConfig | None = None) -> FastAPI:
@@ -216,6 +264,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
         "generate": 0,
         "failed": 0,
         "bad_requests": 0,
+        "streams_cut": 0,
     }
     app = FastAPI(title="fake vLLM upstream", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.config, app.state.stats = cfg, stats
@@ -276,6 +325,15 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
                 prompt_ids, max_tokens, seed=seed, stop_token_ids=stops, config=cfg
             )
         ids, lps, finish = _stop_strings(ids, lps, finish, body.get("stop"))
+        head = {
+            "id": f"cmpl-{next(counter)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", cfg.model),
+        }
+        if body.get("stream"):
+            chunks = completion_chunks(head, prompt_ids, ids, lps, finish, body)
+            return _sse(chunks, cfg.token_delay_s, stats)
         text = fake_detokenize(ids)
         choice: dict[str, Any] = {
             "index": 0,
@@ -294,27 +352,6 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             }
         if body.get("return_token_ids"):
             choice["token_ids"], choice["prompt_token_ids"] = ids, prompt_ids
-        head = {
-            "id": f"cmpl-{next(counter)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model", cfg.model),
-        }
-        if body.get("stream"):
-            first = dict(choice, finish_reason=None)
-            last = {
-                "index": 0,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            if body.get("return_token_ids"):
-                last["token_ids"] = []
-            chunks = [dict(head, choices=[first]), dict(head, choices=[last])]
-            if (body.get("stream_options") or {}).get("include_usage"):
-                chunks.append(dict(head, choices=[], usage=_usage(prompt_ids, ids)))
-            return _sse(chunks)
         return _json(dict(head, choices=[choice], usage=_usage(prompt_ids, ids)))
 
     @app.post("/v1/chat/completions")
@@ -384,7 +421,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             ]
             if (body.get("stream_options") or {}).get("include_usage"):
                 chunks.append(dict(chunk, choices=[], usage=_usage(prompt_ids, ids)))
-            return _sse(chunks)
+            return _sse(chunks, cfg.token_delay_s, stats)
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "tool_calls": []},

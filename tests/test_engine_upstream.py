@@ -9,10 +9,18 @@ import time
 from pathlib import Path
 
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from tracetrain.engines.base import Engine, EngineError, PromptTooLong, SamplingParams
-from tracetrain.engines.upstream import UpstreamEngine, parse_choice, parse_sglang, request_body
+from tracetrain.engines.upstream import (
+    UpstreamEngine,
+    parse_choice,
+    parse_chunk,
+    parse_sglang,
+    request_body,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_upstream import FakeConfig, FakeUpstream, fake_generation  # noqa: E402
@@ -30,6 +38,7 @@ def fake():
 def clean(fake):
     """Fresh counters and no injected failures for each test."""
     fake.config.fail_first, fake.config.fail_status, fake.config.delay_s = 0, 500, 0.0
+    fake.config.token_delay_s, fake.config.replies = 0.0, None
     for k in fake.stats:
         fake.stats[k] = 0
     return fake
@@ -417,3 +426,273 @@ def test_make_engine_builds_by_kind(clean):
         )
     with pytest.raises(ValueError, match="base_url"):
         make_engine("upstream", base_url="localhost:1", model="m", tokenizer=None, max_context=8)
+
+
+# ----------------------------------------------------------------------------- streaming (vLLM SSE)
+async def streamed(eng: UpstreamEngine, prompt: list[int], params: SamplingParams):
+    """(Generation, the runs on_tokens got), the engine closed after."""
+    runs: list[list[int]] = []
+    try:
+        return await eng.generate(prompt, params, runs.append), runs
+    finally:
+        await eng.aclose()
+
+
+STREAM_CASES = [
+    ([5, 6, 7], SamplingParams(max_tokens=20)),  # ends at eos
+    ([100] * 50, SamplingParams(max_tokens=3, temperature=0.7)),  # cut by max_tokens
+    ([9, 9], SamplingParams(max_tokens=20, seed=123)),
+    ([1, 2, 3, 4], SamplingParams(max_tokens=20, stop_token_ids=tuple(range(3, 300)))),
+]
+
+
+@pytest.mark.parametrize("prompt,params", STREAM_CASES)
+def test_streamed_runs_make_the_same_answer(clean, prompt, params):
+    gen, runs = run(streamed(engine(clean.url), prompt, params))
+    whole = run(engine(clean.url).generate(prompt, params))
+    assert [t for r in runs for t in r] == gen.response_ids == whole.response_ids
+    assert len(runs) == len(gen.response_ids)  # the fake sends one token per chunk
+    assert gen.response_logprobs == whole.response_logprobs  # bit-exact through the chunks
+    assert gen.finish_reason == whole.finish_reason
+    assert (gen.response_ids, gen.response_logprobs, gen.finish_reason) == fake_generation(
+        prompt,
+        params.max_tokens,
+        seed=params.seed,
+        stop_token_ids=params.stop_token_ids,
+        config=clean.config,
+    )
+    assert gen.extra["attempts"] == 1 and clean.stats["streams_cut"] == 0
+
+
+def test_a_streamed_answer_ends_at_a_stop_string(clean):
+    clean.config.replies = [[3, 4, 5, 6, 7, 8, 2]]  # the fake's letters: d e f g h i, then eos
+    gen, runs = run(
+        streamed(engine(clean.url), [5, 6], SamplingParams(max_tokens=20, stop=("fg",)))
+    )
+    assert runs == [[3], [4], [5], [6]] and (gen.response_ids, gen.finish_reason) == (
+        [3, 4, 5, 6],
+        "stop",
+    )
+
+
+async def first_run(eng: UpstreamEngine, prompt: list[int], params: SamplingParams):
+    """Start a streamed generate and wait for its first run: (the task, the runs so far)."""
+    runs: list[list[int]] = []
+    first = asyncio.Event()
+
+    def on_tokens(ids: list[int]) -> None:
+        runs.append(ids)
+        first.set()
+
+    task = asyncio.create_task(eng.generate(prompt, params, on_tokens))
+    await asyncio.wait_for(first.wait(), 30)
+    return task, runs
+
+
+def test_tokens_arrive_before_the_answer_ends(clean):
+    """Woken by the first run, the test sees the answer unfinished and fewer runs than it will
+    have: runs are handed over as the server sends them, not all at the end."""
+    clean.config.token_delay_s = 0.05
+    eng = engine(clean.url)
+
+    async def go():
+        try:
+            task, runs = await first_run(eng, [5, 6, 7], SamplingParams(max_tokens=20))
+            seen = (len(runs), task.done())
+            return seen, await task, runs
+        finally:
+            await eng.aclose()
+
+    (runs_seen, done_seen), gen, runs = run(go())
+    assert not done_seen and runs_seen < len(runs) == len(gen.response_ids)
+
+
+def test_cancelling_a_stream_closes_its_connection(clean):
+    """vLLM aborts a request whose client goes away; the fake counts those streams."""
+    clean.config.token_delay_s = 0.2
+    eng = engine(clean.url)
+
+    async def go():
+        try:
+            task, runs = await first_run(eng, [5, 6, 7], SamplingParams(max_tokens=20))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(500):  # the server learns of it asynchronously
+                if clean.stats["streams_cut"]:
+                    break
+                await asyncio.sleep(0.01)
+            return runs
+        finally:
+            await eng.aclose()
+
+    runs = run(go())
+    assert clean.stats["streams_cut"] == 1 and clean.stats["completions"] == 1
+    assert 1 <= len(runs) < len(fake_generation([5, 6, 7], 20, config=clean.config)[0])
+
+
+@pytest.mark.parametrize("fail_status", [500, 429, 0])  # 0: dropped before the first token
+def test_a_stream_that_fails_before_its_first_token_is_retried(clean, fail_status):
+    clean.config.fail_first, clean.config.fail_status = 2, fail_status
+    gen, runs = run(
+        streamed(engine(clean.url, max_retries=3), [5, 6, 7], SamplingParams(max_tokens=20))
+    )
+    assert [t for r in runs for t in r] == gen.response_ids
+    assert gen.response_ids == fake_generation([5, 6, 7], 20, config=clean.config)[0]
+    assert gen.extra["attempts"] == 3 and clean.stats["completions"] == 3
+
+
+def test_a_stream_that_fails_after_a_token_is_not_retried(clean):
+    clean.config.token_delay_s = 0.3  # 8 tokens: 2.4 s, past the engine's 1 s timeout
+    eng = engine(clean.url, timeout=1.0, max_retries=3)
+    runs: list[list[int]] = []
+
+    async def go():
+        try:
+            await eng.generate([5, 6, 7], SamplingParams(max_tokens=20), runs.append)
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match=r"after streaming \d+ tokens \(not retried\)") as e:
+        run(go())
+    assert e.value.status == 504 and runs and clean.stats["completions"] == 1
+    assert eng.stats == {"requests": 1, "attempts": 1, "retries": 0, "failures": 1}
+
+
+def test_a_malformed_chunk_is_a_502_naming_the_field(clean):
+    clean.config.replies = [[3, -1, 2]]  # the second chunk's token id is not one
+    eng = engine(clean.url, max_retries=3)
+    runs: list[list[int]] = []
+
+    async def go():
+        try:
+            await eng.generate([5], SamplingParams(max_tokens=8), runs.append)
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match=r"bad answer: choices\[0\]\.token_ids") as e:
+        run(go())
+    assert e.value.status == 502 and runs == [[3]] and clean.stats["completions"] == 1
+
+
+def test_sglang_ignores_on_tokens(clean):
+    runs: list[list[int]] = []
+    gen = run(
+        engine(clean.url, api="sglang").generate(
+            [5, 6, 7], SamplingParams(max_tokens=20), runs.append
+        )
+    )
+    assert runs == [] and gen.response_ids == fake_generation([5, 6, 7], 20, config=clean.config)[0]
+
+
+def sse(*chunks) -> bytes:
+    """A streamed answer: each chunk (a dict, or raw bytes) as an event, then [DONE]."""
+    events = [c if isinstance(c, bytes) else b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks]
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def token_chunk(ids, finish=None, **extra) -> dict:
+    choice = {
+        "index": 0,
+        "text": "",
+        "token_ids": ids,
+        "finish_reason": finish,
+        "logprobs": {"token_logprobs": [-0.25] * len(ids)},
+        **extra,
+    }
+    return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
+
+
+async def scripted(answers: list[bytes], prompt: list[int], **kw):
+    """Stream from a server that answers request k with answers[k] (SSE bytes, 200): the
+    (Generation or the exception raised, runs, requests seen)."""
+    requests: list[web.Request] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        requests.append(request)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(answers[min(len(requests), len(answers)) - 1])
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    eng = engine(f"http://{host}:{port}", **kw)
+    runs: list[list[int]] = []
+    try:
+        out = await eng.generate(prompt, SamplingParams(max_tokens=8), runs.append)
+    except EngineError as e:
+        out = e
+    finally:
+        await eng.aclose()
+        await runner.cleanup()
+    return out, runs, len(requests)
+
+
+def test_what_vllm_may_add_to_a_stream_is_read():
+    """Keep-alive comments, a first chunk too long for a line reader (prompt_token_ids of a long
+    prompt), chunks of several tokens, a last chunk without tokens and a usage chunk after it."""
+    prompt = [12345] * 100_000  # 600 kB: past readline's limit (512 kB in aiohttp 3.14)
+    answer = sse(
+        b": keep-alive\n\n",
+        token_chunk([3, 4], prompt_token_ids=prompt),
+        token_chunk([5]),
+        token_chunk([], "length"),
+        {"id": "cmpl-1", "object": "text_completion", "choices": [], "usage": {"total_tokens": 1}},
+    )
+    gen, runs, requests = run(scripted([answer], [1], max_retries=0))
+    assert runs == [[3, 4], [5]] and gen.response_ids == [3, 4, 5]
+    assert gen.response_logprobs == [-0.25] * 3 and gen.finish_reason == "length"
+
+
+ERROR = {
+    "error": {
+        "message": "Internal server error",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+
+
+def test_an_error_chunk_is_retried_only_before_the_first_token():
+    ok = sse(token_chunk([3]), token_chunk([2], "stop"))
+    gen, runs, requests = run(scripted([sse(ERROR), ok], [1], max_retries=2))
+    assert (gen.response_ids, runs, requests, gen.extra["attempts"]) == ([3, 2], [[3], [2]], 2, 2)
+    err, runs, requests = run(scripted([sse(token_chunk([3]), ERROR), ok], [1], max_retries=2))
+    assert isinstance(err, EngineError) and err.status == 502 and (runs, requests) == ([[3]], 1)
+    assert "after streaming 1 tokens" in str(err) and "Internal server error" in str(err)
+    err, runs, requests = run(scripted([sse(token_chunk([3]))], [1], max_retries=2))
+    assert isinstance(err, EngineError) and "without a choices[0].finish_reason" in str(err)
+
+
+@pytest.mark.parametrize(
+    "payload,err",
+    [
+        ({}, "no choices"),
+        ({"choices": ["x"]}, "choices\\[0\\] is str"),
+        ({"choices": [{"token_ids": [1], "logprobs": None}]}, "has no values"),
+        (
+            {
+                "choices": [
+                    {
+                        "token_ids": [1],
+                        "logprobs": {"token_logprobs": [-1.0]},
+                        "finish_reason": "abort",
+                    }
+                ]
+            },
+            "finish_reason",
+        ),
+    ],
+)
+def test_malformed_chunks_are_named(payload, err):
+    with pytest.raises(ValueError, match=err):
+        parse_chunk(payload)
+    assert parse_chunk({"choices": [], "usage": {}}) == ([], [], None)
+    assert parse_chunk(token_chunk([4, 5])) == ([4, 5], [-0.25, -0.25], None)

@@ -14,8 +14,10 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors import safe_open
@@ -384,6 +386,86 @@ def test_a_stop_string_ends_the_answer_with_the_token_that_completes_it(served, 
     assert stop in text and stop not in tok.decode(got.response_ids[:-1])
 
 
+@pytest.mark.slow
+def test_a_streamed_answer_is_the_whole_answer(served, tok):
+    """Streamed (SSE, each chunk's new token ids handed to on_tokens): the runs make the answer,
+    and at temperature 0 with a seed it is the unstreamed answer, with and without a stop string."""
+    engine = engine_on(served, tok)
+    prompt = chat(tok, "Say something long.")
+    greedy_params = SamplingParams(max_tokens=12, temperature=0.0, seed=5, stop_token_ids=())
+
+    async def both(params):
+        runs: list[list[int]] = []
+        streamed = await engine.generate(prompt, params, runs.append)
+        return streamed, runs, await ask(engine, prompt, params)
+
+    async def go():
+        try:
+            free = await both(greedy_params)
+            ids = free[0].response_ids
+            k = next(k for k in range(2, len(ids) - 1) if tok.decode(ids[k : k + 2]).strip())
+            stop = SamplingParams(max_tokens=12, temperature=0.0, seed=5, stop_token_ids=(),
+                                  stop=(tok.decode(ids[k : k + 2]),))
+            return [free, await both(stop)]
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    answers = asyncio.run(go())
+    for streamed, runs, whole in answers:
+        assert len(runs) > 1 and all(runs)  # token by token, not the whole answer at the end
+        assert [t for r in runs for t in r] == streamed.response_ids == whole.response_ids
+        assert len(streamed.response_logprobs) == len(streamed.response_ids)
+        torch.testing.assert_close(streamed.response_logprobs, whole.response_logprobs,
+                                   rtol=0, atol=TOL)
+        assert streamed.finish_reason == whole.finish_reason
+    assert answers[1][0].finish_reason == "stop"
+
+
+def server_metric(base_url: str, name: str) -> float:
+    """The sum of a Prometheus metric's series at the server's /metrics."""
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+@pytest.mark.slow
+def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
+    """The engine's task cancelled after two runs of a long greedy answer: vLLM stops decoding it
+    (no request left running, none finished by stop or length)."""
+    url = served[0].base_url
+    engine = engine_on(served, tok)
+    params = SamplingParams(max_tokens=480, temperature=0.0, stop_token_ids=())
+    finished = server_metric(url, "vllm:request_success_total")
+
+    async def go():
+        runs: list[list[int]] = []
+        two = asyncio.Event()
+
+        def on_tokens(ids: list[int]) -> None:
+            runs.append(ids)
+            if len(runs) == 2:
+                two.set()
+
+        task = asyncio.create_task(engine.generate(chat(tok, "Say something long."), params,
+                                                   on_tokens))
+        try:
+            await asyncio.wait_for(two.wait(), 120)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return runs
+        finally:
+            await UpstreamEngine.aclose(engine)
+
+    runs = asyncio.run(go())
+    deadline = time.monotonic() + 10  # vLLM learns of it asynchronously
+    while server_metric(url, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server_metric(url, "vllm:num_requests_running") == 0
+    assert server_metric(url, "vllm:request_success_total") == finished  # aborted, not finished
+    assert len([t for r in runs for t in r]) < params.max_tokens
+
+
 def test_many_seeded_requests_at_once_are_all_answered(served, tok):
     """Regression: 128 seeded requests whose prompts overflow one scheduler step (2048 tokens on
     CPU) were split by chunked prefill, and vLLM 0.32's CPU worker died rewinding a seeded
@@ -511,7 +593,6 @@ def test_sigterm_stops_the_run_and_the_server_it_launched(tmp_path, vllm_python)
     """A killed trainer leaves no vLLM process behind (the server runs in its own session, so
     the signal does not reach it; seen before: its engine processes spinning on after the run)."""
     import signal
-    import time
 
     from vllm_kill_task import server_pids
 

@@ -19,6 +19,18 @@ SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate`:
      "stream": false}
     -> meta_info.output_token_logprobs = [[logprob, id, text], ...], meta_info.finish_reason.type
 
+Streamed (`generate(..., on_tokens)`, vLLM only): the same body with `"stream": true`, answered as
+server-sent events, `data: {chunk}` lines ending with `data: [DONE]` (`: keep-alive` comments
+ignored). Each chunk is a completion whose `choices[0]` holds the NEW tokens only (one engine
+step's, usually one; the first chunk also carries prompt_token_ids):
+
+    token_ids                 -> the run handed to on_tokens
+    logprobs.token_logprobs   -> one per new token id
+    finish_reason             -> null until the last chunk, then "stop" | "length"
+
+A chunk `{"error": {"message", "code"}}` is the server's failure mid-stream; a chunk with empty
+`choices` (usage) adds nothing. SGLang ignores on_tokens (never calls it): its answer comes whole.
+
 Which distribution the logprobs come from is the server's choice: vLLM V1 returns raw
 log-softmax(logits) by default; start it with `--logprobs-mode processed_logprobs` to get the
 temperature-scaled log-probabilities the local engine returns (identical when top_p == 1).
@@ -27,6 +39,9 @@ Failures: connection errors, timeouts, 429 and 5xx are retried `max_retries` tim
 exponential backoff (`backoff * 2**k` seconds, capped at `backoff_max`); then `EngineError` with
 status 503 (unreachable / overloaded), 504 (timed out) or 502 (bad answer). A 400 that says the
 context is too long is `PromptTooLong`; other 4xx are not retried (502: we built a bad request).
+A stream is retried the same way until its first token id is handed to on_tokens; after that a
+failure (dropped, timed out, an error chunk) is `EngineError` at once: tokens cannot be taken back.
+Cancelling `generate` closes the connection, which makes vLLM abort the request.
 
 The HTTP client is aiohttp with one pooled session per engine: on the shared 2-core dev machine,
 at 32 concurrent requests against the fake upstream, it made 5-10x the requests/s of httpx, whose
@@ -47,6 +62,7 @@ import orjson
 from tracetrain.engines.base import (
     EngineError,
     Generation,
+    OnTokens,
     PromptTooLong,
     SamplingParams,
     check_sampling_params,
@@ -97,15 +113,10 @@ def request_body(model: str, prompt_ids: list[int], params: SamplingParams) -> d
     return body
 
 
-def parse_choice(payload: Any) -> tuple[list[int], list[float], str]:
-    """(token ids, logprobs, finish reason) from a completions response; ValueError if malformed."""
-    if (
-        not isinstance(payload, dict)
-        or not isinstance(payload.get("choices"), list)
-        or not payload["choices"]
-    ):
-        raise ValueError("response has no choices")
-    choice = payload["choices"][0]
+def _ids_and_logprobs(choice: Any) -> tuple[list[int], list[float]]:
+    """choices[0]'s token ids and their logprobs; ValueError naming the field if malformed."""
+    if not isinstance(choice, dict):
+        raise ValueError(f"choices[0] is {type(choice).__name__}, not an object")
     ids = choice.get("token_ids")
     if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
         raise ValueError(
@@ -120,10 +131,41 @@ def parse_choice(payload: Any) -> tuple[list[int], list[float], str]:
         )
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lp):
         raise ValueError("choices[0].logprobs.token_logprobs holds a non-number")
+    return ids, [float(v) for v in lp]
+
+
+def _finish(choice: dict, *, final: bool) -> str | None:
+    """choices[0].finish_reason: "stop" | "length", or None too where the answer is not final."""
     finish = choice.get("finish_reason")
-    if finish not in ("stop", "length"):
+    if finish not in ("stop", "length") and (final or finish is not None):
         raise ValueError(f"choices[0].finish_reason is {finish!r}, expected 'stop' or 'length'")
-    return ids, [float(v) for v in lp], finish
+    return finish
+
+
+def parse_choice(payload: Any) -> tuple[list[int], list[float], str]:
+    """(token ids, logprobs, finish reason) from a completions response; ValueError if malformed."""
+    if (
+        not isinstance(payload, dict)
+        or not isinstance(payload.get("choices"), list)
+        or not payload["choices"]
+    ):
+        raise ValueError("response has no choices")
+    choice = payload["choices"][0]
+    ids, lp = _ids_and_logprobs(choice)
+    return ids, lp, _finish(choice, final=True)
+
+
+def parse_chunk(payload: Any) -> tuple[list[int], list[float], str | None]:
+    """(new token ids, their logprobs, finish reason or None before the last chunk) from one
+    streamed completions chunk; ValueError if malformed. A chunk with empty choices (usage) adds
+    nothing."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
+        raise ValueError("stream chunk has no choices")
+    if not payload["choices"]:
+        return [], [], None
+    choice = payload["choices"][0]
+    ids, lp = _ids_and_logprobs(choice)
+    return ids, lp, _finish(choice, final=False)
 
 
 def sglang_request_body(
@@ -186,6 +228,14 @@ def _error_message(status: int, raw: bytes) -> str:
             if isinstance(body.get(key), str):
                 return body[key]
     return raw[:500].decode(errors="replace") or f"HTTP {status}"
+
+
+class _Retry(Exception):
+    """A failure that another attempt may not have: `status` is the answer if it is the last."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class UpstreamEngine:
@@ -270,50 +320,123 @@ class UpstreamEngine:
                 f"{need} > the engine's max_context {self.max_context}"
             )
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None
+    ) -> Generation:
+        """The turn for exact prompt ids, retried as the module docstring says. With `on_tokens`
+        (vLLM only; SGLang never calls it) the answer is streamed and each run of new ids handed
+        to it as it arrives."""
         self.check(prompt_ids, params)
-        payload = orjson.dumps(self._body(self.model, prompt_ids, params))  # ids: C speed
+        body = self._body(self.model, prompt_ids, params)
+        if on_tokens is not None and self.api == "vllm":
+            body["stream"] = True
+        else:
+            on_tokens = None
+        payload = orjson.dumps(body)  # ids: C speed
         version = self.model_version  # the version that served this request
         self.stats["requests"] += 1
-        last = ""
-        status = 502
+        last = _Retry(502, "")
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.stats["retries"] += 1
                 await asyncio.sleep(min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
             self.stats["attempts"] += 1
             try:
-                async with self._http().post(self._url, data=payload, headers=_JSON) as response:
-                    code, raw = response.status, await response.read()
-            except asyncio.TimeoutError as e:  # aiohttp's timeouts subclass it
-                status, last = 504, f"timed out after {self.timeout:g} s ({type(e).__name__})"
+                ids, logprobs, finish = await self._attempt(payload, on_tokens)
+            except _Retry as e:
+                last = e
                 continue
-            except aiohttp.ClientError as e:  # refused, reset, dropped mid-answer
-                status, last = 503, f"{type(e).__name__}: {e}"
-                continue
-            if code == 200:
-                try:
-                    ids, logprobs, finish = self._parse(orjson.loads(raw))
-                except ValueError as e:  # a malformed answer will not get better by asking again
-                    self.stats["failures"] += 1
-                    raise EngineError(
-                        f"upstream {self.name!r} gave a bad answer: {e}", 502
-                    ) from None
-                return Generation(ids, logprobs, finish, version, extra={"attempts": attempt + 1})
-            message = _error_message(code, raw)
-            if code == 429 or code >= 500:
-                status, last = (503 if code in (429, 503) else 502), f"HTTP {code}: {message}"
-                continue
-            if code == 400 and _TOO_LONG.search(message):
-                raise PromptTooLong(f"upstream {self.name!r}: {message}")
-            self.stats["failures"] += 1
-            raise EngineError(
-                f"upstream {self.name!r} refused the request: HTTP {code}: {message}", 502
-            )
+            except EngineError:
+                self.stats["failures"] += 1
+                raise
+            return Generation(ids, logprobs, finish, version, extra={"attempts": attempt + 1})
         self.stats["failures"] += 1
         raise EngineError(
             f"upstream {self.name!r} at {self.base_url} failed after {self.max_retries + 1} attempts: {last}",
-            status,
+            last.status,
+        )
+
+    async def _attempt(
+        self, payload: bytes, on_tokens: OnTokens | None
+    ) -> tuple[list[int], list[float], str]:
+        """One request: the parsed turn, or _Retry, PromptTooLong or EngineError."""
+        try:
+            async with self._http().post(self._url, data=payload, headers=_JSON) as response:
+                if on_tokens is not None and response.status == 200:
+                    return await self._stream(response, on_tokens)
+                code, raw = response.status, await response.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise self._retry(e) from None
+        if code == 200:
+            try:
+                return self._parse(orjson.loads(raw))
+            except ValueError as e:  # a malformed answer will not get better by asking again
+                raise self._bad_answer(e) from None
+        raise self._refusal(code, _error_message(code, raw))
+
+    async def _stream(
+        self, response: aiohttp.ClientResponse, on_tokens: OnTokens
+    ) -> tuple[list[int], list[float], str]:
+        """Read a streamed answer (SSE) to its end, handing each chunk's new ids to on_tokens. A
+        failure before the first id is raised as for a whole answer; after it, as EngineError."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finish = None
+        tail = b""
+        try:
+            async for piece in response.content.iter_any():  # not readline: it limits a line
+                *lines, tail = (tail + piece).split(b"\n")
+                for line in lines:
+                    # skipped: the blank line after each event, `: keep-alive` comments, [DONE]
+                    if line.startswith(b"data:") and (data := line[5:].strip()) != b"[DONE]":
+                        new, new_logprobs, end = self._chunk(data)
+                        finish = end or finish  # a usage chunk may follow the last one
+                        if new:
+                            ids += new
+                            logprobs += new_logprobs
+                            on_tokens(new)
+        except (asyncio.TimeoutError, aiohttp.ClientError, _Retry) as e:
+            retry = e if isinstance(e, _Retry) else self._retry(e)
+            if not ids:
+                raise retry from None
+            raise EngineError(
+                f"upstream {self.name!r} failed after streaming {len(ids)} tokens (not retried): "
+                f"{retry}",
+                retry.status,
+            ) from None
+        if finish is None:
+            raise self._bad_answer("the stream ended without a choices[0].finish_reason")
+        return ids, logprobs, finish
+
+    def _chunk(self, data: bytes) -> tuple[list[int], list[float], str | None]:
+        """parse_chunk of one `data:` payload (EngineError 502 if malformed), or the server's
+        error chunk raised as _Retry, PromptTooLong or EngineError."""
+        try:
+            payload = orjson.loads(data)
+            err = payload.get("error") if isinstance(payload, dict) else None
+            if not isinstance(err, dict):
+                return parse_chunk(payload)
+        except ValueError as e:  # orjson's JSONDecodeError is one
+            raise self._bad_answer(e) from None
+        code = err.get("code")
+        raise self._refusal(code if type(code) is int else 500, str(err.get("message")))
+
+    def _retry(self, e: Exception) -> _Retry:
+        if isinstance(e, asyncio.TimeoutError):  # aiohttp's timeouts subclass it
+            return _Retry(504, f"timed out after {self.timeout:g} s ({type(e).__name__})")
+        return _Retry(503, f"{type(e).__name__}: {e}")  # refused, reset, dropped mid-answer
+
+    def _bad_answer(self, why: object) -> EngineError:
+        return EngineError(f"upstream {self.name!r} gave a bad answer: {why}", 502)
+
+    def _refusal(self, code: int, message: str) -> Exception:
+        """An error answer as _Retry (429, 5xx), PromptTooLong or EngineError (502)."""
+        if code == 429 or code >= 500:
+            return _Retry(503 if code in (429, 503) else 502, f"HTTP {code}: {message}")
+        if code == 400 and _TOO_LONG.search(message):
+            return PromptTooLong(f"upstream {self.name!r}: {message}")
+        return EngineError(
+            f"upstream {self.name!r} refused the request: HTTP {code}: {message}", 502
         )
 
     async def aclose(self) -> None:

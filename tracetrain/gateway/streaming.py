@@ -61,7 +61,7 @@ class TextDeltas:
     token; `add` is the engine's on_tokens; `rest(content)` what is left to send at the end."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()  # None: the turn ended
         self.sent = ""
         self.ids: list[int] = []
         self.text = ""  # the decoded text of ids[:self._read]
@@ -128,6 +128,9 @@ class TextDeltas:
         return ""
 
 
+_END = None  # queued when the turn's task ends
+
+
 class LiveTurn:
     """One turn generating in a task while its text streams (module docstring)."""
 
@@ -135,39 +138,35 @@ class LiveTurn:
         """`answer(deltas)`: the coroutine that makes and records the turn, feeding `deltas`."""
         self.deltas = TextDeltas()
         self.task = asyncio.ensure_future(answer(self.deltas))
+        self.task.add_done_callback(lambda _: self.deltas.queue.put_nowait(_END))
         self._first: str | None = None
 
     async def opened(self) -> None:
         """Wait for the first text or the end of the turn: a turn that fails before any token
         (bad input, a prompt too long, the engine down) raises here, before a 200 is sent."""
-        get = asyncio.ensure_future(self.deltas.queue.get())
         try:
-            await asyncio.wait({get, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            self._first = await self.deltas.queue.get()
         except asyncio.CancelledError:
             self.task.cancel()
             raise
-        finally:
-            if get.done():
-                self._first = get.result()
-            else:
-                get.cancel()
-        if self.task.done() and self._first is None:
+        if self._first is _END:
             self.task.result()  # raises the turn's error
 
     async def text(self) -> AsyncIterator[str]:
-        """The text deltas, as they come, until the turn ends."""
-        if self._first is not None:
-            yield self._first
-        queue = self.deltas.queue
-        while not self.task.done():
-            get = asyncio.ensure_future(queue.get())
-            await asyncio.wait({get, self.task}, return_when=asyncio.FIRST_COMPLETED)
-            if get.done():
-                yield get.result()
-            else:
-                get.cancel()
-        while not queue.empty():
-            yield queue.get_nowait()
+        """The text deltas until the turn ends; those that queued up while the client was being
+        written to go as one."""
+        queue, delta = self.deltas.queue, self._first
+        while delta is not _END:
+            parts, ended = [delta], False
+            while not queue.empty() and not ended:
+                nxt = queue.get_nowait()
+                ended = nxt is _END
+                if not ended:
+                    parts.append(nxt)
+            yield "".join(parts)
+            if ended:
+                return
+            delta = await queue.get()
 
     def cancel(self) -> None:
         self.task.cancel()
