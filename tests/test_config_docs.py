@@ -8,6 +8,7 @@ import difflib
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import yaml
@@ -35,8 +36,16 @@ def walk(model: type[BaseModel], prefix: str = ""):
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             assert field.annotation.__doc__, f"section {key!r} has no docstring (its intro)"
             yield from walk(field.annotation, key)
-        else:
-            yield key, model, name
+            continue
+        yield key, model, name
+        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            yield from walk(inner[0], key)  # an optional section (model.lora): null is off
+
+
+def optional_sections(rows: dict[str, dict[str, str]]) -> set[str]:
+    """Keys that are null by default and have keys below them (set, they switch a feature on)."""
+    return {k for k, r in rows.items() if r["default"] == "null" and any(x.startswith(k + ".") for x in rows)}
 
 
 def doc_rows(text: str) -> dict[str, dict[str, str]]:
@@ -95,6 +104,14 @@ def test_documented_defaults_are_the_defaults():
     """Each default as the doc shows it, given back as a command-line override and as YAML,
     builds the default config; and key by key, it is the default's value."""
     rows = doc_rows(DOC.read_text())
+    optional = optional_sections(rows)
+    under = {k: r for k, r in rows.items() if any(k.startswith(o + ".") for o in optional)}
+    for o in optional:  # an optional section's keys at their defaults: the section's default
+        got = build_config({}, [f"{k}={r['default']}" for k, r in under.items() if k.startswith(o + ".")])
+        for p in o.split("."):
+            got = getattr(got, p)
+        assert got == type(got)(), o
+    rows = {k: r for k, r in rows.items() if k not in under}
     default = TrainConfig()
     overrides = [f"{key}={row['default']}" for key, row in rows.items()]
     assert build_config({}, overrides) == default

@@ -25,6 +25,23 @@ class _Section(BaseModel):
                               use_attribute_docstrings=True)
 
 
+class LoraConfig(_Section):
+    """LoRA (peft): train a low-rank adapter on the named linear layers, the base frozen."""
+
+    r: int = Field(16, gt=0)
+    """The adapter's rank."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale: the adapter adds (alpha / r) · B A to each target weight."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training (0: the update's forward pass equals the
+    engine's)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"], min_length=1)
+    """Names of the linear layers that get an adapter (default: attention and MLP projections of
+    Llama-family models, SmolLM2 and the tiny model included)."""
+
+
 class ModelConfig(_Section):
     """Where the policy comes from: a tiny model built from a config, a local path, or a GGUF file."""
 
@@ -53,6 +70,11 @@ class ModelConfig(_Section):
     """The attention kernel (transformers' name); null: transformers' default (sdpa). `eager` is
     the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times
     slower)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (tracetrain/lora.py; needs `peft`, the `lora`
+    extra): only the adapter is trained and checkpointed; `run_dir/policy` holds the merged model
+    and the adapter (`policy/adapter`). Embedded backend with the local engine, without
+    `trainer.overlap_collect`, for now. null: full fine-tuning."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> ModelConfig:
@@ -267,8 +289,9 @@ class GatewayConfig(_Section):
     tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     """The format of the model's tool calls; `auto`: detected from the chat template."""
     forced_tool_choice: Literal["refuse", "as_auto"] = "refuse"
-    """A request's tool_choice that forces a call (`required`, a named tool), which no engine
-    here can enforce: `refuse` answers 400; `as_auto` generates it as `auto` (smolagents'
+    """A request's tool_choice that forces a call (`required`, a named tool) where it cannot be
+    enforced (the local engine, SGLang, the mistral tool parser; a vLLM engine constrains decoding
+    to the call instead): `refuse` answers 400; `as_auto` generates it as `auto` (smolagents'
     ToolCallingAgent asks for `required`)."""
 
     @field_validator("public_url")
@@ -398,6 +421,28 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _lora(self) -> TrainConfig:
+        if self.model.lora is None:
+            return self
+        refused = {"backend": self.backend != "embedded" and self.backend,
+                   "engine.kind": self.engine.kind != "local" and self.engine.kind,
+                   "trainer.overlap_collect": self.trainer.overlap_collect}
+        for key, value in refused.items():
+            if value:
+                raise ValueError(f"model.lora: not with {key} {value!r} yet (LoRA runs on the "
+                                 "embedded backend with the local engine, which decodes with the "
+                                 "adapter in place)")
+        return self
+        for key, unsupported in (("backend", self.backend != "embedded"),
+                                 ("engine.kind", self.engine.kind != "local"),
+                                 ("trainer.overlap_collect", self.trainer.overlap_collect)):
+            if unsupported:
+                raise ValueError(f"model.lora: not with {key} {getattr(self, key) if '.' not in key else getattr(getattr(self, key.split('.')[0]), key.split('.')[1])!r} "
+                                 "(LoRA runs on the embedded backend with the local engine, which "
+                                 "decodes with the adapter in place)")
+        return self
+
+    @model_validator(mode="after")
     def _gateway_url(self) -> TrainConfig:
         if self.gateway.host in WILDCARD_HOSTS and self.gateway.public_url is None:
             raise ValueError(f"gateway.public_url: required when gateway.host is {self.gateway.host!r} "
@@ -521,6 +566,14 @@ def _is_section(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """X for a field typed `X | None` with X a section (model.lora), else None."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and _is_section(args[0]) else None
+
+
 def describe(model: type[BaseModel], name: str) -> str:
     """The meaning of `model`'s field `name`: its attribute docstring, else
     EXTERNAL_DESCRIPTIONS."""
@@ -535,8 +588,9 @@ def sections(
     """[(dotted prefix, model)]: the top level ("") and every section below it, in field order."""
     out: list[tuple[str, type[BaseModel]]] = [(prefix, model)]
     for name, field in model.model_fields.items():
-        if _is_section(field.annotation):
-            out += sections(field.annotation, f"{prefix}.{name}" if prefix else name)
+        section = field.annotation if _is_section(field.annotation) else _optional_section(field.annotation)
+        if section is not None:  # an optional one is also a key of its own (null: off)
+            out += sections(section, f"{prefix}.{name}" if prefix else name)
     return out
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tracetrain import lora
 from tracetrain.advantage import batch_advantages
 from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
 from tracetrain.aggregate import aggregate
@@ -289,6 +290,8 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
+            self.model = lora.wrap(self.model, cfg.model.lora)
         if cfg.trainer.device != "cpu":
             if not torch.cuda.is_available():
                 raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
@@ -305,7 +308,8 @@ class Trainer:
         # step's rollouts come from: the checkpoint keeps those instead of the engine's.
         self.next_weights: dict | None = None
         self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
-        self.optimizer = adamw(self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
+                               weight_decay=cfg.optim.weight_decay)
         updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -356,7 +360,7 @@ class Trainer:
             {
                 "step": self.step,
                 "version": self.version,
-                "model": self.model.state_dict(),
+                "model": lora.weights(self.model),  # the adapter alone under LoRA
                 "engine": None if self.engine_model is None else self.next_weights or {
                     "model": self.engine_model.state_dict(), "version": self.engine_version},
                 "next_collected": next_collected,
@@ -374,7 +378,7 @@ class Trainer:
 
     def load_checkpoint(self) -> None:
         ck = torch.load(self.checkpoint_path(), weights_only=False)
-        self.model.load_state_dict(ck["model"])
+        lora.load_weights(self.model, ck["model"])
         self.optimizer.load_state_dict(ck["optimizer"])
         self.scheduler.load_state_dict(ck["scheduler"])
         if ck["ref_model"] is not None:
@@ -626,10 +630,14 @@ class Trainer:
         return engine
 
     def write_policy(self) -> Path:
-        """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir)."""
+        """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
+        under LoRA the merged model, and the adapter alone in policy/adapter (peft's format)."""
         from tracetrain.engines.vllm import write_hf_dir
 
-        return write_hf_dir(self.model, self.tokenizer, self.run_dir / "policy")
+        path = write_hf_dir(lora.merged(self.model), self.tokenizer, self.run_dir / "policy")
+        if lora.is_lora(self.model):
+            self.model.save_pretrained(path / "adapter")
+        return path
 
     async def run(self) -> list[dict]:
         import secrets
