@@ -14,7 +14,10 @@ completes one, as vLLM's do. Failure injection: `fail_first` requests answer `fa
 or 0 = drop the connection mid-answer), every answer waits `delay_s`. A streamed completion sends
 one token per chunk, as vLLM does (`completion_chunks`), each after `token_delay_s`; `stats
 ["streams_cut"]` counts the streams whose client went away before their end. Change these at run
-time with `POST /fake/config {...}`; read counters at `GET /fake/stats`.
+time with `POST /fake/config {...}`; read counters at `GET /fake/stats`, and the body of the last
+generation request at `GET /fake/last_request` (`app.state.last_request`; null before the first).
+A completion's `structured_outputs` (vLLM's constrained decoding) is checked for vLLM's shape
+(exactly one constraint; `structural_tag` a JSON string of an object) and otherwise ignored.
 
     with FakeUpstream(response_len=8) as fake:          # in a thread of this process
         httpx.post(fake.url + "/v1/completions", json={...})
@@ -183,6 +186,28 @@ def _params(
     return max_tokens, seed, stops
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _check_structured(so: Any) -> None:
+    """vLLM's checks of structured_outputs (StructuredOutputsParams): one constraint, the
+    structural tag as JSON text of an object."""
+    if so is None:
+        return
+    kinds = [k for k in STRUCTURED_KINDS if isinstance(so, dict) and so.get(k) is not None]
+    if len(kinds) != 1:
+        raise BadRequest("structured_outputs needs exactly one constraint",
+                         param="structured_outputs")
+    tag = so.get("structural_tag")
+    try:
+        ok = tag is None or isinstance(json.loads(tag), dict)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise BadRequest("Invalid structured_outputs structural_tag specification.",
+                         param="structured_outputs")
+
+
 class _DroppedResponse(Response):
     """Starts a 200 answer, sends a few bytes of it, then fails: uvicorn closes the connection."""
 
@@ -268,6 +293,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
     }
     app = FastAPI(title="fake vLLM upstream", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.config, app.state.stats = cfg, stats
+    app.state.last_request = None
     counter = iter(range(1 << 62))
 
     async def gate(kind: str) -> Response | None:
@@ -292,6 +318,8 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             raise BadRequest("body must be a JSON object")
         if generation and body.get("n", 1) != 1:
             raise BadRequest("this fake serves n=1 only", param="n")
+        if generation:
+            app.state.last_request = body
         return body
 
     @app.exception_handler(BadRequest)
@@ -316,6 +344,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
                 "prompt must be a string or a non-empty list of token ids", param="prompt"
             )
         max_tokens, seed, stops = _params(body, cfg, prompt_ids)
+        _check_structured(body.get("structured_outputs"))
         if cfg.replies:
             ids = list(cfg.replies[(stats["completions"] - 1) % len(cfg.replies)])[:max_tokens]
             lps = [-0.5] * len(ids)
@@ -533,6 +562,10 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
     @app.get("/fake/stats")
     async def get_stats():
         return _json(stats)
+
+    @app.get("/fake/last_request")
+    async def get_last_request():
+        return _json(app.state.last_request)
 
     @app.post("/fake/config")
     async def set_config(request: Request):

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gateway_fixtures import live_gateway
+from openai import OpenAI
 from safetensors import safe_open
 
 from tracetrain.config import ConfigError, build_config
@@ -464,6 +466,60 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
     assert server_metric(url, "vllm:num_requests_running") == 0
     assert server_metric(url, "vllm:request_success_total") == finished  # aborted, not finished
     assert len([t for r in runs for t in r]) < params.max_tokens
+
+
+# A schema whose every value is bounded, so that even the random model's constrained answer ends.
+TRIP = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}
+
+
+def a_trip(value) -> bool:
+    """Whether `value` is valid for TRIP."""
+    return (isinstance(value, dict) and set(value) == {"city", "days"}
+            and value["city"] in ("Paris", "Rome") and type(value["days"]) is int
+            and 1 <= value["days"] <= 7)
+
+
+def clients(live, n: int) -> list:
+    """n new rollouts of a live gateway: (rollout id, its openai client)."""
+    return [(r["rollout_id"], OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0,
+                                     timeout=300)) for r in live.create(n)]
+
+
+@pytest.mark.slow
+def test_a_json_schema_response_format_gives_json_valid_for_the_schema(tmp_path, served, tok):
+    """response_format json_schema through the gateway, sent to vLLM as structured_outputs
+    {"json": schema}: the random model's sampled answers parse and hold to the schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP}}
+    with live_gateway(tmp_path, engine_on(served, tok), close_engines=True) as live:
+        for seed, (_, client) in enumerate(clients(live, 3)):
+            out = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "Plan a trip."}], seed=seed,
+                max_tokens=200, response_format=fmt)
+            assert out.choices[0].finish_reason == "stop", out
+            assert a_trip(json.loads(out.choices[0].message.content)), out
+
+
+@pytest.mark.slow
+def test_a_named_tool_choice_is_answered_with_one_call_of_that_tool(tmp_path, served, tok):
+    """A named tool_choice through the gateway, sent to vLLM as the hermes structural tag: the
+    answer is one call of that tool in the model's own format (the recorded ids decode to a
+    <tool_call> block), which the hermes parser reads, with arguments valid for its schema."""
+    tools = [{"type": "function", "function": {"name": "plan"}},  # short: the context is 512
+             {"type": "function", "function": {"name": "book", "parameters": TRIP}}]
+    with live_gateway(tmp_path, engine_on(served, tok), close_engines=True) as live:
+        for seed, (rid, client) in enumerate(clients(live, 3)):
+            out = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "Book a trip."}], seed=seed,
+                max_tokens=200, tools=tools,
+                tool_choice={"type": "function", "function": {"name": "book"}})
+            (call,) = out.choices[0].message.tool_calls
+            assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "book"
+            assert a_trip(json.loads(call.function.arguments)), out
+            (turn,) = live.store.get_turns(rid)
+            text = tok.decode(turn.response_ids, skip_special_tokens=True)
+            assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
 
 
 def test_many_seeded_requests_at_once_are_all_answered(served, tok):

@@ -3,6 +3,10 @@
 The gateway renders chat messages to ids (with the engine's tokenizer and chat template), calls
 `generate`, and records the turn. Engines: `local` (transformers in this process) and `upstream`
 (an OpenAI-compatible server such as vLLM/SGLang asked for token ids and logprobs).
+
+Constrained decoding: an engine whose `constrains` attribute is True (an upstream vLLM) honours
+`SamplingParams.structured`, a vLLM `structured_outputs` object (one of STRUCTURED_KINDS); the
+others (the local engine, SGLang; an engine without the attribute) refuse params that carry one.
 """
 
 from __future__ import annotations
@@ -37,10 +41,24 @@ class SamplingParams:
     # Stop strings: generation ends after the token whose text completes one (the tokens are kept
     # in the response; the gateway leaves the string out of the text it answers).
     stop: tuple[str, ...] = ()
+    # Constrained decoding: vLLM's `structured_outputs` object, sent as is (engines that constrain
+    # only): {"json": schema}, {"json_object": True} or {"structural_tag": "<JSON text>"}.
+    structured: dict[str, Any] | None = None
 
 
-def check_sampling_params(params: SamplingParams) -> None:
-    """ValueError naming the field when params are out of range (engines call it; nothing is clamped)."""
+# vLLM's structured_outputs constraints (StructuredOutputsParams); an object holds exactly one.
+STRUCTURED_KINDS = ("json", "json_object", "structural_tag", "regex", "choice", "grammar")
+
+
+def can_constrain(engine: Any) -> bool:
+    """Whether the engine can constrain decoding (honours SamplingParams.structured)."""
+    return getattr(engine, "constrains", False) is True
+
+
+def check_sampling_params(params: SamplingParams, *, constrains: bool = False) -> None:
+    """ValueError naming the field when params are out of range (engines call it; nothing is
+    clamped), or carry a `structured` constraint that an engine which cannot constrain
+    (`constrains` False) would ignore."""
     mt, t, p, seed = params.max_tokens, params.temperature, params.top_p, params.seed
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {mt!r}")
@@ -56,6 +74,22 @@ def check_sampling_params(params: SamplingParams) -> None:
     for k, text in enumerate(params.stop):
         if not isinstance(text, str) or not text:
             raise ValueError(f"stop[{k}] must be a non-empty string, got {text!r}")
+    _check_structured(params.structured, constrains)
+
+
+def _check_structured(structured: Any, constrains: bool) -> None:
+    if structured is None:
+        return
+    if not constrains:
+        raise ValueError(
+            "structured is set, but this engine cannot constrain decoding (an upstream vLLM can)"
+        )
+    kinds = [k for k in STRUCTURED_KINDS if k in structured] if isinstance(structured, dict) else []
+    if len(kinds) != 1:
+        raise ValueError(
+            f"structured must be a dict holding exactly one of {', '.join(STRUCTURED_KINDS)}, "
+            f"got {sorted(structured) if isinstance(structured, dict) else structured!r}"
+        )
 
 
 def stop_string_in(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> bool:
@@ -81,6 +115,7 @@ class Engine(Protocol):
     tokenizer: Any  # a transformers tokenizer with a chat template
     model_version: int
     max_context: int  # prompt tokens + max_tokens must fit
+    # optional `constrains: bool` (False when absent): honours SamplingParams.structured
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None

@@ -135,6 +135,8 @@ class LocalEngine:
     intra-op threads of the decode thread (0: the creating thread's count).
     """
 
+    constrains = False  # no constrained decoding: params with `structured` are refused
+
     def __init__(
         self,
         model: Any,

@@ -4,7 +4,11 @@ One turn is one `POST {base_url}/v1/completions` with the prompt as a list of to
 
     {"model": M, "prompt": [ids], "max_tokens": N, "temperature": T, "top_p": P, "seed": S,
      "stop_token_ids": [...], "stop": [strings], "logprobs": 1, "return_token_ids": true, "n": 1,
-     "stream": false}
+     "stream": false, "structured_outputs": {...}}
+
+(`structured_outputs`, vLLM's constrained decoding, only when SamplingParams.structured is set:
+{"json": schema}, {"json_object": true} or {"structural_tag": "<JSON text>"}; checked with
+vLLM 0.32.)
 
 and the turn is read from `choices[0]`:
 
@@ -12,7 +16,8 @@ and the turn is read from `choices[0]`:
     logprobs.token_logprobs   -> Generation.response_logprobs (one per token id)
     finish_reason             -> "stop" | "length"
 
-SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate`:
+SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate` (no constrained
+decoding: `constrains` is False, and params with `structured` are refused):
 
     {"input_ids": [ids], "sampling_params": {"max_new_tokens": N, "temperature": T, "top_p": P,
      "stop_token_ids": [...], "stop": [strings], "sampling_seed": S}, "return_logprob": true,
@@ -110,6 +115,8 @@ def request_body(model: str, prompt_ids: list[int], params: SamplingParams) -> d
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.structured is not None:
+        body["structured_outputs"] = params.structured
     return body
 
 
@@ -275,6 +282,7 @@ class UpstreamEngine:
         if api not in PROTOCOLS:
             raise ValueError(f"api {api!r} is unknown; known: {', '.join(PROTOCOLS)}")
         self.api = api
+        self.constrains = api == "vllm"  # vLLM's structured_outputs; SGLang's format is not used
         path, self._body, self._parse = PROTOCOLS[api]
         self.base_url = base_url.rstrip("/")
         self._url = self.base_url + path
@@ -310,7 +318,7 @@ class UpstreamEngine:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError on bad params; PromptTooLong if prompt + max_tokens exceeds max_context."""
-        check_sampling_params(params)
+        check_sampling_params(params, constrains=self.constrains)
         if not prompt_ids:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token id")
         need = len(prompt_ids) + params.max_tokens

@@ -44,6 +44,7 @@ from tracetrain.gateway.openai_routes import (
     _parse,
     _rollout,
     chat_answer,
+    decoding_for,
 )
 from tracetrain.gateway.schemas import (
     MessagesIn,
@@ -245,7 +246,8 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
     body: MessagesIn = _parse(MessagesIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
-    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
+    tools = chat_tools(body)
+    how = decoding_for(gw, slot, tools, body.tool_choice)
     try:
         stop_ids, _ = render.stops(tok, body.stop_sequences)
     except ApiError as e:
@@ -259,8 +261,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
 
     def answer(deltas: TextDeltas | None = None):
         return chat_answer(
-            gw, rollout, slot, conversation(body), chat_tools(body), sampling, body.max_tokens,
-            parse_calls, deltas,
+            gw, rollout, slot, conversation(body), tools, sampling, body.max_tokens, how, deltas
         )
 
     def done(a: ChatAnswer) -> dict[str, Any]:

@@ -54,7 +54,7 @@ class Gateway:
     max_body_bytes: int = 8 << 20
     context: str = "exact"  # how chat prompts are built: exact | template (gateway/context.py)
     tool_parser: str = "auto"  # tool calls' format (gateway/tool_calls.py); auto: from the template
-    forced_tool_choice: str = "refuse"  # a tool_choice forcing a call: refuse (400) | as_auto
+    forced_tool_choice: str = "refuse"  # a forced call it cannot enforce: refuse (400) | as_auto
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
 
@@ -122,9 +122,10 @@ def create_app(
     context: "exact" (a turn's prompt continues the ids of the turn it follows) or "template" (the
     chat template's full render every time); gateway/context.py. tool_parser: the format of the
     model's tool calls, "auto" (detected from the chat template) or a name in tool_calls.PARSERS.
-    forced_tool_choice: what a tool_choice that forces a call gets, since no engine constrains
-    decoding: "refuse" (400) or "as_auto" (generated as auto; smolagents' ToolCallingAgent sends
-    "required")."""
+    forced_tool_choice: what a tool_choice that forces a call gets where it cannot be enforced
+    (an engine that cannot constrain decoding, a tool parser without a constraint; see
+    render.decoding): "refuse" (400) or "as_auto" (generated as auto; smolagents'
+    ToolCallingAgent sends "required")."""
     if not isinstance(admin_key, str) or not admin_key.strip():
         raise ValueError("admin_key must be a non-empty string")
     if (

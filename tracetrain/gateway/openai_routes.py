@@ -197,14 +197,15 @@ async def chat_answer(
     tools: list | None,
     sampling: Any,
     max_tokens: int | None,
-    parse_calls: bool = True,
+    decoding: render.Decoding = render.Decoding(),
     deltas: TextDeltas | None = None,
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
     tool calls parsed when tools were offered (in the model's format: tool_calls.py).
-    `sampling`: temperature, top_p, stop, seed. `parse_calls` False (tool_choice none): the answer
-    stays text. `deltas` (streaming): fed the answer's text as the engine makes it."""
+    `sampling`: temperature, top_p, stop, seed. `decoding` (render.decoding): the constraint sent
+    to the engine, and whether calls are parsed (not for tool_choice none: the answer stays
+    text). `deltas` (streaming): fed the answer's text as the engine makes it."""
     tok = slot.engine.tokenizer
 
     def full() -> list[int]:
@@ -216,10 +217,12 @@ async def chat_answer(
     else:
         built = Built(full(), RENDERED, POLICY, 0)
     prompt_ids = built.prompt_ids
-    params = render.sampling_params(tok, slot.engine, sampling, len(prompt_ids), max_tokens)
+    params = render.sampling_params(
+        tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured
+    )
     how = (built.context, built.reason, built.reused_tokens)
     parser = slot.tool_parser(gw.tool_parser)
-    parse = bool(tools) and parse_calls
+    parse = bool(tools) and decoding.parse_calls
     on_tokens = None
     if deltas is not None:
         markers, safe = (parser.markers, parser.safe) if parse else ((), None)
@@ -238,19 +241,29 @@ async def chat_answer(
     return answer
 
 
+def decoding_for(
+    gw, slot: EngineSlot, tools: list | None, choice: Any, fmt: Any = None,
+    fmt_field: str = "response_format",
+) -> render.Decoding:
+    """render.decoding for a request to this slot's engine, with the gateway's tool parser and
+    forced_tool_choice (every chat-shaped API calls it before generating)."""
+    return render.decoding(
+        slot.engine, slot.tool_parser(gw.tool_parser), tools, choice, fmt, fmt_field,
+        gw.forced_tool_choice,
+    )
+
+
 async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
     rollout = _rollout(gw, authorization, rollout_id)
     body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
     max_tokens = render.chat_max_tokens(body)
-    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
     messages, tools = render.chat_messages(body, raw)
+    how = decoding_for(gw, slot, tools, body.tool_choice, getattr(body, "response_format", None))
 
     def answer(deltas: TextDeltas | None = None):
-        return chat_answer(
-            gw, rollout, slot, messages, tools, body, max_tokens, parse_calls, deltas
-        )
+        return chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, how, deltas)
 
     chunk = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",

@@ -5,19 +5,22 @@ A full render of chat messages uses the engine tokenizer's chat template: the id
 transformers does it: render to text, then encode without adding special tokens). Under
 `context: exact` most turns are not rendered in full (context.py). With a prompt_cache.PromptEncoder, prompts and
 pieces of prompts seen before are not rendered or encoded again (exact by construction). Nothing the engine
-cannot honour is dropped silently: n > 1, penalties, echo, suffix and best_of > 1 are 400s.
+cannot honour is dropped silently: n > 1, penalties, echo, suffix and best_of > 1 are 400s, and so
+are a forced tool choice and a JSON format where the engine cannot constrain decoding (`decoding`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
+from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams, can_constrain
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
+from tracetrain.gateway.tool_calls import Parser
 
 
 def template_text(
@@ -114,10 +117,15 @@ def stops(tokenizer: Any, stop: str | list[str] | None) -> tuple[tuple[int, ...]
 
 
 def sampling_params(
-    tokenizer: Any, engine: Engine, body: _Sampling, prompt_len: int, max_tokens: int | None
+    tokenizer: Any,
+    engine: Engine,
+    body: _Sampling,
+    prompt_len: int,
+    max_tokens: int | None,
+    structured: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """Check the prompt fits: prompt_len + max_tokens <= engine.max_context (default max_tokens:
-    all the room left, like vLLM)."""
+    all the room left, like vLLM). `structured`: the constraint (Decoding.structured)."""
     stop_ids, stop_strings = stops(tokenizer, body.stop)
     room = engine.max_context - prompt_len
     if max_tokens is None:
@@ -139,55 +147,154 @@ def sampling_params(
         stop_token_ids=stop_ids,
         stop=stop_strings,
         seed=body.seed,
+        structured=structured,
     )
 
 
-def tool_choice_parses(choice: Any, forced: str = "refuse", field: str = "tool_choice") -> bool:
-    """Whether tool calls are parsed out of the answer, for a request's tool_choice in any API's
-    spelling: auto (None, "auto", {"type": "auto"}) -> True; none ("none", {"type": "none"}) ->
-    False (the tools stay in the prompt; the answer is text). A choice that forces a call
-    ("required", {"type": "any"}, a named function or tool) needs decoding constrained to a call,
-    which no engine here does: with `forced` "refuse" (the gateway's default) a 400 rather than a
-    call the model may not make; with "as_auto" it is generated as auto (the model may answer
-    without a call, and the harness sees that)."""
-    kind = choice.get("type") if isinstance(choice, dict) else choice
-    if kind in (None, "auto"):
-        return True
-    if kind == "none":
-        return False
-    if kind in ("required", "any", "function", "tool"):
-        if forced == "as_auto":
-            return True
-        what = repr(kind) if isinstance(choice, str) else f"{{'type': {kind!r}, ...}}"
+@dataclass(frozen=True)
+class Decoding:
+    """How a chat-shaped turn is generated and read: `structured`, the constraint sent to the
+    engine (vLLM's structured_outputs object) or None; `parse_calls`, whether tool calls are
+    parsed out of the answer."""
+
+    parse_calls: bool = True
+    structured: dict[str, Any] | None = None
+
+
+_CHOICE_STRINGS = {"auto": "auto", "none": "none", "required": "required"}
+_CHOICE_TYPES = {
+    "auto": "auto", "none": "none", "any": "required", "function": "named", "tool": "named"
+}
+
+
+def choice_kind(choice: Any) -> str | None:
+    """auto | none | required | named, for a tool_choice in any API's spelling (None: absent, a
+    string, or an object's "type"); None if it is none of them."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        return _CHOICE_STRINGS.get(choice)
+    return _CHOICE_TYPES.get(choice.get("type")) if isinstance(choice, dict) else None
+
+
+CANNOT = "cannot constrain decoding (only an upstream engine on vLLM can)"
+
+
+def decoding(
+    engine: Engine,
+    parser: Parser,
+    tools: list | None,
+    choice: Any,
+    fmt: Any = None,
+    fmt_field: str = "response_format",
+    forced: str = "refuse",
+) -> Decoding:
+    """The Decoding of a request, from its tool choice (`choice`, in any API's spelling) and its
+    response format (`fmt`, chat's response_format or Responses' text.format, at `fmt_field`).
+
+    Tool choice: auto (None, "auto", {"type": "auto"}) parses calls; none ("none",
+    {"type": "none"}) leaves the answer text (the tools stay in the prompt). A choice that forces a
+    call ("required", {"type": "any"}: one or more calls of the offered tools; a named function
+    or tool: one call of it) is constrained to calls in the parser's format (tool_calls.py) on an
+    engine that constrains decoding. Where the engine cannot, or the parser has no constraint:
+    with `forced` "refuse" a 400 rather than a call the model may not make; with "as_auto" it is
+    generated as auto (the model may answer without a call, and the harness sees that).
+
+    Format: text (or none) is what is produced anyway; JSON mode and a JSON schema are
+    constrained on an engine that can, a 400 elsewhere. A format with tools offered (and a tool
+    choice other than none) is a 400: one answer cannot be held to both."""
+    structured = format_constraint(engine, fmt, fmt_field)
+    kind = choice_kind(choice)
+    if kind is None:
+        raise ApiError(400, f"tool_choice {choice!r} is not one this API knows", "tool_choice")
+    if structured is not None and tools and kind != "none":
         raise ApiError(
             400,
-            f"{field} {what} forces a tool call, which needs decoding constrained to one; the "
-            "engine cannot do that: send 'auto' (or 'none'), or run the gateway with "
-            "forced_tool_choice 'as_auto'",
-            field,
+            f"{fmt_field} and tools (tool_choice {kind}) together: one answer cannot be held to a "
+            "format and be tool calls; send tool_choice 'none' or leave one out",
+            fmt_field,
         )
-    raise ApiError(400, f"{field} {choice!r} is not one this API knows", field)
+    if kind in ("auto", "none"):
+        return Decoding(kind == "auto", structured)
+    return Decoding(True, forced_call(engine, parser, tools, choice, kind == "named", forced))
 
 
-def plain_text_only(fmt: Any, field: str) -> None:
-    """A structured-output request (JSON mode, a JSON schema) needs decoding constrained to it,
-    which no engine here does: a 400 naming the field, rather than unconstrained text that the
-    client would take for valid JSON. Plain text ({"type": "text"}) is what is produced anyway."""
+def forced_call(
+    engine: Engine, parser: Parser, tools: list | None, choice: Any, named: bool, forced: str
+) -> dict[str, Any] | None:
+    """The constraint of a tool choice that forces a call (see `decoding`); None: served as auto."""
+    what = repr(choice) if isinstance(choice, str) else f"{{'type': {choice['type']!r}, ...}}"
+    if not can_constrain(engine) or parser.constraint is None:
+        if forced == "as_auto":
+            return None
+        why = (
+            f"engine {engine.name!r} {CANNOT}"
+            if not can_constrain(engine)
+            else f"the tool parser {parser.name!r} has no constraint for its calls"
+        )
+        raise ApiError(
+            400,
+            f"tool_choice {what} forces a tool call, which needs decoding constrained to one; "
+            f"{why}: send 'auto' (or 'none'), or run the gateway with forced_tool_choice "
+            "'as_auto'",
+            "tool_choice",
+        )
+    offered = function_tools(tools)
+    if not offered:
+        raise ApiError(
+            400, f"tool_choice {what} forces a call, but no tools are offered", "tool_choice"
+        )
+    if not named:
+        return parser.constraint(offered, False)
+    name = choice.get("name") or (choice.get("function") or {}).get("name")
+    chosen = [t for t in offered if t["function"]["name"] == name]
+    if not chosen:
+        raise ApiError(
+            400, f"tool_choice names the tool {name!r}, which is not among the tools offered",
+            "tool_choice",
+        )
+    return parser.constraint(chosen[:1], True)
+
+
+def function_tools(tools: list | None) -> list[dict[str, Any]]:
+    """The chat tools, each checked to be {"type": "function", "function": {"name": str, ...}}."""
+    for k, t in enumerate(tools or ()):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ApiError(400, f"tools[{k}] is not a function tool with a name", "tools")
+    return list(tools or ())
+
+
+def format_constraint(engine: Engine, fmt: Any, field: str) -> dict[str, Any] | None:
+    """vLLM's structured_outputs object for a response format: None for text (or none),
+    {"json_object": True} for json_object, {"json": schema} for json_schema (chat's
+    {"json_schema": {"name", "schema"}}, Responses' {"name", "schema"}); a 400 naming `field` for
+    another type, a json_schema without a schema, or any of them on an engine that cannot
+    constrain (rather than unconstrained text the client would take for valid JSON)."""
     kind = fmt.get("type") if isinstance(fmt, dict) else fmt
     if fmt is None or kind == "text":
-        return
-    raise ApiError(
-        400,
-        f"{field} {kind!r} needs decoding constrained to a format; the engine cannot do that "
-        "(plain text only: leave it out, or ask for the format in the prompt)",
-        field,
-    )
+        return None
+    if not can_constrain(engine):
+        raise ApiError(
+            400,
+            f"{field} {kind!r} needs decoding constrained to a format; engine {engine.name!r} "
+            f"{CANNOT}: leave it out, or ask for the format in the prompt",
+            field,
+        )
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ApiError(400, f"{field} {kind!r} is not text, json_object or json_schema", field)
+    spec = fmt.get("json_schema", fmt)  # chat nests name and schema under json_schema
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{field} json_schema has no schema (a JSON schema object)", field)
+    return {"json": schema}
 
 
 def chat_max_tokens(body: ChatCompletionIn) -> int | None:
     """Refuse what the engine cannot honour; the request's max_tokens (or None)."""
     _reject(body, {"top_logprobs": 0})
-    plain_text_only(getattr(body, "response_format", None), "response_format")
     mt, mct = body.max_tokens, body.max_completion_tokens
     if mt is not None and mct is not None and mt != mct:
         raise ApiError(

@@ -39,7 +39,7 @@ from typing import Any
 import orjson
 from fastapi.responses import Response
 
-from tracetrain.gateway import errors, render
+from tracetrain.gateway import errors
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.openai_routes import (
     ChatAnswer,
@@ -47,6 +47,7 @@ from tracetrain.gateway.openai_routes import (
     _parse,
     _rollout,
     chat_answer,
+    decoding_for,
     endpoint,
 )
 from tracetrain.gateway.schemas import (
@@ -179,6 +180,12 @@ def output_items(answer: ChatAnswer, message_id: str) -> list[dict[str, Any]]:
     return items
 
 
+def text_format(body: ResponsesIn) -> Any:
+    """The request's text.format (None if absent)."""
+    text = getattr(body, "text", None)
+    return text.get("format") if isinstance(text, dict) else None
+
+
 def response_object(
     body: ResponsesIn, ids: tuple[str, str], model: str, answer: ChatAnswer | None, extra: dict
 ) -> dict[str, Any]:
@@ -203,7 +210,7 @@ def response_object(
         "tool_choice": body.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
         "top_p": body.top_p,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": text_format(body) or {"type": "text"}},
         "truncation": "disabled",
         "usage": None,
     }
@@ -287,9 +294,8 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     rollout = _rollout(gw, authorization, rollout_id)
     body: ResponsesIn = _parse(ResponsesIn, raw)
     slot = gw.slot_for(rollout)
-    parse_calls = render.tool_choice_parses(body.tool_choice, gw.forced_tool_choice)
-    text = getattr(body, "text", None)
-    render.plain_text_only(text.get("format") if isinstance(text, dict) else None, "text.format")
+    tools = chat_tools(body)
+    how = decoding_for(gw, slot, tools, body.tool_choice, text_format(body), "text.format")
     kept = _kept(gw)
     before = [] if body.previous_response_id is None else kept.get(body.previous_response_id, rollout_id)
     history = conversation(body, before)
@@ -300,8 +306,8 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
 
     async def answer(deltas: TextDeltas | None = None) -> ChatAnswer:
         a = await chat_answer(
-            gw, rollout, slot, system + history, chat_tools(body), sampling,
-            body.max_output_tokens, parse_calls, deltas,
+            gw, rollout, slot, system + history, tools, sampling, body.max_output_tokens, how,
+            deltas,
         )
         kept.keep(ids[0], rollout_id, [*history, a.message])
         return a

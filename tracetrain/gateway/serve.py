@@ -198,8 +198,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--forced-tool-choice",
         choices=["refuse", "as_auto"],
         default="refuse",
-        help="a tool_choice that forces a call (no engine constrains decoding): refuse with a "
-        "400, or generate it as auto (smolagents' ToolCallingAgent sends 'required')",
+        help="a tool_choice that forces a call where it cannot be enforced (an engine that "
+        "cannot constrain decoding: local, SGLang): refuse with a 400, or generate it as auto "
+        "(smolagents' ToolCallingAgent sends 'required')",
     )
     p.add_argument("--access-log", action="store_true")
     p.add_argument("--log-level", default="warning")

@@ -7,18 +7,31 @@
     mistral      [TOOL_CALLS] then a JSON list [{"name": ..., "arguments": {...}}, ...], or
                  [TOOL_CALLS]name[ARGS]{...} repeated (Mistral v0.3 and later templates)
 
-`parser_for(name, chat_template)`: the parser named, or for "auto" the one whose markers the
-template writes (hermes when none does). `register(name, markers=..., safe=...)` adds one: a
-function text -> (content or None, calls), where `markers` are special tokens it must see in the
-text (the gateway keeps those, and strips the other special tokens, when it decodes an answer) and
-`safe(text)` is how many characters of an unfinished answer are certainly content whatever follows
-(what streaming may send before the answer ends; by default none: the content is sent at the end).
-Content is the text outside the calls with its trailing whitespace stripped, so that text streamed
-before a call is the start of it.
-
 Only when the request offered tools. A call that is not valid JSON with a string name stays plain
 text (never guessed). The recorded turn is unaffected: it holds the raw response ids. Calls come
 out in OpenAI's chat shape: {id, type: "function", function: {name, arguments: JSON string}}.
+
+`parser_for(name, chat_template)`: the parser named, or for "auto" the one whose markers the
+template writes (hermes when none does). `register(name, markers=..., safe=..., constraint=...)`
+adds one: a function text -> (content or None, calls), where `markers` are special tokens it must
+see in the text (the gateway keeps those, and strips the other special tokens, when it decodes an
+answer) and `safe(text)` is how many characters of an unfinished answer are certainly content
+whatever follows (what streaming may send before the answer ends; by default none: the content is
+sent at the end). Content is the text outside the calls with its trailing whitespace stripped, so
+that text streamed before a call is the start of it.
+
+`constraint(tools, one)` writes a forced tool choice as constrained decoding: vLLM's
+structured_outputs object holding an xgrammar structural tag under which the answer is tool calls
+only, in the parser's own format, each a call of one of the chat-shaped `tools` with arguments
+valid for its `parameters` (a JSON object); exactly one call if `one`, else one or more. None
+(mistral: its calls begin with a special token, spelled two ways by template version): the format
+cannot be forced.
+
+    hermes       <tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>, with or without the
+                 two newlines (Qwen's templates write them, others may not); calls joined by an
+                 optional newline
+    llama3_json  {"name": NAME, "parameters": ARGS}; one call (Llama 3.x templates take one per
+                 message)
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ Parse = Callable[[str], tuple[str | None, Calls]]
 
 
 Safe = Callable[[str], int]
+Constraint = Callable[[list[dict[str, Any]], bool], dict[str, Any]]
 
 
 def _nothing(text: str) -> int:
@@ -47,19 +61,55 @@ class Parser:
     parse: Parse
     markers: tuple[str, ...] = ()  # special tokens the parser needs to see
     safe: Safe = _nothing  # characters of an unfinished answer that are certainly content
+    constraint: Constraint | None = None  # a forced tool choice as constrained decoding
 
 
 PARSERS: dict[str, Parser] = {}
 
 
 def register(
-    name: str, *, markers: tuple[str, ...] = (), safe: Safe = _nothing
+    name: str,
+    *,
+    markers: tuple[str, ...] = (),
+    safe: Safe = _nothing,
+    constraint: Constraint | None = None,
 ) -> Callable[[Parse], Parse]:
     def add(parse: Parse) -> Parse:
-        PARSERS[name] = Parser(name, parse, markers, safe)
+        PARSERS[name] = Parser(name, parse, markers, safe, constraint)
         return parse
 
     return add
+
+
+def structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's structured_outputs object for an xgrammar structural-tag format (vLLM takes the
+    structural tag as JSON text)."""
+    return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
+
+
+def call_tags(tools: list[dict[str, Any]], begin: str, key: str, end: str) -> list[dict[str, Any]]:
+    """Structural-tag formats of a call of each of `tools`: `begin`, `{"name": NAME, "KEY": ` (NAME
+    the tool's name as a JSON string), its arguments as a JSON object valid for its `parameters`,
+    then `end` (which closes the object)."""
+    return [
+        {
+            "type": "tag",
+            "begin": f'{begin}{{"name": {json.dumps(f["name"])}, "{key}": ',
+            "content": {
+                "type": "json_schema",
+                "json_schema": {"type": "object", **(f.get("parameters") or {})},
+            },
+            "end": end,
+        }
+        for f in (t["function"] for t in tools)
+    ]
+
+
+def one_or_more(call: dict[str, Any], separator: str) -> dict[str, Any]:
+    """A structural-tag format for `call` repeated: one or more, joined by text matching the regex
+    `separator`."""
+    joined = {"type": "sequence", "elements": [{"type": "regex", "pattern": separator}, call]}
+    return {"type": "sequence", "elements": [call, {"type": "star", "content": joined}]}
 
 
 def before(marker: str) -> Safe:
@@ -97,7 +147,17 @@ def _named(obj: Any, args_key: str = "arguments") -> dict[str, Any] | None:
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-@register("hermes", safe=before("<tool_call>"))
+def hermes_constraint(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
+    tags = [
+        tag
+        for nl in ("\n", "")
+        for tag in call_tags(tools, "<tool_call>" + nl, "arguments", "}" + nl + "</tool_call>")
+    ]
+    call = {"type": "or", "elements": tags}
+    return structural_tag(call if one else one_or_more(call, "\n?"))
+
+
+@register("hermes", safe=before("<tool_call>"), constraint=hermes_constraint)
 def parse_hermes(text: str) -> tuple[str | None, Calls]:
     """(content without the parsed blocks or None if nothing is left, calls)."""
     calls, keep, last = [], [], 0
@@ -126,7 +186,13 @@ def _llama3_safe(text: str) -> int:
     return len(text)
 
 
-@register("llama3_json", markers=("<|python_tag|>",), safe=_llama3_safe)
+def llama3_constraint(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
+    return structural_tag({"type": "or", "elements": call_tags(tools, "", "parameters", "}")})
+
+
+@register(
+    "llama3_json", markers=("<|python_tag|>",), safe=_llama3_safe, constraint=llama3_constraint
+)
 def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
     """The whole answer is the call(s); anything else is text."""
     body = text.strip()
