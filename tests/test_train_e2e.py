@@ -69,6 +69,9 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
         assert 0.0 <= m["reward_mean"] <= 1.0
     assert [m["model_version"] for m in rows] == [1, 2]  # one bump per step
     assert "eval/reward_mean" in rows[1]
+    # the untrained policy's eval, before step 0, is in step 0's metrics and the summary
+    assert 0.0 <= rows[0]["eval/initial_reward_mean"] <= 1.0 and "eval/initial_reward_mean" not in rows[1]
+    assert out["eval_initial"] == rows[0]["eval/initial_reward_mean"] and out["target_gain"] == 0.3
     assert (run / "curve.png").stat().st_size > 1000 and out["steps"] == 2
 
     # Turns were recorded by the gateway with token ids and the engine's model version.

@@ -30,7 +30,9 @@ def plot_curves(history: list[dict], path: str | Path, *, window: int = 10, titl
     ax.plot(steps, reward, color="tab:blue", alpha=0.3, lw=1, label="train reward (step mean)")
     ax.plot(steps, moving_average(reward, window), color="tab:blue", lw=2,
             label=f"train reward ({window}-step mean)")
-    ev = [(m["step"], m["eval/reward_mean"]) for m in history if "eval/reward_mean" in m]
+    ev = [(m["step"] - 1, m["eval/initial_reward_mean"]) for m in history[:1]
+          if "eval/initial_reward_mean" in m]  # before the first step
+    ev += [(m["step"], m["eval/reward_mean"]) for m in history if "eval/reward_mean" in m]
     if ev:
         ax.plot(*zip(*ev, strict=True), "o-", color="tab:orange", lw=1.5, label="eval reward (greedy)")
     ax.set_xlabel("step")
@@ -69,6 +71,8 @@ def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) 
     out["target_gain_step"] = None if hit is None else history[hit]["step"]
     out["target_gain_elapsed_s"] = None if hit is None else history[hit].get("time/elapsed_s")
     evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
+    if history and "eval/initial_reward_mean" in history[0]:
+        out["eval_initial"] = history[0]["eval/initial_reward_mean"]
     if evals:
         out["eval_first"], out["eval_last"], out["eval_best"] = evals[0], evals[-1], max(evals)
     return out

@@ -533,6 +533,9 @@ class Trainer:
         new weights between the two collects, so each step's rollouts come from one version."""
         cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
         pending: asyncio.Task | None = None
+        initial = None  # the untrained policy's eval: what later evals are compared with
+        if cfg.trainer.eval_every and self.step == 0:
+            initial = await self.evaluate(gateway)
         try:
             while self.step < cfg.trainer.steps:
                 if pending is not None:
@@ -555,6 +558,8 @@ class Trainer:
                             k: v.clone() for k, v in self.engine_model.state_dict().items()}}
                     await self.sync_engine(gateway, engine)
                     m["eval/reward_mean"] = await self.evaluate(gateway)
+                if initial is not None:
+                    m["eval/initial_reward_mean"], initial = initial, None
                 m["time/elapsed_s"] = time.perf_counter() - self.started
                 self.history.append(m)
                 with self.metrics_path.open("a") as f:
@@ -857,7 +862,7 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
         distributed.close(dp)
     if not dp.is_main:
         return {}
-    out = summary(history)
+    out = summary(history, target_gain=cfg.trainer.target_gain)
     out["wall_s"] = time.perf_counter() - t
     task_file = getattr(task, "__file__", None) if cfg.task.endswith(".py") else None
     name = Path(task_file).resolve().parent.name if task_file else cfg.task
