@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tracetrain.config import LoraConfig
+from tracetrain.config import ConfigError, LoraConfig
 
 
 def wrap(model: torch.nn.Module, lc: LoraConfig) -> torch.nn.Module:
@@ -28,8 +28,6 @@ def wrap(model: torch.nn.Module, lc: LoraConfig) -> torch.nn.Module:
     try:
         return get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module the model does not have
-        from tracetrain.config import ConfigError
-
         raise ConfigError(f"config key 'model.lora.target_modules': {e}") from None
 
 

@@ -41,6 +41,7 @@ from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.openai_routes import (
     ChatAnswer,
     _json,
+    _meta,
     _parse,
     _rollout,
     chat_answer,
@@ -272,8 +273,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {"input_tokens": len(a.prompt_ids), "output_tokens": len(a.gen.response_ids)},
-            "tracetrain": {"rollout_id": rollout_id, "turn_index": a.index,
-                           "model_version": a.gen.model_version},
+            "tracetrain": _meta(rollout_id, a.index, a.gen),
         }
         if body.return_token_ids:
             message["prompt_token_ids"] = a.prompt_ids

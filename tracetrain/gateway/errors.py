@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -117,6 +118,12 @@ async def handle(request: Request | None, exc: Exception) -> JSONResponse:
         if cls in HANDLERS:
             return await HANDLERS[cls](request, exc)
     raise exc  # a BaseException that is not an Exception (cancellation): not ours to answer
+
+
+async def body(exc: Exception) -> dict:
+    """The error answer's JSON for `exc` raised in a stream, after its 200 went out (sent as an
+    event instead)."""
+    return orjson.loads((await handle(None, exc)).body)
 
 
 def install(app: FastAPI) -> None:

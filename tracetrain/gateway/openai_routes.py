@@ -91,7 +91,7 @@ async def generate_turn(
         if rollout.state == RolloutState.queued:
             await store.start(rid)
         try:
-            if on_tokens is None:
+            if on_tokens is None:  # an engine written before streaming takes two arguments
                 gen = await engine.generate(prompt_ids, params)
             else:
                 gen = await engine.generate(prompt_ids, params, on_tokens=on_tokens)
@@ -128,13 +128,7 @@ def _text(
     ids = gen.response_ids
     if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
         ids = ids[:-1]
-    if keep:
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-        for special in tokenizer.all_special_tokens:
-            if special not in keep:
-                text = text.replace(special, "")
-    else:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = render.answer_text(tokenizer, ids, keep)
     if params.stop and gen.finish_reason == "stop":
         found = [(text.find(s), s) for s in params.stop if s in text]
         if found:
@@ -278,13 +272,6 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
     return EventStream(_chat_chunks(live, chunk, body, slot, rollout_id), live.cancel)
 
 
-def _chat_extra(body: ChatCompletionIn, rollout_id: str, a: ChatAnswer) -> dict[str, Any]:
-    extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, a.index, a.gen)}
-    if body.return_token_ids:
-        extra["prompt_token_ids"] = a.prompt_ids
-    return extra
-
-
 def _chat_completion(
     base: dict, body: ChatCompletionIn, slot: EngineSlot, rollout_id: str, a: ChatAnswer
 ) -> dict:
@@ -296,14 +283,14 @@ def _chat_completion(
         "message": message,
         "logprobs": {"content": _token_logprobs(slot.engine.tokenizer, a.gen)} if body.logprobs else None,
         "finish_reason": a.finish,
-        **({"token_ids": a.gen.response_ids} if body.return_token_ids else {}),
+        **_ids(body, a.gen),
     }
     return {
         **base,
         "object": "chat.completion",
         "choices": [choice],
         "usage": _usage(a.prompt_ids, a.gen),
-        **_chat_extra(body, rollout_id, a),
+        **_extra(body, rollout_id, a.prompt_ids, a.gen, a.index),
     }
 
 
@@ -323,7 +310,7 @@ async def _chat_chunks(
             yield event({"content": text})
         a: ChatAnswer = live.task.result()
     except Exception as exc:
-        yield _event(orjson.loads((await errors.handle(None, exc)).body))
+        yield _event(await errors.body(exc))
         yield b"data: [DONE]\n\n"
         return
     rest = live.deltas.rest(a.content)
@@ -332,8 +319,8 @@ async def _chat_chunks(
         yield event({"content": rest}, choice={"logprobs": logprobs})
     if a.tool_calls:
         yield event({"tool_calls": [{"index": i, **c} for i, c in enumerate(a.tool_calls)]})
-    ids = {"token_ids": a.gen.response_ids} if body.return_token_ids else {}
-    yield event({}, a.finish, choice=ids, **_chat_extra(body, rollout_id, a))
+    yield event({}, a.finish, choice=_ids(body, a.gen),
+                **_extra(body, rollout_id, a.prompt_ids, a.gen, a.index))
     if body.stream_options is not None and body.stream_options.include_usage:
         yield _event({**chunk, "choices": [], "usage": _usage(a.prompt_ids, a.gen)})
     yield b"data: [DONE]\n\n"
@@ -365,7 +352,7 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
         choice = {"index": 0, "text": text, "logprobs": _text_logprobs(tok, gen, body),
                   "finish_reason": gen.finish_reason, **_ids(body, gen)}
         return _json({**base, "choices": [choice], "usage": _usage(prompt_ids, gen),
-                      **_completion_extra(body, rollout_id, prompt_ids, gen, index)})
+                      **_extra(body, rollout_id, prompt_ids, gen, index)})
     live = LiveTurn(answer)
     await live.opened()
     return EventStream(_completion_chunks(live, base, body, tok, params, rollout_id, prompt_ids),
@@ -385,8 +372,9 @@ def _text_logprobs(tok: Any, gen: Generation, body: CompletionIn) -> dict[str, A
             "text_offset": offsets}
 
 
-def _completion_extra(body: CompletionIn, rollout_id: str, prompt_ids: list[int],
-                      gen: Generation, index: int) -> dict[str, Any]:
+def _extra(body: Any, rollout_id: str, prompt_ids: list[int], gen: Generation,
+           index: int) -> dict[str, Any]:
+    """The answer's extra fields: tracetrain's, and the prompt ids when asked for."""
     extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, index, gen)}
     if body.return_token_ids:
         extra["prompt_token_ids"] = prompt_ids
@@ -408,7 +396,7 @@ async def _completion_chunks(live: LiveTurn, base: dict, body: CompletionIn, tok
             yield event(text)
         gen, index = live.task.result()
     except Exception as exc:
-        yield _event(orjson.loads((await errors.handle(None, exc)).body))
+        yield _event(await errors.body(exc))
         yield b"data: [DONE]\n\n"
         return
     rest = live.deltas.rest(_text(tok, gen, params)[0])
@@ -416,7 +404,7 @@ async def _completion_chunks(live: LiveTurn, base: dict, body: CompletionIn, tok
     if rest or logprobs:
         yield event(rest, choice={"logprobs": logprobs})
     yield event("", gen.finish_reason, choice=_ids(body, gen),
-                **_completion_extra(body, rollout_id, prompt_ids, gen, index))
+                **_extra(body, rollout_id, prompt_ids, gen, index))
     if body.stream_options is not None and body.stream_options.include_usage:
         yield _event({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
     yield b"data: [DONE]\n\n"

@@ -23,6 +23,18 @@ from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
 from tracetrain.gateway.tool_calls import Parser
 
 
+def answer_text(tokenizer: Any, ids: list[int], keep: tuple[str, ...] = ()) -> str:
+    """The text of response ids as an answer shows it: special tokens left out, but those in
+    `keep` (a tool parser's markers, which it must see)."""
+    if not keep:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    for special in tokenizer.all_special_tokens:
+        if special not in keep:
+            text = text.replace(special, "")
+    return text
+
+
 def template_text(
     tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool
 ) -> str:

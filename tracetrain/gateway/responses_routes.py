@@ -44,6 +44,7 @@ from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.openai_routes import (
     ChatAnswer,
     _json,
+    _meta,
     _parse,
     _rollout,
     chat_answer,
@@ -261,7 +262,7 @@ async def live_events(
             yield delta(text)
         answer: ChatAnswer = live.task.result()
     except Exception as exc:
-        error = orjson.loads((await errors.handle(None, exc)).body)["error"]
+        error = (await errors.body(exc))["error"]
         yield event({"type": "error", "code": str(error["code"]), "message": error["message"],
                      "param": error["param"]})
         return
@@ -313,13 +314,7 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
         return a
 
     def done(a: ChatAnswer) -> dict[str, Any]:
-        extra: dict[str, Any] = {
-            "tracetrain": {
-                "rollout_id": rollout_id,
-                "turn_index": a.index,
-                "model_version": a.gen.model_version,
-            }
-        }
+        extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, a.index, a.gen)}
         if body.return_token_ids:
             extra["prompt_token_ids"] = a.prompt_ids
             extra["token_ids"] = a.gen.response_ids

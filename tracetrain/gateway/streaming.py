@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from tracetrain.engines.base import SamplingParams
+from tracetrain.gateway.render import answer_text
 
 log = logging.getLogger("tracetrain.gateway")
 
@@ -76,16 +77,10 @@ class TextDeltas:
         the prompt's length (Anthropic's first event tells it)."""
         self.tokenizer, self.params, self.markers, self.safe = tokenizer, params, markers, safe
         self.prompt_tokens = prompt_tokens
-        self._drop = frozenset(tokenizer.all_special_tokens) - set(markers or ())
         self._open = True
 
     def _decode(self, ids: list[int]) -> str:
-        if not self.markers:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        for special in self._drop:
-            text = text.replace(special, "")
-        return text
+        return answer_text(self.tokenizer, ids, self.markers)
 
     def add(self, new_ids: list[int]) -> None:
         """The engine made `new_ids`: queue the text that may now be sent."""
