@@ -221,7 +221,8 @@ class VLLMServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL to what is left of it after
         `timeout_s` (also when the server itself had exited: vLLM's engine processes can outlive
-        it); reaped."""
+        it); reaped. Returns once the group is gone (at most 10 s after the SIGKILL): a killed
+        process that the server left behind dies, and is reaped by init, a moment later."""
         proc, self.process = self.process, None
         if proc is None:
             return
@@ -231,8 +232,15 @@ class VLLMServer:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
-                break
+                return
             try:
                 proc.wait(wait)
             except subprocess.TimeoutExpired:
                 pass
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)  # anyone left in the group (a zombie not yet reaped too)?
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
