@@ -1,0 +1,152 @@
+"""What the store holds and returns: its errors, its records, and the BLOB encoding of token ids
+and logprobs (little-endian int32 / float32, 4 bytes per token)."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracetrain.types import RolloutState, Turn
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class StoreError(Exception):
+    """A write the store refused; the message says why. Subclasses map to HTTP statuses."""
+
+
+class UnknownRollout(StoreError):
+    """No rollout with this id (404)."""
+
+
+class IllegalTransition(StoreError):
+    """A state change not in LEGAL_TRANSITIONS (409)."""
+
+
+class RolloutEnded(StoreError):
+    """A turn or agent event for a rollout already in a terminal state (409)."""
+
+
+class RolloutConflict(StoreError):
+    """Create with an existing id but a different group, task or engine (409)."""
+
+
+# -------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class NewRollout:
+    """What `create_rollouts` needs; `key_salt`/`key_hash` come from the gateway's keys module."""
+
+    rollout_id: str
+    group_id: str
+    task: Any = None
+    engine: str | None = None
+    key_salt: bytes = b""
+    key_hash: bytes = b""
+
+
+@dataclass(frozen=True)
+class RolloutRecord:
+    rollout_id: str
+    group_id: str
+    task: Any
+    engine: str | None
+    state: RolloutState
+    error: str | None
+    reward: float | None  # reward_override if set, else the last reward event's value
+    reward_override: float | None
+    n_turns: int
+    created_at: float
+    updated_at: float
+    seq: int  # insertion order; the paging cursor
+    key_salt: bytes = field(repr=False, default=b"")
+    key_hash: bytes = field(repr=False, default=b"")
+
+
+@dataclass(frozen=True)
+class RolloutHead:
+    """What a model call needs to know about its rollout: cheap to read (no task JSON)."""
+
+    rollout_id: str
+    state: RolloutState
+    engine: str | None
+    key_hash: bytes = field(repr=False, default=b"")
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] | None
+    model_version: int | None
+    finish_reason: str | None
+    created_at: float
+    context: str | None = None  # how the prompt was built: exact | rendered (None: a raw prompt)
+    context_reason: str | None = None  # why it was rendered in full (gateway/context.py REASONS)
+    reused_tokens: int = 0  # prompt ids taken as they were from the earlier turn
+
+    def to_turn(self) -> Turn:
+        return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version)
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    event_id: int
+    rollout_id: str
+    kind: str
+    payload: Any
+    reward: float | None  # set for kind == "reward"
+    created_at: float
+
+
+# --------------------------------------------------------------------------- blob encoding
+
+assert array("i").itemsize == 4 and array("f").itemsize == 4
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def ids_to_blob(ids: Sequence[int]) -> bytes:
+    """Token ids -> little-endian int32 bytes (4 per id)."""
+    a = array("i", ids)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def blob_to_id_array(blob: bytes) -> array:
+    """Little-endian int32 bytes -> array('i') (one copy, no Python ints)."""
+    a = array("i")
+    a.frombytes(blob)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a
+
+
+def blob_to_ids(blob: bytes) -> list[int]:
+    return blob_to_id_array(blob).tolist()
+
+
+def floats_to_blob(xs: Sequence[float]) -> bytes:
+    """Floats -> little-endian float32 bytes (4 per value)."""
+    a = array("f", xs)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def blob_to_float_array(blob: bytes) -> array:
+    """Little-endian float32 bytes -> array('f')."""
+    a = array("f")
+    a.frombytes(blob)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a
+
+
+def blob_to_floats(blob: bytes) -> list[float]:
+    return blob_to_float_array(blob).tolist()

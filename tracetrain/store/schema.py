@@ -1,0 +1,106 @@
+"""The SQLite schema, its migrations (`MIGRATIONS[k]` takes version k to k + 1, recorded in
+`PRAGMA user_version`), and how a connection is opened."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from tracetrain.store.records import RolloutRecord, StoreError
+from tracetrain.types import RolloutState
+
+# -------------------------------------------------------------------------------- schema
+
+_STATES = ", ".join(f"'{s.value}'" for s in RolloutState)
+
+MIGRATIONS: list[str] = [
+    # 0 -> 1
+    f"""
+    CREATE TABLE rollouts (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id TEXT NOT NULL UNIQUE,
+        group_id TEXT NOT NULL,
+        task TEXT NOT NULL,                 -- JSON
+        engine TEXT,                        -- engine name; NULL = the gateway's default
+        state TEXT NOT NULL CHECK (state IN ({_STATES})),
+        error TEXT,
+        reward_event REAL,                  -- value of the last reward event
+        reward_override REAL,               -- set by the trainer; wins over reward_event
+        n_turns INTEGER NOT NULL DEFAULT 0,
+        key_salt BLOB NOT NULL,
+        key_hash BLOB NOT NULL UNIQUE,      -- sha256 of the rollout's key; the key is never stored
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX rollouts_by_state ON rollouts (state, seq);
+    CREATE INDEX rollouts_by_group ON rollouts (group_id, seq);
+    CREATE TABLE turns (
+        rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id) ON DELETE CASCADE,
+        idx INTEGER NOT NULL,
+        prompt_ids BLOB NOT NULL,           -- int32 little-endian
+        response_ids BLOB NOT NULL,         -- int32 little-endian
+        logprobs BLOB,                      -- float32 little-endian, one per response id
+        model_version INTEGER,
+        finish_reason TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (rollout_id, idx)
+    ) WITHOUT ROWID;
+    CREATE TABLE events (
+        event_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id) ON DELETE CASCADE,
+        kind TEXT NOT NULL,
+        payload TEXT NOT NULL,              -- JSON
+        reward REAL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX events_by_rollout ON events (rollout_id, event_id);
+    CREATE TABLE engines (
+        name TEXT PRIMARY KEY,
+        spec TEXT NOT NULL,                 -- JSON: how to rebuild the engine
+        created_at REAL NOT NULL
+    );
+    """,
+    # 1 -> 2: how each turn's prompt was built (gateway/context.py)
+    """
+    ALTER TABLE turns ADD COLUMN context TEXT;          -- exact | rendered; NULL: a raw prompt
+    ALTER TABLE turns ADD COLUMN context_reason TEXT;   -- why it was rendered in full
+    ALTER TABLE turns ADD COLUMN reused_tokens INTEGER NOT NULL DEFAULT 0;
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_ROLLOUT_COLUMNS = (
+    "rollout_id, group_id, task, engine, state, error, "
+    "COALESCE(reward_override, reward_event), reward_override, n_turns, created_at, updated_at, "
+    "seq, key_salt, key_hash"
+)
+
+
+def _rollout(row: tuple) -> RolloutRecord:
+    return RolloutRecord(row[0], row[1], json.loads(row[2]), row[3], RolloutState(row[4]), *row[5:])
+
+
+def _connect(path: str, synchronous: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        raise StoreError(f"{path}: SQLite refused WAL mode (journal_mode is {mode!r})")
+    conn.execute(f"PRAGMA synchronous={synchronous}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def migrate(conn: sqlite3.Connection, path: str = "") -> int:
+    """Bring the schema to SCHEMA_VERSION, one migration per transaction. Returns the version."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path}: schema version {version} is newer than this tracetrain knows "
+            f"({SCHEMA_VERSION}); upgrade tracetrain"
+        )
+    for v in range(version, SCHEMA_VERSION):
+        conn.executescript(
+            f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;"
+        )
+    return SCHEMA_VERSION

@@ -1,0 +1,190 @@
+"""The write operations, each run by the group commit inside its transaction (first argument:
+the write connection): rollouts (create, rekey, state, start, reward override, delete), turns,
+events, engines."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Sequence
+
+from tracetrain.store.records import (
+    EventRecord,
+    IllegalTransition,
+    NewRollout,
+    RolloutConflict,
+    RolloutEnded,
+    RolloutRecord,
+    UnknownRollout,
+    floats_to_blob,
+    ids_to_blob,
+)
+from tracetrain.store.schema import _ROLLOUT_COLUMNS, _rollout
+from tracetrain.types import LEGAL_TRANSITIONS, TERMINAL_STATES, RolloutState
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _get(conn: sqlite3.Connection, rollout_id: str) -> RolloutRecord:
+    row = conn.execute(
+        f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+    ).fetchone()
+    if row is None:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    return _rollout(row)
+
+
+def _op_create(conn, rollouts: Sequence[NewRollout]) -> list[tuple[RolloutRecord, bool]]:
+    out = []
+    now = _now()
+    for r in rollouts:
+        task = json.dumps(r.task, allow_nan=False, separators=(",", ":"))
+        row = conn.execute(
+            f"SELECT {_ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (r.rollout_id,)
+        ).fetchone()
+        if row is not None:
+            old = _rollout(row)
+            if (old.group_id, old.task, old.engine) != (r.group_id, json.loads(task), r.engine):
+                raise RolloutConflict(
+                    f"rollout {r.rollout_id!r} already exists with a different group_id, task or "
+                    "engine; creating with an existing id is only allowed with the same values"
+                )
+            out.append((old, False))
+            continue
+        conn.execute(
+            "INSERT INTO rollouts (rollout_id, group_id, task, engine, state, key_salt, key_hash,"
+            " created_at, updated_at) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+            (r.rollout_id, r.group_id, task, r.engine, r.key_salt, r.key_hash, now, now),
+        )
+        out.append((_get(conn, r.rollout_id), True))
+    return out
+
+
+def _op_rekey(conn, rollout_id: str, key_salt: bytes, key_hash: bytes) -> None:
+    cur = conn.execute(
+        "UPDATE rollouts SET key_salt = ?, key_hash = ?, updated_at = ? WHERE rollout_id = ?",
+        (key_salt, key_hash, _now(), rollout_id),
+    )
+    if cur.rowcount == 0:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+
+
+def _op_set_state(conn, rollout_id: str, state: RolloutState, error: str | None) -> RolloutRecord:
+    old = _get(conn, rollout_id)
+    if state == old.state:
+        return old
+    if state not in LEGAL_TRANSITIONS[old.state]:
+        allowed = ", ".join(sorted(s.value for s in LEGAL_TRANSITIONS[old.state])) or "none"
+        raise IllegalTransition(
+            f"rollout {rollout_id!r} cannot go from {old.state.value} to {state.value} "
+            f"(allowed from {old.state.value}: {allowed})"
+        )
+    conn.execute(
+        "UPDATE rollouts SET state = ?, error = COALESCE(?, error), updated_at = ? "
+        "WHERE rollout_id = ?",
+        (state.value, error, _now(), rollout_id),
+    )
+    return _get(conn, rollout_id)
+
+
+def _check_open(rollout: RolloutRecord, what: str) -> None:
+    if rollout.state in TERMINAL_STATES:
+        raise RolloutEnded(
+            f"rollout {rollout.rollout_id!r} has ended ({rollout.state.value}); no more {what}"
+        )
+
+
+def _op_start(conn, rollout_id: str) -> RolloutRecord:
+    r = _get(conn, rollout_id)
+    _check_open(r, "model calls")
+    if r.state == RolloutState.queued:
+        conn.execute(
+            "UPDATE rollouts SET state = 'running', updated_at = ? WHERE rollout_id = ?",
+            (_now(), rollout_id),
+        )
+        r = _get(conn, rollout_id)
+    return r
+
+
+def _op_add_turn(
+    conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
+    context,
+) -> int:
+    row = conn.execute(
+        "SELECT state, n_turns FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+    ).fetchone()
+    if row is None:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    state, index = RolloutState(row[0]), row[1]
+    if state in TERMINAL_STATES:
+        raise RolloutEnded(f"rollout {rollout_id!r} has ended ({state.value}); no more turns")
+    now = _now()
+    conn.execute(
+        "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
+        " finish_reason, created_at, context, context_reason, reused_tokens)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            rollout_id,
+            index,
+            ids_to_blob(prompt_ids),
+            ids_to_blob(response_ids),
+            None if response_logprobs is None else floats_to_blob(response_logprobs),
+            model_version,
+            finish_reason,
+            now,
+            *context,
+        ),
+    )
+    conn.execute(
+        "UPDATE rollouts SET n_turns = ?, state = 'running', updated_at = ? WHERE rollout_id = ?",
+        (index + 1, now, rollout_id),
+    )
+    return index
+
+
+def _op_add_event(conn, rollout_id, kind, payload, reward, allow_ended) -> EventRecord:
+    r = _get(conn, rollout_id)
+    if not allow_ended:
+        _check_open(r, "events from the agent")
+    now = _now()
+    cur = conn.execute(
+        "INSERT INTO events (rollout_id, kind, payload, reward, created_at) VALUES (?, ?, ?, ?, ?)",
+        (
+            rollout_id,
+            kind,
+            json.dumps(payload, allow_nan=False, separators=(",", ":")),
+            reward,
+            now,
+        ),
+    )
+    if kind == "reward":
+        conn.execute(
+            "UPDATE rollouts SET reward_event = ?, updated_at = ? WHERE rollout_id = ?",
+            (reward, now, rollout_id),
+        )
+    return EventRecord(cur.lastrowid, rollout_id, kind, payload, reward, now)
+
+
+def _op_set_override(conn, rollout_id: str, reward: float | None) -> RolloutRecord:
+    cur = conn.execute(
+        "UPDATE rollouts SET reward_override = ?, updated_at = ? WHERE rollout_id = ?",
+        (reward, _now(), rollout_id),
+    )
+    if cur.rowcount == 0:
+        raise UnknownRollout(f"rollout {rollout_id!r} does not exist")
+    return _get(conn, rollout_id)
+
+
+def _op_delete(conn, rollout_id: str) -> bool:
+    return conn.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,)).rowcount > 0
+
+
+def _op_put_engine(conn, name: str, spec: dict) -> None:
+    conn.execute(
+        "INSERT INTO engines (name, spec, created_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET spec = excluded.spec",
+        (name, json.dumps(spec, allow_nan=False), _now()),
+    )
