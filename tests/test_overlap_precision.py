@@ -168,7 +168,7 @@ def test_attn_implementation_reaches_the_model(tmp_path):
     cfg = build_config({}, ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
                             "model.num_kv_heads=1", "model.attn_implementation=eager",
                             f"trainer.run_dir={tmp_path}"])
-    from tracetrain.trainer import load_task
+    from tracetrain.tasks import load_task
 
     trainer = Trainer(cfg, load_task("task.py", EXAMPLE))
     assert trainer.model.config._attn_implementation == "eager"

@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 
 from tracetrain.runner import GatewayClient, load_agent, rollout_seed
 from tracetrain.runner_ray import run_rollouts_ray
-from tracetrain.trainer import load_task, resolve_agent
+from tracetrain.tasks import load_task, resolve_agent
 
 ROOT = Path(__file__).resolve().parents[1]
 

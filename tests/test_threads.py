@@ -84,7 +84,8 @@ def test_trainer_runs_all_model_work_on_one_update_thread(main_threads, tmp_path
     """Warm start and updates share one OS thread, with the thread count each asks for."""
     from test_train_e2e import EXAMPLE, small_config
 
-    from tracetrain.trainer import Trainer, load_task
+    from tracetrain.tasks import load_task
+    from tracetrain.trainer import Trainer
 
     trainer = Trainer(small_config(tmp_path, 1), load_task("task.py", EXAMPLE))
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tracetrain.config import build_config
-from tracetrain.trainer import Trainer, load_task, train
+from tracetrain.tasks import load_task
+from tracetrain.trainer import Trainer, train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess"
 

@@ -41,7 +41,7 @@ STARTUP_TIMEOUT_S = 300.0  # a fresh pool's workers import the task module (and 
 @dataclass(frozen=True)
 class AgentRef:
     """How a worker process finds the agent: the task module (a .py path or a module name, with
-    the directory relative paths start from) and the agent's name in it (see trainer.resolve_agent)."""
+    the directory relative paths start from) and the agent's name in it (see tasks.resolve_agent)."""
 
     task: str
     base_dir: str | None
@@ -71,7 +71,7 @@ def _init(ref: AgentRef, max_connections: int, parent: int) -> None:
     global _agent, _loop, _http
     _exit_with_parent(parent)
     from tracetrain.runner import agent_http_client
-    from tracetrain.trainer import load_task, resolve_agent
+    from tracetrain.tasks import load_task, resolve_agent
 
     module = load_task(ref.task, Path(ref.base_dir) if ref.base_dir else None)
     _agent = resolve_agent(module, ref.agent)

@@ -21,7 +21,7 @@ os._exit, OOM kill) makes the rollout `failed` with Ray's error kept. Ray never 
 (`max_retries=0`): a rerun would add turns to a rollout that already has some.
 
 Shipping the agent: it is `ray.put` once per call and serialised by Ray's cloudpickle. A task
-module loaded from a file path (`trainer.load_task("examples/guess/task.py")`) is not in
+module loaded from a file path (`tasks.load_task("examples/guess/task.py")`) is not in
 `sys.modules`, so cloudpickle sends its agent function *by value*, with the module-level
 functions and constants it uses; the packages it imports (openai, ...) go by reference and must be
 installed on the workers, as tracetrain must. A function of an importable module

@@ -54,6 +54,7 @@ from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
 from tracetrain.optim import adamw
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
+from tracetrain.tasks import load_task, resolve_agent
 from tracetrain.types import Rollout
 
 log = logging.getLogger("tracetrain.trainer")
@@ -804,44 +805,6 @@ def format_step(m: dict) -> str:
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     return " | ".join(parts)
-
-
-def load_task(spec: str, base_dir: Path | None = None):
-    """A task module: a path to a .py file (relative to the config file, then the cwd) or a module
-    name. It defines `tasks(n, seed=..., **task_args)` and `agent(task, client)`, and optionally
-    `warm_start_transcripts(n, seed=..., **task_args)`."""
-    import importlib
-    import importlib.util
-
-    if spec.endswith(".py"):
-        candidates = [Path(spec)] if Path(spec).is_absolute() else [
-            *([base_dir / spec] if base_dir else []), Path.cwd() / spec]
-        path = next((p for p in candidates if p.is_file()), None)
-        if path is None:
-            raise ConfigError(f"config key 'task': no file {spec!r} (looked in {[str(c) for c in candidates]})")
-        mod_spec = importlib.util.spec_from_file_location(f"tracetrain_task_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(spec)
-        except ImportError as e:
-            raise ConfigError(f"config key 'task': cannot import {spec!r}: {e}") from None
-    if not callable(getattr(module, "tasks", None)):
-        raise ConfigError(f"config key 'task': {spec!r} defines no function 'tasks'")
-    return module
-
-
-def resolve_agent(task_module: Any, name: str):
-    """The task module's function `name`, else a `module:function` or a command (runner.load_agent)."""
-    from tracetrain.runner import load_agent
-
-    fn = getattr(task_module, name, None)
-    if callable(fn):
-        return fn
-    if ":" in name or " " in name:
-        return load_agent(name)
-    raise ConfigError(f"config key 'agent': the task module has no function {name!r}")
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
