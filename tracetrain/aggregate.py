@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import groupby
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -330,54 +330,87 @@ def aggregate(
     tokens/{prompt, observation, trained, non_pad, cells}, tokens/trained_fraction (of non_pad);
     trajectory level only: breaks/{total, <kind>}, recomputed_tokens/{<kind>, length_split},
     length_splits.
+
+    Steps: plan_rollouts -> fill_rows -> positions_and_attention -> the batch and its metrics.
     """
     _check_args(level, max_prompt_length, max_response_length, pad_token_id, overlong)
     if not isinstance(rollouts, Sequence):
         raise TypeError(f"rollouts must be a sequence of Rollout, got {type(rollouts).__name__}")
     check_rollouts(rollouts)
     lim = _Limits(max_prompt_length, max_response_length, overlong)
-
-    # 1. Plan every rollout: chains, rows, breaks.
-    counts = _Counts()
-    dropped = dict.fromkeys(
-        ("no_turns", "overlong_prompt", "overlong_response", "no_trained_tokens"), 0
-    )
-    n_zero_rows = 0
-    kept: list[int] = []  # rollout indices in batch order
-    plans: list[_Plan] = []
-    breaks: list[tuple] = []  # DriftBreak fields
-    for ri, r in enumerate(rollouts):
-        _check_rollout(r)
-        if not r.turns:
-            dropped["no_turns"] += 1
-            continue
-        before = _Counts(**vars(counts))
-        try:
-            plan = plan_rollout(r, level, lim, counts, tokenizer, return_breaks)
-        except _Drop as drop:
-            dropped[drop.cause] += 1
-            counts = before  # a dropped rollout leaves no trace in the counts
-            continue
-        rows = [row for row in plan.rows if row.n_trained > 0]
-        n_zero_rows += len(plan.rows) - len(rows)
-        if not rows:
-            dropped["no_trained_tokens"] += 1
-            continue
-        plan.rows = rows
-        kept.append(ri)
-        plans.append(plan)
-        breaks.extend((r.rollout_id, *b) for b in plan.breaks)
-
-    # 2. Outputs, allocated by numpy (huge pages for large blocks: fewer page faults).
-    rows = [row for plan in plans for row in plan.rows]
-    n_rows = len(rows)
-    n_prompt = [row.n_prompt for row in rows]
-    n_region = [row.n_region for row in rows]
+    planned = plan_rollouts(rollouts, level, lim, tokenizer, return_breaks)
+    rows = [row for plan in planned.plans for row in plan.rows]
     if pad_to_limits:
         P, R = max_prompt_length, max_response_length
     else:
-        P, R = max(n_prompt, default=0), max(n_region, default=0)
+        P = max((row.n_prompt for row in rows), default=0)
+        R = max((row.n_region for row in rows), default=0)
+    filled = fill_rows(rollouts, planned, P, R, pad_token_id)
+    batch = _batch(rollouts, planned, rows, filled, P)
+    metrics = _metrics(level, rollouts, planned, rows, P + R)
+    if return_breaks:
+        return batch, metrics, [DriftBreak(*b) for b in planned.breaks]
+    return batch, metrics
+
+
+@dataclass
+class _Planned:
+    """The plans of the rollouts kept (rollout indices in batch order) and what was dropped."""
+
+    kept: list[int] = field(default_factory=list)
+    plans: list[_Plan] = field(default_factory=list)
+    breaks: list[tuple] = field(default_factory=list)  # DriftBreak fields
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("no_turns", "overlong_prompt", "overlong_response", "no_trained_tokens"), 0))
+    n_zero_rows: int = 0
+    counts: _Counts = field(default_factory=_Counts)
+
+
+def plan_rollouts(rollouts: Sequence[Rollout], level: str, lim: _Limits, tokenizer,
+                  return_breaks: bool) -> _Planned:
+    """Step 1: plan every rollout (chains, rows, breaks); drop rollouts with no turns, over the
+    limits (drop_rollout) or with no trained token, and rows with no trained token."""
+    out = _Planned()
+    for ri, r in enumerate(rollouts):
+        _check_rollout(r)
+        if not r.turns:
+            out.dropped["no_turns"] += 1
+            continue
+        before = _Counts(**vars(out.counts))
+        try:
+            plan = plan_rollout(r, level, lim, out.counts, tokenizer, return_breaks)
+        except _Drop as drop:
+            out.dropped[drop.cause] += 1
+            out.counts = before  # a dropped rollout leaves no trace in the counts
+            continue
+        rows = [row for row in plan.rows if row.n_trained > 0]
+        out.n_zero_rows += len(plan.rows) - len(rows)
+        if not rows:
+            out.dropped["no_trained_tokens"] += 1
+            continue
+        plan.rows = rows
+        out.kept.append(ri)
+        out.plans.append(plan)
+        out.breaks.extend((r.rollout_id, *b) for b in plan.breaks)
+    return out
+
+
+class _Filled(NamedTuple):
+    input_ids: np.ndarray  # [rows, P + R]
+    response_mask: np.ndarray  # [rows, R]
+    rollout_logprobs: np.ndarray | None  # [rows, R]; None when a kept turn lacks logprobs
+    row_version: list[int]
+
+
+def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
+              pad_token_id: int) -> _Filled:
+    """Steps 2 and 3: allocate the outputs (numpy: huge pages for large blocks, fewer page
+    faults), then write the rows chain by chain (Python per chain, row and turn; numpy copies; no
+    per-token work). A row is the slice [lo, lo + n_prompt + n_region) of its chain's last
+    context, placed to start at column P - n_prompt. Its trained tokens are its turns' responses
+    in the region: response mask and logprobs are written there, turn by turn, from the lists."""
     W = P + R
+    n_rows = sum(len(plan.rows) for plan in planned.plans)
     new = np.zeros if pad_token_id == 0 else partial(np.full, fill_value=pad_token_id)
     input_ids = new((n_rows, W), dtype=np.int64)
     response_mask = np.zeros((n_rows, R), dtype=np.bool_)
@@ -385,17 +418,12 @@ def aggregate(
     ids_flat, mask_flat, lp_flat = (
         a.reshape(-1) for a in (input_ids, response_mask, rollout_logprobs)
     )
-
-    # 3. Rows, chain by chain (Python per chain, row and turn; numpy copies; no per-token work).
-    # A row is the slice [lo, lo + n_prompt + n_region) of its chain's last context, placed to
-    # start at column P - n_prompt. Its trained tokens are its turns' responses in the region:
-    # response mask and logprobs are written there, turn by turn, straight from the lists.
-    kept_rollouts = [rollouts[ri] for ri in kept]
+    kept_rollouts = [rollouts[ri] for ri in planned.kept]
     row_version: list[int] = []
     have_logprobs = True
     chunk, i = _Chunk(), 0
     try:
-        for ri, plan in zip(kept, plans, strict=True):
+        for ri, plan in zip(planned.kept, planned.plans, strict=True):
             turns = rollouts[ri].turns
             for c, group in groupby(plan.rows, key=attrgetter("chain")):
                 k_last = plan.chains[c][-1]
@@ -443,40 +471,46 @@ def aggregate(
     if have_logprobs and n_rows:
         if not np.isfinite(rollout_logprobs).all() or rollout_logprobs.max() > LOGPROB_TOLERANCE:
             _find_bad_input(kept_rollouts)
+    return _Filled(input_ids, response_mask, rollout_logprobs if have_logprobs else None,
+                   row_version)
 
-    # 4. position_ids and attention_mask, one vectorized pass each.
-    n_prompt_t = torch.tensor(n_prompt, dtype=torch.int64)
-    n_region_t = torch.tensor(n_region, dtype=torch.int64).unsqueeze(1)
-    # position_ids: 0 on the left padding, then 0, 1, 2, ... (a window of [0]*P + [0..P+R)).
+
+def positions_and_attention(n_prompt: torch.Tensor, n_region: torch.Tensor, P: int, W: int):
+    """Step 4: position_ids (0 on the left padding, then 0, 1, 2, ...: a window of
+    [0]*P + [0..P+R)) and attention_mask (1 from the row's first prompt column to the end of its
+    region), one vectorized pass each. n_prompt, n_region: int64 [rows]."""
+    n_rows = len(n_prompt)
     position_ids = torch.from_numpy(np.empty((n_rows, W), dtype=np.int64))
     template = torch.cat([torch.zeros(P, dtype=torch.int64), torch.arange(W)])
-    _windows(template, n_prompt_t, W, out=position_ids)
-    # attention_mask: 1 from the row's first prompt column to the end of its region.
+    _windows(template, n_prompt, W, out=position_ids)
     attention_mask = torch.from_numpy(np.empty((n_rows, W), dtype=np.int64))
     col = torch.arange(W)
-    torch.ge(col[:P], (P - n_prompt_t).unsqueeze(1), out=attention_mask[:, :P])
-    torch.lt(col[P:], P + n_region_t, out=attention_mask[:, P:])
+    torch.ge(col[:P], (P - n_prompt).unsqueeze(1), out=attention_mask[:, :P])
+    torch.lt(col[P:], P + n_region.unsqueeze(1), out=attention_mask[:, P:])
+    return position_ids, attention_mask
 
-    rows_per_rollout = [len(plan.rows) for plan in plans]
-    batch = TrainingBatch(
-        input_ids=torch.from_numpy(input_ids),
+
+def _batch(rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row], filled: _Filled,
+           P: int) -> TrainingBatch:
+    kept_rollouts = [rollouts[ri] for ri in planned.kept]
+    position_ids, attention_mask = positions_and_attention(
+        torch.tensor([row.n_prompt for row in rows], dtype=torch.int64),
+        torch.tensor([row.n_region for row in rows], dtype=torch.int64),
+        P, filled.input_ids.shape[1])
+    rows_per_rollout = [len(plan.rows) for plan in planned.plans]
+    per_row = [(r, c) for r, c in zip(kept_rollouts, rows_per_rollout, strict=True)]
+    logprobs = filled.rollout_logprobs
+    return TrainingBatch(
+        input_ids=torch.from_numpy(filled.input_ids),
         attention_mask=attention_mask,
         position_ids=position_ids,
-        response_mask=torch.from_numpy(response_mask),
-        rollout_logprobs=torch.from_numpy(rollout_logprobs) if have_logprobs else None,
-        rollout_ids=[
-            r.rollout_id
-            for r, c in zip(kept_rollouts, rows_per_rollout, strict=True)
-            for _ in range(c)
-        ],
-        group_ids=[
-            r.group_id
-            for r, c in zip(kept_rollouts, rows_per_rollout, strict=True)
-            for _ in range(c)
-        ],
+        response_mask=torch.from_numpy(filled.response_mask),
+        rollout_logprobs=None if logprobs is None else torch.from_numpy(logprobs),
+        rollout_ids=[r.rollout_id for r, c in per_row for _ in range(c)],
+        group_ids=[r.group_id for r, c in per_row for _ in range(c)],
         turn_index=torch.tensor([row.turns[0] for row in rows], dtype=torch.int64),
         rollout_index=torch.repeat_interleave(
-            torch.arange(len(kept)), torch.tensor(rows_per_rollout, dtype=torch.int64)
+            torch.arange(len(kept_rollouts)), torch.tensor(rows_per_rollout, dtype=torch.int64)
         ),
         rollouts=[r.rollout_id for r in kept_rollouts],
         rewards=torch.tensor(
@@ -484,20 +518,26 @@ def aggregate(
             dtype=torch.float32,
         ),
         rollout_states=[RolloutState(r.state).value for r in kept_rollouts],
-        model_version=torch.tensor(row_version, dtype=torch.int64),
+        model_version=torch.tensor(filled.row_version, dtype=torch.int64),
     )
 
-    # 5. Metrics.
-    tokens_prompt, tokens_region = sum(n_prompt), sum(n_region)
+
+def _metrics(level: str, rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row],
+             width: int) -> dict[str, float]:
+    """Step 5: the counts `aggregate` returns (its docstring lists the keys)."""
+    rows_per_rollout = [len(plan.rows) for plan in planned.plans]
+    counts, breaks = planned.counts, planned.breaks
+    tokens_prompt = sum(row.n_prompt for row in rows)
+    tokens_region = sum(row.n_region for row in rows)
     tokens_trained = sum(row.n_trained for row in rows)
     metrics: dict[str, float] = {
         "n_rollouts_in": len(rollouts),
-        "n_rollouts": len(kept),
-        "n_rows": n_rows,
+        "n_rollouts": len(planned.kept),
+        "n_rows": len(rows),
         "n_multi_row_rollouts": sum(c > 1 for c in rows_per_rollout),
         "max_rows_per_rollout": max(rows_per_rollout, default=0),
-        **{f"dropped_rollouts/{cause}": n for cause, n in dropped.items()},
-        "dropped_rows/zero_trained_tokens": n_zero_rows,
+        **{f"dropped_rollouts/{cause}": n for cause, n in planned.dropped.items()},
+        "dropped_rows/zero_trained_tokens": planned.n_zero_rows,
         "truncated/rows": counts.truncated_rows,
         "truncated/prompt_tokens": counts.truncated_prompt_tokens,
         "truncated/response_tokens": counts.truncated_response_tokens,
@@ -505,9 +545,9 @@ def aggregate(
         "tokens/observation": tokens_region - tokens_trained,
         "tokens/trained": tokens_trained,
         "tokens/non_pad": tokens_prompt + tokens_region,
-        "tokens/cells": n_rows * (P + R),
+        "tokens/cells": len(rows) * width,
         "tokens/trained_fraction": tokens_trained / (tokens_prompt + tokens_region)
-        if n_rows
+        if rows
         else 0.0,
     }
     if level == "trajectory":
@@ -518,6 +558,4 @@ def aggregate(
             metrics[f"recomputed_tokens/{kind}"] = sum(b[4] for b in breaks if b[2] == kind)
         metrics["length_splits"] = counts.length_splits
         metrics[f"recomputed_tokens/{LENGTH_SPLIT}"] = counts.length_split_recomputed
-    if return_breaks:
-        return batch, metrics, [DriftBreak(*b) for b in breaks]
-    return batch, metrics
+    return metrics
