@@ -153,7 +153,7 @@ def test_ppo_update_ignores_left_padding_columns():
 
 
 def test_stale_rollouts_are_dropped_and_counted():
-    from tracetrain.trainer import drop_stale
+    from tracetrain.step import drop_stale
     from tracetrain.types import Rollout, Turn
 
     def rollout(rid, versions):

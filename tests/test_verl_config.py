@@ -17,8 +17,9 @@ from verl_cpu import training_batch
 
 from tracetrain.config import TrainConfig, build_config
 from tracetrain.integrations.verl.config import LOSS_MODULE, VerlConfig, build_verl_config
-from tracetrain.integrations.verl.trainer import make_trainer, rollout_plan, verl_workers
+from tracetrain.integrations.verl.trainer import make_trainer, verl_workers
 from tracetrain.loss import policy_loss, token_weights
+from tracetrain.step import rollout_specs
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "guess" / "verl.yaml"
 
@@ -179,8 +180,8 @@ def test_every_setting_is_a_key_of_verls_config(model_dir):
     assert not _has_key(defaults, "actor_rollout_ref.actor.clip_ratio_typo")
 
 
-def test_rollout_plan_keeps_a_group_on_one_engine():
-    specs = rollout_plan(["a", "b", "c"], 2, "s0", ["verl-0", "verl-1"])
+def test_rollout_specs_keep_a_group_on_one_engine():
+    specs = rollout_specs(["a", "b", "c"], 2, "s0", ["verl-0", "verl-1"])
     assert len({s["rollout_id"] for s in specs}) == 6
     by_group = {}
     for s in specs:

@@ -29,7 +29,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tracetrain.gateway.context import context_metrics
 from tracetrain.integrations.verl.config import VerlConfig, build_verl_config
 
 
@@ -58,21 +57,6 @@ def update_actor(
     )
     out = actor_wg.update_actor(td)
     return tu.get(out, "metrics")
-
-
-def rollout_plan(tasks: list, n_per_task: int, prefix: str, engines: list[str]) -> list[dict]:
-    """One rollout spec per (task, sample); the rollouts of a group share an engine (its prompt
-    is then cached on one server), groups go round-robin over the engines."""
-    return [
-        {
-            "rollout_id": f"{prefix}-t{j}-n{k}",
-            "group_id": f"{prefix}-t{j}",
-            "task": task,
-            "engine": engines[j % len(engines)],
-        }
-        for j, task in enumerate(tasks)
-        for k in range(n_per_task)
-    ]
 
 
 def verl_workers(conf: Any) -> tuple[dict, Any]:
@@ -171,19 +155,19 @@ class VerlRun:
         }
 
     async def train_step(self, gateway, engines: dict, http) -> dict:
-        from tracetrain.advantage import batch_advantages
-        from tracetrain.aggregate import aggregate
+        """The shared step (tracetrain/step.py) on verl: the servers take the weights, collect,
+        rows, verl's actor learns."""
         from tracetrain.runner import run_rollouts
-        from tracetrain.trainer import drop_stale, step_tasks
+        from tracetrain.step import rollout_specs, rows, step_tasks, throughput
 
         cfg, rc, t0 = self.cfg, self.cfg.rollout, time.perf_counter()
         cm = self.trainer.checkpoint_manager
-        await asyncio.to_thread(cm.update_weights, self.step)  # wakes the servers, new weights
+        await asyncio.to_thread(cm.update_weights, self.step)  # sync: wakes the servers, new weights
         for name, engine in engines.items():
             engine.model_version = self.step
             await gateway.engine(name, "resume")
         tasks = step_tasks(self.task, cfg, self.step)
-        specs = rollout_plan(tasks, rc.n_per_task, f"{self.nonce}-s{self.step}", list(engines))
+        specs = rollout_specs(tasks, rc.n_per_task, f"{self.nonce}-s{self.step}", list(engines))
         extra = {
             "model": "policy",
             "temperature": rc.temperature,
@@ -210,51 +194,15 @@ class VerlRun:
         await asyncio.to_thread(cm.sleep_replicas)  # free the servers' GPU memory for training
         t_collect = time.perf_counter() - t0
 
-        rollouts = self.store.load_rollouts(rollout_ids=[r.rollout_id for r in results])
-        rollouts, n_stale = drop_stale(rollouts, self.step, cfg.trainer.max_staleness)
-        ac = cfg.aggregate
-        batch, agg = aggregate(
-            rollouts,
-            level=ac.level,
-            max_prompt_length=ac.max_prompt_length,
-            max_response_length=ac.max_response_length,
-            pad_token_id=self.tokenizer.pad_token_id or 0,
-            tokenizer=self.tokenizer,
-            overlong=ac.overlong,
-        )
-        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
-        states = [r.state for r in results]
-        m: dict[str, Any] = {
-            "step": self.step,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-            "n_failed": states.count("failed"),
-            "n_timed_out": states.count("timed_out"),
-            "n_stale_rollouts": n_stale,
-            **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
-            **context_metrics(self.store.turn_contexts([r.rollout_id for r in results])),
-        }
+        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.step)
+        m: dict[str, Any] = {"step": self.step, **row_metrics}
         t1 = time.perf_counter()
         if batch.n_rows:
-            ad = cfg.advantage
-            batch, adv, adv_m = batch_advantages(
-                batch, estimator=ad.estimator, eps=ad.eps, failed_rollouts=ad.failed_rollouts
-            )
-            m.update({f"advantage/{k}": v for k, v in adv_m.items()})
-        if batch.n_rows:
             m.update(await asyncio.to_thread(self.update, batch, adv))
-        n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
         t_train = time.perf_counter() - t1
         self.step += 1
-        m.update(
-            {
-                "model_version": self.step,
-                "time/collect_s": t_collect,
-                "time/train_s": t_train,
-                "rollouts_per_s": len(results) / max(t_collect, 1e-9),
-                "trained_tokens_per_s": n_tokens / max(t_train, 1e-9),
-                "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts),
-            }
-        )
+        m["model_version"] = self.step
+        m.update(throughput(len(results), batch, t_collect, t_train))
         return m
 
     def update(self, batch, adv) -> dict:

@@ -1,0 +1,110 @@
+"""One training step, as stages over plain data, shared by every backend and engine.
+
+    collect   step_tasks -> rollout_specs -> the runner plays each rollout's agent through the
+              gateway, whose engine (local, vLLM, verl's servers) answers and records the turns
+    rows      the store's rollouts -> stale ones dropped -> aggregate -> advantages   (`rows`)
+    learn     mini-batches of whole rollouts -> optimizer updates
+    sync      the engine takes the new weights; the model version goes up by one
+
+`collect` is the runner's (runner.run_rollouts, runner_ray), `learn` and `sync` the backend's (the
+embedded trainer: trainer.ppo_update and Trainer.push_weights; verl: its actor and checkpoint
+manager). What every backend logs of a step comes from `rows` and `throughput`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from tracetrain.advantage import batch_advantages
+from tracetrain.aggregate import aggregate
+from tracetrain.batch import TrainingBatch
+from tracetrain.config import TrainConfig
+from tracetrain.gateway.context import context_metrics
+from tracetrain.types import Rollout
+
+
+def step_tasks(task_module: Any, cfg: TrainConfig, step: int) -> list[dict]:
+    """The tasks of step `step`: a function of (seed, step) only, so a resumed run sees the same."""
+    seed = cfg.trainer.seed * 1_000_003 + step
+    return task_module.tasks(cfg.rollout.tasks_per_step, seed=seed, **cfg.task_args)
+
+
+def rollout_specs(
+    tasks: list[dict], n_per_task: int, prefix: str, engines: Sequence[str] = ()
+) -> list[dict]:
+    """n_per_task rollouts of each task, one group per task; with `engines`, the groups are dealt
+    to them in turn (a group stays on one engine)."""
+    return [
+        {"rollout_id": f"{prefix}-t{j}-n{m}", "group_id": f"{prefix}-t{j}", "task": task,
+         **({"engine": engines[j % len(engines)]} if engines else {})}
+        for j, task in enumerate(tasks)
+        for m in range(n_per_task)
+    ]
+
+
+def drop_stale(
+    rollouts: list[Rollout], current_version: int, max_staleness: int
+) -> tuple[list[Rollout], int]:
+    """Drop rollouts with a turn made by a model more than max_staleness versions old (counted)."""
+    keep, n_stale = [], 0
+    for r in rollouts:
+        versions = [t.model_version for t in r.turns if t.model_version is not None]
+        if versions and current_version - min(versions) > max_staleness:
+            n_stale += 1
+        else:
+            keep.append(r)
+    return keep, n_stale
+
+
+class Rows(NamedTuple):
+    batch: TrainingBatch
+    advantages: Any  # one per rollout (advantage.batch_advantages); None when there is no row
+    metrics: dict[str, Any]
+
+
+def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: int) -> Rows:
+    """The rows stage: the step's rollouts (`results`: the runner's, with rollout_id, state and
+    reward) read from the store, those older than trainer.max_staleness versions behind `version`
+    dropped, aggregated into rows, and given their advantages.
+
+    metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
+    n_stale_rollouts, aggregate/*, context/* (how the prompts were built), advantage/*,
+    time/rows_s."""
+    t0 = time.perf_counter()
+    ids = [r.rollout_id for r in results]
+    rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
+                                   cfg.trainer.max_staleness)
+    ac = cfg.aggregate
+    batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
+                           max_response_length=ac.max_response_length,
+                           pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
+                           overlong=ac.overlong)
+    states = [r.state for r in results]
+    rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+    metrics: dict[str, Any] = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "n_failed": states.count("failed"),
+        "n_timed_out": states.count("timed_out"),
+        "n_stale_rollouts": n_stale,
+        **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
+        **context_metrics(store.turn_contexts(ids)),
+    }
+    adv = None
+    if batch.n_rows:
+        ad = cfg.advantage
+        batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
+                                                   failed_rollouts=ad.failed_rollouts)
+        metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+    metrics["time/rows_s"] = time.perf_counter() - t0
+    return Rows(batch, adv, metrics)
+
+
+def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s: float) -> dict:
+    """time/collect_s, time/train_s, rollouts_per_s, trained_tokens_per_s, rows_per_rollout."""
+    n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
+    return {"time/collect_s": collect_s, "time/train_s": train_s,
+            "rollouts_per_s": n_rollouts / max(collect_s, 1e-9),
+            "trained_tokens_per_s": n_tokens / max(train_s, 1e-9),
+            "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)}
