@@ -41,21 +41,18 @@ from typing import Any
 import torch
 
 from tracetrain import lora
-from tracetrain.advantage import batch_advantages
 from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
-from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
 from tracetrain.engines.local import LocalEngine
-from tracetrain.gateway.context import context_metrics
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
 from tracetrain.optim import adamw
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
+from tracetrain.step import rollout_specs, rows, step_tasks, throughput
 from tracetrain.tasks import load_task, resolve_agent
-from tracetrain.types import Rollout
 
 log = logging.getLogger("tracetrain.trainer")
 
@@ -69,32 +66,6 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
         return 1.0
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.5 * (1 + math.cos(math.pi * frac)) if decay == "cosine" else 1.0 - frac
-
-
-def drop_stale(rollouts: list[Rollout], current_version: int, max_staleness: int) -> tuple[list[Rollout], int]:
-    """Drop rollouts with a turn made by a model more than max_staleness versions old (counted)."""
-    keep, n_stale = [], 0
-    for r in rollouts:
-        versions = [t.model_version for t in r.turns if t.model_version is not None]
-        if versions and current_version - min(versions) > max_staleness:
-            n_stale += 1
-        else:
-            keep.append(r)
-    return keep, n_stale
-
-
-def step_tasks(task_module: Any, cfg: TrainConfig, step: int) -> list[dict]:
-    """The tasks of step `step`: a function of (seed, step) only, so a resumed run sees the same."""
-    seed = cfg.trainer.seed * 1_000_003 + step
-    return task_module.tasks(cfg.rollout.tasks_per_step, seed=seed, **cfg.task_args)
-
-
-def rollout_specs(tasks: list[dict], n_per_task: int, prefix: str) -> list[dict]:
-    return [
-        {"rollout_id": f"{prefix}-t{j}-n{m}", "group_id": f"{prefix}-t{j}", "task": task}
-        for j, task in enumerate(tasks)
-        for m in range(n_per_task)
-    ]
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
@@ -437,33 +408,11 @@ class Trainer:
         if getattr(engine, "server", None) is not None:  # a vLLM server that died: stop here
             engine.server.check_alive()  # (the step's rollouts failed with its error, not reward 0)
         results = collected.results
-        ids = [r.rollout_id for r in results]
-        t_rows = time.perf_counter()
-        rollouts = self.store.load_rollouts(rollout_ids=ids)
-        rollouts, n_stale = drop_stale(rollouts, self.version, cfg.trainer.max_staleness)
-        ac = cfg.aggregate
-        batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
-                               max_response_length=ac.max_response_length,
-                               pad_token_id=self.tokenizer.pad_token_id or 0, tokenizer=self.tokenizer,
-                               overlong=ac.overlong)
-        metrics: dict[str, Any] = {"step": self.step}
-        states = [r.state for r in results]
-        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
-        metrics["reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
-        metrics["n_failed"] = states.count("failed")
-        metrics["n_timed_out"] = states.count("timed_out")
-        metrics["n_stale_rollouts"] = n_stale
+        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.version)
+        metrics: dict[str, Any] = {"step": self.step, **row_metrics}
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
-        metrics.update({f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))})
-        metrics.update(context_metrics(self.store.turn_contexts(ids)))  # how prompts were built
         t1 = time.perf_counter()
-        if batch.n_rows:
-            ad = cfg.advantage
-            batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
-                                                       failed_rollouts=ad.failed_rollouts)
-            metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
-        metrics["time/rows_s"] = time.perf_counter() - t_rows  # store read, aggregate, advantages
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
@@ -500,13 +449,7 @@ class Trainer:
         metrics["model_version"] = self.version
         metrics["rollout_model_version"] = collected.engine_version
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        t_train = time.perf_counter() - t1
-        n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
-        t_collect = collected.seconds
-        metrics.update({"time/collect_s": t_collect, "time/train_s": t_train,
-                        "rollouts_per_s": len(results) / max(t_collect, 1e-9),
-                        "trained_tokens_per_s": n_tokens / max(t_train, 1e-9),
-                        "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)})
+        metrics.update(throughput(len(results), batch, collected.seconds, time.perf_counter() - t1))
         self.step += 1
         return metrics
 
