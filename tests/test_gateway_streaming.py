@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from openai import OpenAI
 
 from tracetrain.engines.base import EngineError, Generation, SamplingParams, stop_string_in
-from tracetrain.gateway.openai_routes import _text
 from tracetrain.gateway.streaming import TextDeltas
 from tracetrain.gateway.tool_calls import PARSERS
+from tracetrain.gateway.turn import final_text as _text
 
 # ------------------------------------------------------------------ what may be streamed
 

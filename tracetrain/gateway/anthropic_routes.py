@@ -1,7 +1,7 @@
 """Anthropic Messages API, one base URL per rollout: POST {base}/rollouts/{rollout_id}/v1/messages.
 
 The request is turned into the chat conversation it stands for and takes the chat completions'
-path (openai_routes.chat_answer: exact context, the chat template, generate, record, tool calls
+path (turn.chat_answer: exact context, the chat template, generate, record, tool calls
 parsed); the answer is written back as content blocks:
 
     system (a string or text blocks)   -> a system message first
@@ -38,15 +38,6 @@ from fastapi.responses import JSONResponse, Response
 
 from tracetrain.gateway import errors, render
 from tracetrain.gateway.errors import ApiError
-from tracetrain.gateway.openai_routes import (
-    ChatAnswer,
-    _json,
-    _meta,
-    _parse,
-    _rollout,
-    chat_answer,
-    decoding_for,
-)
 from tracetrain.gateway.schemas import (
     MessagesIn,
     TextBlock,
@@ -55,6 +46,15 @@ from tracetrain.gateway.schemas import (
     _Sampling,
 )
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
+from tracetrain.gateway.turn import (
+    ChatAnswer,
+    chat_answer,
+    decoding_for,
+    json_response,
+    parse_body,
+    rollout_of,
+    turn_meta,
+)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -243,8 +243,8 @@ async def live_events(
 
 async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """Anthropic Messages: one turn of the rollout."""
-    rollout = _rollout(gw, authorization, rollout_id)
-    body: MessagesIn = _parse(MessagesIn, raw)
+    rollout = rollout_of(gw, authorization, rollout_id)
+    body: MessagesIn = parse_body(MessagesIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     tools = chat_tools(body)
@@ -273,7 +273,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": {"input_tokens": len(a.prompt_ids), "output_tokens": len(a.gen.response_ids)},
-            "tracetrain": _meta(rollout_id, a.index, a.gen),
+            "tracetrain": turn_meta(rollout_id, a.index, a.gen),
         }
         if body.return_token_ids:
             message["prompt_token_ids"] = a.prompt_ids
@@ -281,7 +281,7 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
         return message
 
     if not body.stream:
-        return _json(done(await answer()))
+        return json_response(done(await answer()))
     live = LiveTurn(answer)
     await live.opened()
     return EventStream(live_events(live, head, done), live.cancel)

@@ -18,136 +18,45 @@ document describes them (and an app mounted under a prefix still serves them, th
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tracetrain.engines.base import (
-    EngineError,
     Generation,
-    OnTokens,
-    PromptTooLong,
     SamplingParams,
 )
 from tracetrain.gateway import errors, keys, render
-from tracetrain.gateway.context import POLICY, RENDERED, Built
-from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
-from tracetrain.store import RolloutEnded, RolloutHead
-from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
+from tracetrain.gateway.turn import (
+    ChatAnswer,
+    chat_answer,
+    decoding_for,
+    endpoint,
+    final_text,
+    generate_turn,
+    json_response,
+    parse_body,
+    rollout_of,
+    turn_meta,
+)
+from tracetrain.store import RolloutHead
 
 router = APIRouter(tags=["openai"])
-_ID = re.compile(ID_PATTERN)
-
-
-def _rollout(gw, authorization: str | None, rid: str) -> RolloutHead:
-    """Auth first (401/403/404), like the FastAPI routes' dependencies."""
-    who = keys.identify(gw, authorization)
-    if len(rid) > 200 or not _ID.fullmatch(rid):
-        raise ApiError(
-            422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
-        )
-    return keys.rollout_for(gw, who, rid)
-
-
-def _parse(model: type[BaseModel], raw: bytes):
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
-
-
-async def generate_turn(
-    gw,
-    rollout: RolloutHead,
-    slot: EngineSlot,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    context: tuple[str | None, str | None, int] = (None, None, 0),
-    on_tokens: OnTokens | None = None,
-) -> tuple[Generation, int]:
-    """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
-    was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it."""
-    store = gw.store
-    rid = rollout.rollout_id
-    if rollout.state in TERMINAL_STATES:
-        raise RolloutEnded(
-            f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls"
-        )
-    async with slot.admit() as engine:  # waits here while paused; in flight until recorded
-        if rollout.state == RolloutState.queued:
-            await store.start(rid)
-        try:
-            if on_tokens is None:  # an engine written before streaming takes two arguments
-                gen = await engine.generate(prompt_ids, params)
-            else:
-                gen = await engine.generate(prompt_ids, params, on_tokens=on_tokens)
-        except (EngineError, PromptTooLong):
-            raise
-        except Exception as e:  # an engine bug is still the engine failing, not the client
-            raise EngineError(f"{type(e).__name__}: {e}", status=502) from e
-        try:
-            if not isinstance(gen, Generation):
-                raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
-            # the prompt ids are the gateway's own; what the engine made is checked as a Turn would
-            check_generation(gen.response_ids, gen.response_logprobs, gen.model_version)
-        except TraceError as e:
-            raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
-        index = await store.add_turn(
-            rid,
-            prompt_ids,
-            gen.response_ids,
-            gen.response_logprobs,
-            gen.model_version,
-            gen.finish_reason,
-            context,
-        )
-    return gen, index
-
-
-def _text(
-    tokenizer: Any, gen: Generation, params: SamplingParams, keep: tuple[str, ...] = ()
-) -> tuple[str, str | None]:
-    """(the answer's text, the stop string that ended it or None). Special tokens are left out,
-    but those in `keep` (a tool parser's markers). Like OpenAI, a stop sequence is not part of
-    the text: a stop id at the end is left out, and the text ends before a stop string; the
-    recorded ids keep every token generated."""
-    ids = gen.response_ids
-    if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
-        ids = ids[:-1]
-    text = render.answer_text(tokenizer, ids, keep)
-    if params.stop and gen.finish_reason == "stop":
-        found = [(text.find(s), s) for s in params.stop if s in text]
-        if found:
-            at, matched = min(found)
-            return text[:at], matched
-    return text, None
 
 
 def _usage(prompt_ids: list[int], gen: Generation) -> dict[str, int]:
     p, c = len(prompt_ids), len(gen.response_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
-    return {"rollout_id": rollout_id, "turn_index": index, "model_version": gen.model_version}
-
-
-def _json(content: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(content), media_type="application/json")
 
 
 def _event(chunk: dict[str, Any]) -> bytes:
@@ -161,96 +70,10 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     ]
 
 
-@dataclass
-class ChatAnswer:
-    """One chat-shaped turn, generated and recorded: what every chat-shaped API answers from."""
-
-    prompt_ids: list[int]
-    gen: Generation
-    index: int
-    params: SamplingParams
-    content: str | None  # the text, without the tool-call blocks parsed out of it
-    tool_calls: list[dict[str, Any]]  # OpenAI chat shape: {id, type, function: {name, arguments}}
-    stop_string: str | None = None  # the stop string that ended generation
-
-    @property
-    def finish(self) -> str | None:
-        return "tool_calls" if self.tool_calls else self.gen.finish_reason
-
-    @property
-    def message(self) -> dict[str, Any]:
-        """The assistant message, as a chat client sends it back."""
-        return {"role": "assistant", "content": self.content, "tool_calls": self.tool_calls}
-
-
-async def chat_answer(
-    gw,
-    rollout: RolloutHead,
-    slot: EngineSlot,
-    messages: list[dict],
-    tools: list | None,
-    sampling: Any,
-    max_tokens: int | None,
-    decoding: render.Decoding = render.Decoding(),
-    deltas: TextDeltas | None = None,
-) -> ChatAnswer:
-    """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
-    ids + the new messages, or the template's full render) -> generate and record -> the answer,
-    tool calls parsed when tools were offered (in the model's format: tool_calls.py).
-    `sampling`: temperature, top_p, stop, seed. `decoding` (render.decoding): the constraint sent
-    to the engine, and whether calls are parsed (not for tool_choice none: the answer stays
-    text). `deltas` (streaming): fed the answer's text as the engine makes it."""
-    tok = slot.engine.tokenizer
-
-    def full() -> list[int]:
-        return render.full_prompt_ids(tok, messages, tools, slot.prompts)
-
-    if gw.context == "exact":
-        first = rollout.state == RolloutState.queued
-        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first)
-    else:
-        built = Built(full(), RENDERED, POLICY, 0)
-    prompt_ids = built.prompt_ids
-    params = render.sampling_params(
-        tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured
-    )
-    how = (built.context, built.reason, built.reused_tokens)
-    parser = slot.tool_parser(gw.tool_parser)
-    parse = bool(tools) and decoding.parse_calls
-    on_tokens = None
-    if deltas is not None:
-        markers, safe = (parser.markers, parser.safe) if parse else ((), None)
-        deltas.start(tok, params, markers, safe, len(prompt_ids))
-        on_tokens = deltas.add
-    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how, on_tokens)
-
-    text, stop_string = _text(tok, gen, params, parser.markers if parse else ())
-    content, tool_calls = parser.parse(text) if parse else (text, [])
-    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
-    if gw.context == "exact":
-        prompt = prompt_ids if built.ids is None else built.ids
-        slot.exact.answered(
-            rollout.rollout_id, messages, tools, answer.message, prompt, gen.response_ids
-        )
-    return answer
-
-
-def decoding_for(
-    gw, slot: EngineSlot, tools: list | None, choice: Any, fmt: Any = None,
-    fmt_field: str = "response_format",
-) -> render.Decoding:
-    """render.decoding for a request to this slot's engine, with the gateway's tool parser and
-    forced_tool_choice (every chat-shaped API calls it before generating)."""
-    return render.decoding(
-        slot.engine, slot.tool_parser(gw.tool_parser), tools, choice, fmt, fmt_field,
-        gw.forced_tool_choice,
-    )
-
-
 async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
-    rollout = _rollout(gw, authorization, rollout_id)
-    body: ChatCompletionIn = _parse(ChatCompletionIn, raw)
+    rollout = rollout_of(gw, authorization, rollout_id)
+    body: ChatCompletionIn = parse_body(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
     max_tokens = render.chat_max_tokens(body)
     messages, tools = render.chat_messages(body, raw)
@@ -265,7 +88,7 @@ async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) 
         "model": body.model or slot.name,
     }
     if not body.stream:
-        return _json(_chat_completion(chunk, body, slot, rollout_id, await answer()))
+        return json_response(_chat_completion(chunk, body, slot, rollout_id, await answer()))
     live = LiveTurn(answer)
     await live.opened()
     chunk["object"] = "chat.completion.chunk"
@@ -328,8 +151,8 @@ async def _chat_chunks(
 
 async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI text completion: one turn of the rollout."""
-    rollout = _rollout(gw, authorization, rollout_id)
-    body: CompletionIn = _parse(CompletionIn, raw)
+    rollout = rollout_of(gw, authorization, rollout_id)
+    body: CompletionIn = parse_body(CompletionIn, raw)
     slot = gw.slot_for(rollout)
     tok = slot.engine.tokenizer
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
@@ -348,10 +171,10 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
 
     if not body.stream:
         gen, index = await answer()
-        text, _ = _text(tok, gen, params)
+        text, _ = final_text(tok, gen, params)
         choice = {"index": 0, "text": text, "logprobs": _text_logprobs(tok, gen, body),
                   "finish_reason": gen.finish_reason, **_ids(body, gen)}
-        return _json({**base, "choices": [choice], "usage": _usage(prompt_ids, gen),
+        return json_response({**base, "choices": [choice], "usage": _usage(prompt_ids, gen),
                       **_extra(body, rollout_id, prompt_ids, gen, index)})
     live = LiveTurn(answer)
     await live.opened()
@@ -375,7 +198,7 @@ def _text_logprobs(tok: Any, gen: Generation, body: CompletionIn) -> dict[str, A
 def _extra(body: Any, rollout_id: str, prompt_ids: list[int], gen: Generation,
            index: int) -> dict[str, Any]:
     """The answer's extra fields: tracetrain's, and the prompt ids when asked for."""
-    extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, index, gen)}
+    extra: dict[str, Any] = {"tracetrain": turn_meta(rollout_id, index, gen)}
     if body.return_token_ids:
         extra["prompt_token_ids"] = prompt_ids
     return extra
@@ -399,7 +222,7 @@ async def _completion_chunks(live: LiveTurn, base: dict, body: CompletionIn, tok
         yield _event(await errors.body(exc))
         yield b"data: [DONE]\n\n"
         return
-    rest = live.deltas.rest(_text(tok, gen, params)[0])
+    rest = live.deltas.rest(final_text(tok, gen, params)[0])
     logprobs = _text_logprobs(tok, gen, body)
     if rest or logprobs:
         yield event(rest, choice={"logprobs": logprobs})
@@ -408,22 +231,6 @@ async def _completion_chunks(live: LiveTurn, base: dict, body: CompletionIn, tok
     if body.stream_options is not None and body.stream_options.include_usage:
         yield _event({**base, "choices": [], "usage": _usage(prompt_ids, gen)})
     yield b"data: [DONE]\n\n"
-
-
-def endpoint(turn):
-    """The FastAPI endpoint of a model route whose `turn(gw, rollout_id, authorization, raw)`
-    hot.py calls directly (same docstring: it is the route's summary)."""
-
-    async def serve(request: Request) -> Response:
-        return await turn(
-            request.app.state.gateway,
-            request.path_params["rollout_id"],
-            request.headers.get("authorization"),
-            await request.body(),
-        )
-
-    serve.__doc__ = turn.__doc__
-    return serve
 
 
 chat_completions = endpoint(chat_turn)
@@ -467,13 +274,13 @@ TURNS = {"chat/completions": chat_turn, "completions": completion_turn}  # hot.p
 
 def install(app: FastAPI, routes: list = HOT_ROUTES) -> None:
     """Register and document the model routes (hot.py answers them first)."""
-    for path, endpoint, model in routes:
+    for path, serve, model in routes:
         app.add_api_route(
             path,
-            endpoint,
+            serve,
             methods=["POST"],
             tags=["openai"],
-            summary=endpoint.__doc__.strip().split(":")[0],
+            summary=serve.__doc__.strip().split(":")[0],
             dependencies=[Security(keys._bearer)],
             openapi_extra=_openapi_body(model),
         )

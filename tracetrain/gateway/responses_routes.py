@@ -1,7 +1,7 @@
 """OpenAI Responses API, one base URL per rollout: POST {base}/rollouts/{rollout_id}/v1/responses.
 
 A request is turned into the chat conversation it stands for, then takes the chat completions'
-path (openai_routes.chat_answer: exact context, the chat template, generate, record, tool calls
+path (turn.chat_answer: exact context, the chat template, generate, record, tool calls
 parsed), and the answer is written back as Responses output items:
 
     instructions                      -> a system message first
@@ -41,16 +41,6 @@ from fastapi.responses import Response
 
 from tracetrain.gateway import errors
 from tracetrain.gateway.errors import ApiError
-from tracetrain.gateway.openai_routes import (
-    ChatAnswer,
-    _json,
-    _meta,
-    _parse,
-    _rollout,
-    chat_answer,
-    decoding_for,
-    endpoint,
-)
 from tracetrain.gateway.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -59,6 +49,16 @@ from tracetrain.gateway.schemas import (
     _Sampling,
 )
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
+from tracetrain.gateway.turn import (
+    ChatAnswer,
+    chat_answer,
+    decoding_for,
+    endpoint,
+    json_response,
+    parse_body,
+    rollout_of,
+    turn_meta,
+)
 
 KEPT_RESPONSES = 4096  # conversations kept for previous_response_id (an LRU over all rollouts)
 
@@ -292,8 +292,8 @@ async def live_events(
 
 async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI Responses API: one turn of the rollout."""
-    rollout = _rollout(gw, authorization, rollout_id)
-    body: ResponsesIn = _parse(ResponsesIn, raw)
+    rollout = rollout_of(gw, authorization, rollout_id)
+    body: ResponsesIn = parse_body(ResponsesIn, raw)
     slot = gw.slot_for(rollout)
     tools = chat_tools(body)
     how = decoding_for(gw, slot, tools, body.tool_choice, text_format(body), "text.format")
@@ -314,14 +314,14 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
         return a
 
     def done(a: ChatAnswer) -> dict[str, Any]:
-        extra: dict[str, Any] = {"tracetrain": _meta(rollout_id, a.index, a.gen)}
+        extra: dict[str, Any] = {"tracetrain": turn_meta(rollout_id, a.index, a.gen)}
         if body.return_token_ids:
             extra["prompt_token_ids"] = a.prompt_ids
             extra["token_ids"] = a.gen.response_ids
         return response_object(body, ids, model, a, extra)
 
     if not body.stream:
-        return _json(done(await answer()))
+        return json_response(done(await answer()))
     live = LiveTurn(answer)
     await live.opened()
     started = response_object(body, ids, model, None, {})

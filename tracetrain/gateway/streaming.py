@@ -1,6 +1,6 @@
 """Real token streaming: a turn's text goes to the client as the engine makes its tokens.
 
-    LiveTurn     runs one chat-shaped turn (openai_routes.chat_answer) as a task; the engine's
+    LiveTurn     runs one chat-shaped turn (turn.chat_answer) as a task; the engine's
                  `on_tokens` feeds `TextDeltas`, whose deltas the route sends as its API's events
     TextDeltas   response ids so far -> the text that is certainly the start of the answer's final
                  content, never more
@@ -9,7 +9,7 @@
 What may be sent after ids y_1..y_k (TextDeltas.add):
 
     text   the decoded ids, less a trailing stop id, special tokens left out but a tool parser's
-           markers (as the final answer is decoded: openai_routes._text), decoded incrementally
+           markers (as the final answer is decoded: turn.final_text), decoded incrementally
     end    at the first stop string in text; else before the longest tail of text that begins one
     end    before a trailing U+FFFD (a UTF-8 character cut between tokens) and trailing whitespace
            (a parser strips it before a tool call; a decoder may rewrite it once the next token

@@ -1,0 +1,240 @@
+"""One model call of a rollout, whatever API it came by: what every model route shares.
+
+    rollout_of       the request's key and path -> the rollout (401/403/404/422 first)
+    parse_body       the raw body -> the route's request model (422 naming the field)
+    chat_answer      messages + tools -> prompt ids (context.py: the earlier turn's ids + the new
+                     messages, or the template's full render) -> generate_turn -> the answer's
+                     text and tool calls (parsed in the model's format: tool_calls.py)
+    generate_turn    through the engine's pause gate: generate, check, record the turn (committed
+                     before it returns)
+    final_text       the answer's text as clients see it (stop id and stop string left out; the
+                     recorded ids keep every token)
+
+The routes (openai_routes: chat and text completions; responses_routes; anthropic_routes) only
+shape requests into messages and answers into their API's JSON or events.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from tracetrain.engines.base import (
+    EngineError,
+    Generation,
+    OnTokens,
+    PromptTooLong,
+    SamplingParams,
+)
+from tracetrain.gateway import keys, render
+from tracetrain.gateway.context import POLICY, RENDERED, Built
+from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.schemas import ID_PATTERN
+from tracetrain.gateway.slots import EngineSlot
+from tracetrain.gateway.streaming import TextDeltas
+from tracetrain.store import RolloutEnded, RolloutHead
+from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
+
+_ID = re.compile(ID_PATTERN)
+
+
+def rollout_of(gw, authorization: str | None, rid: str) -> RolloutHead:
+    """Auth first (401/403/404), like the FastAPI routes' dependencies."""
+    who = keys.identify(gw, authorization)
+    if len(rid) > 200 or not _ID.fullmatch(rid):
+        raise ApiError(
+            422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
+        )
+    return keys.rollout_for(gw, who, rid)
+
+
+def parse_body(model: type[BaseModel], raw: bytes):
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+async def generate_turn(
+    gw,
+    rollout: RolloutHead,
+    slot: EngineSlot,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    context: tuple[str | None, str | None, int] = (None, None, 0),
+    on_tokens: OnTokens | None = None,
+) -> tuple[Generation, int]:
+    """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
+    was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it."""
+    store = gw.store
+    rid = rollout.rollout_id
+    if rollout.state in TERMINAL_STATES:
+        raise RolloutEnded(
+            f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls"
+        )
+    async with slot.admit() as engine:  # waits here while paused; in flight until recorded
+        if rollout.state == RolloutState.queued:
+            await store.start(rid)
+        try:
+            if on_tokens is None:  # an engine written before streaming takes two arguments
+                gen = await engine.generate(prompt_ids, params)
+            else:
+                gen = await engine.generate(prompt_ids, params, on_tokens=on_tokens)
+        except (EngineError, PromptTooLong):
+            raise
+        except Exception as e:  # an engine bug is still the engine failing, not the client
+            raise EngineError(f"{type(e).__name__}: {e}", status=502) from e
+        try:
+            if not isinstance(gen, Generation):
+                raise TraceError(f"engine returned a {type(gen).__name__}, not a Generation")
+            # the prompt ids are the gateway's own; what the engine made is checked as a Turn would
+            check_generation(gen.response_ids, gen.response_logprobs, gen.model_version)
+        except TraceError as e:
+            raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
+        index = await store.add_turn(
+            rid,
+            prompt_ids,
+            gen.response_ids,
+            gen.response_logprobs,
+            gen.model_version,
+            gen.finish_reason,
+            context,
+        )
+    return gen, index
+
+
+def final_text(
+    tokenizer: Any, gen: Generation, params: SamplingParams, keep: tuple[str, ...] = ()
+) -> tuple[str, str | None]:
+    """(the answer's text, the stop string that ended it or None). Special tokens are left out,
+    but those in `keep` (a tool parser's markers). Like OpenAI, a stop sequence is not part of
+    the text: a stop id at the end is left out, and the text ends before a stop string; the
+    recorded ids keep every token generated."""
+    ids = gen.response_ids
+    if gen.finish_reason == "stop" and ids and ids[-1] in params.stop_token_ids:
+        ids = ids[:-1]
+    text = render.answer_text(tokenizer, ids, keep)
+    if params.stop and gen.finish_reason == "stop":
+        found = [(text.find(s), s) for s in params.stop if s in text]
+        if found:
+            at, matched = min(found)
+            return text[:at], matched
+    return text, None
+
+
+def turn_meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
+    return {"rollout_id": rollout_id, "turn_index": index, "model_version": gen.model_version}
+
+
+def json_response(content: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(content), media_type="application/json")
+
+
+@dataclass
+class ChatAnswer:
+    """One chat-shaped turn, generated and recorded: what every chat-shaped API answers from."""
+
+    prompt_ids: list[int]
+    gen: Generation
+    index: int
+    params: SamplingParams
+    content: str | None  # the text, without the tool-call blocks parsed out of it
+    tool_calls: list[dict[str, Any]]  # OpenAI chat shape: {id, type, function: {name, arguments}}
+    stop_string: str | None = None  # the stop string that ended generation
+
+    @property
+    def finish(self) -> str | None:
+        return "tool_calls" if self.tool_calls else self.gen.finish_reason
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The assistant message, as a chat client sends it back."""
+        return {"role": "assistant", "content": self.content, "tool_calls": self.tool_calls}
+
+
+async def chat_answer(
+    gw,
+    rollout: RolloutHead,
+    slot: EngineSlot,
+    messages: list[dict],
+    tools: list | None,
+    sampling: Any,
+    max_tokens: int | None,
+    decoding: render.Decoding = render.Decoding(),
+    deltas: TextDeltas | None = None,
+) -> ChatAnswer:
+    """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
+    ids + the new messages, or the template's full render) -> generate and record -> the answer,
+    tool calls parsed when tools were offered (in the model's format: tool_calls.py).
+    `sampling`: temperature, top_p, stop, seed. `decoding` (render.decoding): the constraint sent
+    to the engine, and whether calls are parsed (not for tool_choice none: the answer stays
+    text). `deltas` (streaming): fed the answer's text as the engine makes it."""
+    tok = slot.engine.tokenizer
+
+    def full() -> list[int]:
+        return render.full_prompt_ids(tok, messages, tools, slot.prompts)
+
+    if gw.context == "exact":
+        first = rollout.state == RolloutState.queued
+        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first)
+    else:
+        built = Built(full(), RENDERED, POLICY, 0)
+    prompt_ids = built.prompt_ids
+    params = render.sampling_params(
+        tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured
+    )
+    how = (built.context, built.reason, built.reused_tokens)
+    parser = slot.tool_parser(gw.tool_parser)
+    parse = bool(tools) and decoding.parse_calls
+    on_tokens = None
+    if deltas is not None:
+        markers, safe = (parser.markers, parser.safe) if parse else ((), None)
+        deltas.start(tok, params, markers, safe, len(prompt_ids))
+        on_tokens = deltas.add
+    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how, on_tokens)
+
+    text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())
+    content, tool_calls = parser.parse(text) if parse else (text, [])
+    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
+    if gw.context == "exact":
+        prompt = prompt_ids if built.ids is None else built.ids
+        slot.exact.answered(
+            rollout.rollout_id, messages, tools, answer.message, prompt, gen.response_ids
+        )
+    return answer
+
+
+def decoding_for(
+    gw, slot: EngineSlot, tools: list | None, choice: Any, fmt: Any = None,
+    fmt_field: str = "response_format",
+) -> render.Decoding:
+    """render.decoding for a request to this slot's engine, with the gateway's tool parser and
+    forced_tool_choice (every chat-shaped API calls it before generating)."""
+    return render.decoding(
+        slot.engine, slot.tool_parser(gw.tool_parser), tools, choice, fmt, fmt_field,
+        gw.forced_tool_choice,
+    )
+
+
+def endpoint(turn):
+    """The FastAPI endpoint of a model route whose `turn(gw, rollout_id, authorization, raw)`
+    hot.py calls directly (same docstring: it is the route's summary)."""
+
+    async def serve(request: Request) -> Response:
+        return await turn(
+            request.app.state.gateway,
+            request.path_params["rollout_id"],
+            request.headers.get("authorization"),
+            await request.body(),
+        )
+
+    serve.__doc__ = turn.__doc__
+    return serve
