@@ -373,7 +373,8 @@ async def run_steps(
     from tracetrain.inprocess import serve_in_loop
     from tracetrain.runner import GatewayClient, agent_http_client
     from tracetrain.store import SQLiteStore
-    from tracetrain.trainer import Trainer, resolve_agent
+    from tracetrain.tasks import resolve_agent
+    from tracetrain.trainer import Trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
