@@ -548,7 +548,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
 
     for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                   "/finish_weight_update", "/reset_prefix_cache", "/collective_rpc", "/sleep",
-                  "/wake_up"):
+                  "/wake_up", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         record(route)
 
     @app.get("/get_world_size")

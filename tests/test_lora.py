@@ -179,8 +179,10 @@ def test_lora_config_errors_name_the_key(tok):
                   LoraConfig(target_modules=["no_such_proj"]))
     with pytest.raises(ConfigError, match="model.lora.*overlap_collect"):
         build_config({}, ["model.lora.r=4", "trainer.overlap_collect=true", "trainer.max_staleness=1"])
-    with pytest.raises(ConfigError, match="model.lora.*engine.kind"):
+    with pytest.raises(ConfigError, match="model.lora.*engine.base_url"):  # (tests/test_lora_vllm.py)
         build_config({}, ["model.lora.r=4", "engine.kind=vllm", "engine.base_url=http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="model.lora.*backend"):
+        build_config({}, ["model.lora.r=4", "backend=verl", "model.kind=pretrained", "model.path=/m"])
     with pytest.raises(ConfigError, match="model.lora.r"):
         build_config({}, ["model.lora.r=0"])
 

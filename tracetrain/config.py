@@ -73,8 +73,10 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of every weight (tracetrain/lora.py; needs `peft`, the `lora`
     extra): only the adapter is trained and checkpointed; `run_dir/policy` holds the merged model
-    and the adapter (`policy/adapter`). Embedded backend with the local engine, without
-    `trainer.overlap_collect`, for now. null: full fine-tuning."""
+    and the adapter (`policy/adapter`). Embedded backend. With engine.kind `vllm` the server is
+    launched (`engine.python`) with LoRA enabled on the base weights and each sync loads only the
+    adapter (engines/vllm.py); with the local engine, not with `trainer.overlap_collect`. null:
+    full fine-tuning."""
 
     @model_validator(mode="after")
     def _needs_path(self) -> ModelConfig:
@@ -428,22 +430,28 @@ class TrainConfig(_Section):
     def _lora(self) -> TrainConfig:
         if self.model.lora is None:
             return self
-        refused = {"backend": self.backend != "embedded" and self.backend,
-                   "engine.kind": self.engine.kind != "local" and self.engine.kind,
-                   "trainer.overlap_collect": self.trainer.overlap_collect}
-        for key, value in refused.items():
-            if value:
-                raise ValueError(f"model.lora: not with {key} {value!r} yet (LoRA runs on the "
-                                 "embedded backend with the local engine, which decodes with the "
-                                 "adapter in place)")
-        return self
-        for key, unsupported in (("backend", self.backend != "embedded"),
-                                 ("engine.kind", self.engine.kind != "local"),
-                                 ("trainer.overlap_collect", self.trainer.overlap_collect)):
-            if unsupported:
-                raise ValueError(f"model.lora: not with {key} {getattr(self, key) if '.' not in key else getattr(getattr(self, key.split('.')[0]), key.split('.')[1])!r} "
-                                 "(LoRA runs on the embedded backend with the local engine, which "
-                                 "decodes with the adapter in place)")
+        if self.backend != "embedded":
+            raise ValueError(f"model.lora: not with backend {self.backend!r} yet (LoRA runs on the "
+                             "embedded backend)")
+        if self.engine.kind == "local" and self.trainer.overlap_collect:
+            raise ValueError("model.lora: not with trainer.overlap_collect and engine.kind 'local' "
+                             "(the engine's own copy of the policy would copy the base weights too); "
+                             "with engine.kind 'vllm' it runs")
+        if self.engine.kind == "vllm":  # the adapter alone is synced, by vLLM's runtime LoRA loading
+            refused = {"engine.base_url": (self.engine.base_url is not None and self.engine.base_url,
+                                           "tracetrain launches the server with LoRA enabled: use "
+                                           "engine.python"),
+                       "engine.sync": (self.engine.sync != "disk" and self.engine.sync,
+                                       "the adapter goes to the server by disk"),
+                       "engine.sleep_level": (self.engine.sleep_level == 2 and 2,
+                                              "level 2 drops the server's base weights and a LoRA "
+                                              "sync brings only the adapter; use 1")}
+            for key, (value, why) in refused.items():
+                if value:
+                    raise ValueError(f"model.lora: not with {key} {value!r} ({why})")
+            if self.model.lora.r > 512:
+                raise ValueError("model.lora.r: at most 512 with engine.kind 'vllm' (vLLM's "
+                                 "largest --max-lora-rank)")
         return self
 
     @model_validator(mode="after")

@@ -5,7 +5,8 @@ adapter trains, is checkpointed and is synced.
 
 for each linear layer named in `model.lora.target_modules`. The local engine decodes with the
 same module (base + adapter, nothing copied); `merged(model)` is the plain model with W' in place
-of W, for `run_dir/policy` and for anything that does not know peft.
+of W, for `run_dir/policy` and for anything that does not know peft. A vLLM engine serves
+`base(model)` and takes the adapter alone after each update (engines/vllm.py, LoraTransport).
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     unexpected = getattr(result, "unexpected_keys", None)
     if unexpected:
         raise ValueError(f"adapter weights with keys the model's adapter lacks: {unexpected[:4]}")
+
+
+def base(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain transformers model without the adapter (a copy of the frozen base weights), for
+    a vLLM server that applies the adapter itself. Not under LoRA: the model itself."""
+    if not is_lora(model):
+        return model
+    return copy.deepcopy(model).unload()
 
 
 def merged(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,8 @@ weights (pause, drain, load, resume). On two cores this fills the core the updat
 
 engine.kind vllm: a vLLM server generates (engines/vllm.py); it always has its own copy of the
 weights, so after every update (or, with overlap_collect, between two collects) they are pushed
-to it the same way: pause, drain, write + reload, resume.
+to it the same way: pause, drain, write + reload, resume. Under LoRA the server holds the base
+weights from its launch and the push is the adapter alone (LoraTransport).
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ class Trainer:
                 "version": self.version,
                 "model": lora.weights(self.model),  # the adapter alone under LoRA
                 "engine": None if self.engine_model is None else self.next_weights or {
-                    "model": self.engine_model.state_dict(), "version": self.engine_version},
+                    "model": lora.weights(self.engine_model), "version": self.engine_version},
                 "next_collected": next_collected,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
@@ -363,7 +364,7 @@ class Trainer:
         self.history = ck["history"]
         if ck.get("engine") is not None:  # the weights the next step's rollouts come from
             self.engine_model = copy.deepcopy(self.model)
-            self.engine_model.load_state_dict(ck["engine"]["model"])
+            lora.load_weights(self.engine_model, ck["engine"]["model"])
             self.engine_version = ck["engine"]["version"]
         self.next_collected = ck.get("next_collected")
 
@@ -468,7 +469,7 @@ class Trainer:
         else:
             await engine.load_weights(self.model, self.version)
             if self.engine_model is not None:  # the checkpoint's copy of the engine's weights
-                self.engine_model.load_state_dict(self.model.state_dict())
+                lora.load_weights(self.engine_model, lora.weights(self.model))
         self.engine_version = self.version
 
     async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
@@ -499,7 +500,7 @@ class Trainer:
                         await asyncio.wait([pending])
                     elif overlap:  # the last step: the weights a resumed run collects with next
                         self.next_weights = {"version": self.engine_version, "model": {
-                            k: v.clone() for k, v in self.engine_model.state_dict().items()}}
+                            k: v.clone() for k, v in lora.weights(self.engine_model).items()}}
                     await self.sync_engine(gateway, engine)
                     m["eval/reward_mean"] = await self.evaluate(gateway)
                 if initial is not None:
@@ -550,14 +551,16 @@ class Trainer:
             return LocalEngine(weights, self.tokenizer, max_batch_size=4096, model_version=version,
                                seed=cfg.trainer.seed, threads=self.threads,
                                batch_window_ms=cfg.rollout.batch_window_ms)
-        from tracetrain.engines.vllm import NcclTransport, VLLMEngine, write_hf_dir
+        from tracetrain.engines.vllm import LoraTransport, NcclTransport, VLLMEngine, write_hf_dir
         from tracetrain.engines.vllm_server import VLLMServer
 
         ec, ac = cfg.engine, cfg.aggregate
         transport = NcclTransport() if ec.sync == "nccl" else None
+        if cfg.model.lora is not None:  # the server holds the base, each sync brings the adapter
+            transport = LoraTransport(self.run_dir / "engine-adapter", cfg.model.lora.r)
         max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
         weights_dir = self.run_dir / "engine-weights"
-        await asyncio.to_thread(write_hf_dir, weights, self.tokenizer, weights_dir)
+        await asyncio.to_thread(lambda: write_hf_dir(lora.base(weights), self.tokenizer, weights_dir))
         if ec.python is not None:
             self.log(f"starting vLLM ({ec.python}), log in {self.run_dir / 'vllm.log'}")
             server = await asyncio.to_thread(
@@ -565,13 +568,14 @@ class Trainer:
                 args=(transport.server_args if transport else [])
                 + (["--enable-sleep-mode"] if ec.sleep_level else []) + ec.args,
                 max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
-                env=ec.env, start_timeout_s=ec.start_timeout_s)
+                env={**getattr(transport, "env", {}), **ec.env}, start_timeout_s=ec.start_timeout_s)
         else:
             server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
         engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,
                             timeout=ec.request_timeout_s, model_version=version, transport=transport)
         try:
-            if ec.python is None:  # a server started by someone else: make it serve our weights
+            # a server started by someone else: make it serve our weights; LoRA: load the adapter
+            if ec.python is None or cfg.model.lora is not None:
                 await engine.load_weights(weights, version)
         except BaseException:
             await engine.aclose()

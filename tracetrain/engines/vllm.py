@@ -23,6 +23,10 @@ rank 0 by a unique id it mints itself (torch.cuda.nccl), so it needs no vLLM of 
                  POST /finish_weight_update {"weight_version": "V"}
                  POST /reset_prefix_cache
 
+model.lora: the server is launched on the base weights (lora.base, written once) with LoRA
+enabled, and each sync writes and loads only the adapter (LoraTransport); requests then name the
+adapter as their model.
+
 Tied embeddings: a model whose output layer shares the input embedding is written untied
 (lm_head.weight stored, tie_word_embeddings false). From a tied checkpoint as save_pretrained
 writes it (no lm_head.weight), vLLM 0.32's in-place reload left the output layer on the old
@@ -44,6 +48,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from tracetrain.config import ConfigError
 from tracetrain.engines.base import EngineError, Generation, OnTokens, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
 from tracetrain.engines.vllm_server import SERVED_NAME, VLLMServer
@@ -171,6 +176,64 @@ class DiskTransport:
                                                "kwargs": {"weights_path": str(self.weights_dir.resolve())}})
 
 
+ADAPTER_NAME = "policy-adapter"  # the model name of requests once an adapter is loaded
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's choices of --max-lora-rank
+
+
+def write_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
+    """The peft model's adapter alone as a PEFT directory (adapter_config.json,
+    adapter_model.safetensors), written beside and renamed: a reader never sees half of it."""
+    import shutil
+
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
+class LoraTransport:
+    """model.lora: the server holds the base weights from its launch and applies the adapter
+    itself (--enable-lora, runtime loading allowed by VLLM_ALLOW_RUNTIME_LORA_UPDATING); each push
+    writes only the adapter, as ROOT/vVERSION, and replaces the served one:
+
+        POST /v1/unload_lora_adapter {"lora_name": "policy-adapter"}   (when the server has it)
+        POST /v1/load_lora_adapter {"lora_name": "policy-adapter", "lora_path": ROOT/vVERSION}
+
+    From then on the engine's requests name the adapter as their model, so vLLM generates with
+    base + adapter. The window between the two calls has no adapter; the push runs drained, so no
+    request falls in it. Not `load_inplace`: vLLM 0.32 keeps that flag on the adapter's request
+    and reloads the adapter from disk at every scheduler step that uses it. The previous version's
+    directory is removed once the new one is loaded."""
+
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+    def __init__(self, adapter_root: str | Path, rank: int):
+        if rank > LORA_RANKS[-1]:
+            raise ConfigError(f"config key 'model.lora.r': {rank} is more than vLLM's largest "
+                              f"LoRA rank {LORA_RANKS[-1]}")
+        self.root = Path(adapter_root)
+        self.server_args = ["--enable-lora", "--max-loras", "1",
+                            "--max-lora-rank", str(min(r for r in LORA_RANKS if r >= rank))]
+        self.loaded: Path | None = None  # the adapter directory the server serves
+
+    async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
+        import shutil
+
+        path = (self.root / f"v{version}").resolve()
+        await asyncio.to_thread(write_adapter, model, path)
+        served = await engine._call("GET", "/v1/models")
+        if any(m.get("id") == ADAPTER_NAME for m in served.get("data", [])):
+            await engine._post("/v1/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
+        await engine._post("/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path)})
+        engine.model = ADAPTER_NAME
+        if self.loaded is not None and self.loaded != path:
+            await asyncio.to_thread(shutil.rmtree, self.loaded, True)
+        self.loaded = path
+
+
 class VLLMEngine(UpstreamEngine):
     """UpstreamEngine over a vLLM server (launched or running) that takes new weights by
     `transport` (DiskTransport on weights_dir when none is given)."""
@@ -195,7 +258,8 @@ class VLLMEngine(UpstreamEngine):
             raise
 
     async def _call(self, method: str, route: str, body: dict | None = None, params=None) -> Any:
-        """One call to the server's admin routes on the engine's pooled session; its JSON answer."""
+        """One call to the server's admin routes on the engine's pooled session; its JSON answer
+        (a plain-text answer as text)."""
         try:
             async with self._http().request(method, self.base_url + route, json=body,
                                             params=params) as r:
@@ -205,7 +269,10 @@ class VLLMEngine(UpstreamEngine):
             raise EngineError(f"vllm {route}: {type(e).__name__}: {e}", 503) from None
         if status != 200:
             raise EngineError(f"vllm {route} answered HTTP {status}: {raw[:500].decode(errors='replace')}", 502)
-        return json.loads(raw) if raw else None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:  # e.g. /v1/load_lora_adapter's "Success: ..."
+            return raw.decode(errors="replace")
 
     async def _post(self, route: str, body: dict | None = None, params=None) -> Any:
         return await self._call("POST", route, body, params)
@@ -218,7 +285,8 @@ class VLLMEngine(UpstreamEngine):
         self.sleeping = level
 
     async def load_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Push the weights by the transport, drop the server's prefix cache, take `version`.
+        """Push the weights by the transport (under LoRA: the adapter alone), drop the server's
+        prefix cache, take `version`.
         Call it with no request in flight (the gateway's drain). A sleeping server is woken:
         level 2 gets its weights' memory first, the KV cache after the push."""
         self.server.check_alive()
