@@ -24,8 +24,8 @@ from tracetrain import tiny
 from tracetrain.aggregate import aggregate
 from tracetrain.config import build_config
 from tracetrain.distributed import DataParallel
-from tracetrain.trainer import ppo_update
 from tracetrain.types import Rollout, Turn
+from tracetrain.update import ppo_update
 
 WORLD = 2
 DEADLINE_S = 240

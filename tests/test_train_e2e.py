@@ -126,8 +126,8 @@ def test_ppo_update_ignores_left_padding_columns():
 
     from tracetrain import tiny
     from tracetrain.aggregate import aggregate
-    from tracetrain.trainer import ppo_update
     from tracetrain.types import Rollout, Turn
+    from tracetrain.update import ppo_update
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)
@@ -174,8 +174,8 @@ def test_reference_kl_enters_the_update():
 
     from tracetrain import tiny
     from tracetrain.aggregate import aggregate
-    from tracetrain.trainer import ppo_update
     from tracetrain.types import Rollout, Turn
+    from tracetrain.update import ppo_update
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)

@@ -105,7 +105,7 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
     k = kept.rollouts.index(rollout_id)
     mode = cfg.loss.mode if cfg is not None else "rollout-mean"
     oc = cfg.optim if cfg is not None else None
-    plan = plan_step(  # as trainer.ppo_update plans the step (every epoch plans the same)
+    plan = plan_step(  # as update.ppo_update plans the step (every epoch plans the same)
         kept.response_mask, kept.rollout_index,
         n_mini_batches=min(oc.mini_batches, kept.n_rollouts) if oc else 1,
         micro_batch_tokens=oc.micro_batch_tokens if oc else None, mode=mode,

@@ -7,7 +7,7 @@
     sync      the engine takes the new weights; the model version goes up by one
 
 `collect` is the runner's (runner.run_rollouts, runner_ray), `learn` and `sync` the backend's (the
-embedded trainer: trainer.ppo_update and Trainer.push_weights; verl: its actor and checkpoint
+embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor and checkpoint
 manager). What every backend logs of a step comes from `rows` and `throughput`.
 """
 

@@ -31,7 +31,6 @@ import copy
 import functools
 import json
 import logging
-import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,45 +43,17 @@ import torch
 from tracetrain import lora
 from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.distributed import DataParallel, from_main, sum_over_ranks, wrap
+from tracetrain.distributed import DataParallel, from_main, wrap
 from tracetrain.engines.local import LocalEngine
 from tracetrain.gateway.slots import EngineSlot
-from tracetrain.logprobs import response_logprobs
-from tracetrain.loss import RowWeights, policy_loss, rollout_mass
-from tracetrain.minibatch import plan_step
 from tracetrain.optim import adamw
+from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
 from tracetrain.step import rollout_specs, rows, step_tasks, throughput
 from tracetrain.tasks import load_task, resolve_agent
+from tracetrain.update import lr_factor, ppo_update
 
 log = logging.getLogger("tracetrain.trainer")
-
-
-# ----------------------------------------------------------------------------- pure pieces
-def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up, then decay."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if decay == "constant" or total <= warmup:
-        return 1.0
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * frac)) if decay == "cosine" else 1.0 - frac
-
-
-RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
-
-
-def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
-    """A new run never writes into an earlier one's files (its metrics would be mixed in)."""
-    earlier = [n for n in RUN_FILES if (run_dir / n).exists()]
-    if not earlier:
-        return
-    how = "give a new or empty directory"
-    if resumable:
-        how = ("trainer.resume=true continues it" if "checkpoint.pt" in earlier else
-               "trainer.resume=true starts it over (it has no checkpoint)") + "; or " + how
-    raise ConfigError(f"config key 'trainer.run_dir': {run_dir} already holds a run "
-                      f"({', '.join(earlier)}); {how}")
 
 
 def run_with_threads(threads: int, fn, /, *args, **kwargs):
@@ -115,131 +86,6 @@ class Collected:
     seconds: float
     engine_work: dict[str, int]
     engine_version: int = 0
-
-
-ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
-
-
-@dataclass
-class UpdateResult:
-    loss: float
-    grad_norm: float
-    metrics: dict[str, float]
-    # |logprob the engine recorded - the trainer's| over the first mini-batch's trained tokens,
-    # before the first optimizer step ({"mean", "max"}); None unless measure_gap
-    logprob_gap: dict[str, float] | None = None
-
-
-def ppo_update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch,
-    advantages: torch.Tensor,
-    cfg: TrainConfig,
-    *,
-    ref_model: torch.nn.Module | None = None,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-    dp: DataParallel = DataParallel(),
-    measure_gap: bool = False,
-) -> list[UpdateResult]:
-    """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
-    of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
-
-    Data parallel (`dp` enabled, `model` wrapped in DDP): every rank gets the same batch and plan;
-    this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch (on the last
-    micro-batch), so the update equals the one-process update. Metrics are summed over ranks.
-
-    measure_gap (the rollouts came from these very weights): the first update's result carries
-    mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's)."""
-    lc, oc = cfg.loss, cfg.optim
-    need_entropy = lc.entropy_coef > 0
-    precision = cfg.trainer.precision
-    dev = next(model.parameters()).device  # the step's tensors go there (planning stays on the CPU)
-    ids_all, att_all, pos_all, mask_all = (t.to(dev) for t in (
-        batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
-    adv_rows = advantages[batch.rollout_index].to(dev)
-    R = batch.response_length
-    old_all = batch.rollout_logprobs
-    if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
-        with torch.no_grad():
-            old_all, _ = response_logprobs(model, ids_all, att_all, pos_all, R,
-                                           temperature=cfg.rollout.temperature, precision=precision)
-    old_all = old_all.to(dev)
-    results = []
-    gap_sum, gap_max, gap_n = 0.0, 0.0, 0
-    model.train()
-    for _epoch in range(oc.ppo_epochs):
-        plan = plan_step(
-            batch.response_mask,
-            batch.rollout_index,
-            n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
-            micro_batch_tokens=oc.micro_batch_tokens,
-            mode=lc.mode,
-            norm_length=lc.norm_length,
-            row_tokens=batch.attention_mask.sum(1),
-            world_size=dp.world_size,
-            rank=dp.rank,
-        )
-        for mb in plan:
-            optimizer.zero_grad(set_to_none=True)
-            total, sums = 0.0, {}
-            for j, micro in enumerate(mb.micro_batches):
-                last = j == len(mb.micro_batches) - 1
-                sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
-                with sync:  # the forward too: DDP arms its all-reduce in the forward pass
-                    rows = micro.rows
-                    # Skip the columns that are left padding in every row of this micro-batch.
-                    start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
-                    rows_dev = rows.to(dev)
-                    ids = ids_all[rows_dev, start:]
-                    att, pos = att_all[rows_dev, start:], pos_all[rows_dev, start:]
-                    lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
-                                                with_entropy=need_entropy, precision=precision)
-                    if measure_gap and not results:  # no optimizer step yet: the engine's weights
-                        d = (lp.detach() - old_all[rows_dev]).abs()[mask_all[rows_dev].bool()]
-                        if d.numel():
-                            gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
-                            gap_max = max(gap_max, float(d.max()))
-                    ref = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref, _ = response_logprobs(ref_model, ids, att, pos, R,
-                                                       temperature=cfg.rollout.temperature,
-                                                       precision=precision)
-                    loss, m = policy_loss(
-                        lp, old_all[rows_dev], adv_rows[rows_dev],
-                        RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
-                        clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                        ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
-                        entropy=ent, entropy_coef=lc.entropy_coef,
-                    )
-                    loss.backward()
-                total += float(loss.detach())
-                # pg_loss and weight_mass add up over micro-batches; the rest are weighted means
-                # within the micro-batch, so they add up weighted by its mass.
-                mass = float(m["weight_mass"])
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + (float(v) if k in ADDITIVE_METRICS else float(v) * mass)
-            if dp.enabled:  # each rank's losses carry a factor W (minibatch.py): sum, then / W
-                keys = sorted(sums)
-                summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
-                total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
-            mass, W = sums.get("weight_mass", 0.0), dp.world_size
-            means = {k: (v / W if k in ADDITIVE_METRICS else v / mass if mass else 0.0) for k, v in sums.items()}
-            # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
-            per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
-                                       mb.row_scales)
-            means["rollout_mass_min"] = float(per_rollout.min())
-            means["rollout_mass_max"] = float(per_rollout.max())
-            means["n_rollouts"] = float(per_rollout.numel())
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            gap = {"mean": gap_sum / gap_n, "max": gap_max} if measure_gap and gap_n and not results else None
-            results.append(UpdateResult(total, grad_norm, means, gap))
-    model.eval()
-    return results
 
 
 # ----------------------------------------------------------------------------- the loop (I/O)
@@ -699,59 +545,6 @@ async def held_engine(gateway: GatewayClient, slot: EngineSlot | None = None, na
             await gateway.engine(name, "resume")
         else:
             slot.resume()
-
-
-def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:
-    """Where step metrics go besides metrics.jsonl: TensorBoard and/or Weights & Biases, when
-    asked for (a clear error when asked for but not installed)."""
-    sinks = []
-    numeric = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
-    if cfg.trainer.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ConfigError(f"config key 'trainer.tensorboard': needs the tensorboard package ({e})") from None
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
-
-        def tb(m: dict) -> None:
-            for k, v in numeric(m).items():
-                writer.add_scalar(k, v, m["step"])
-            writer.flush()
-
-        sinks.append(tb)
-    if cfg.trainer.wandb:
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("config key 'trainer.wandb': needs the wandb package") from None
-        run = wandb.init(project="tracetrain", dir=str(run_dir), config=cfg.model_dump())
-        sinks.append(lambda m: run.log(numeric(m), step=m["step"]))
-    return sinks
-
-
-def format_step(m: dict) -> str:
-    """One line per step: what a person watching a run wants to see."""
-    drift = "/".join(str(int(m.get(f"aggregate/breaks/{k}", 0)))
-                     for k in ("retokenization", "assistant_rewrite", "context_rewrite"))
-    parts = [
-        f"step {m['step']:4d}",
-        f"reward {m['reward_mean']:.3f}",
-        f"rollouts/s {m['rollouts_per_s']:.1f}",
-        f"tok/s {m['trained_tokens_per_s']:.0f}",
-        f"rows/rollout {m['rows_per_rollout']:.2f}",
-        f"drift r/a/c {drift}",
-        f"fail {m['n_failed']}+{m['n_timed_out']}",
-    ]
-    if "loss" in m:
-        parts.append(f"loss {m['loss']:+.4f}")
-    if m.get("loss/n_rollouts"):
-        parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
-                     f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
-    if "engine/logprob_gap_max" in m:  # engine vs trainer logprobs, same weights
-        parts.append(f"gap {m['engine/logprob_gap_max']:.0e}")
-    if "eval/reward_mean" in m:
-        parts.append(f"eval {m['eval/reward_mean']:.3f}")
-    return " | ".join(parts)
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:

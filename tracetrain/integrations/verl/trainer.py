@@ -250,10 +250,10 @@ class VerlRun:
     async def run(self) -> list[dict]:
         from tracetrain.gateway.app import create_app
         from tracetrain.inprocess import admin_key_for, app_options, bind, serve_in_loop
+        from tracetrain.rundir import format_step, metric_sinks
         from tracetrain.runner import GatewayClient, agent_http_client
         from tracetrain.store import SQLiteStore
         from tracetrain.tasks import resolve_agent
-        from tracetrain.trainer import format_step, metric_sinks
 
         cfg = self.cfg
         self.nonce = secrets.token_hex(3)
@@ -302,8 +302,8 @@ def train_verl(
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
     from tracetrain.report import summary
+    from tracetrain.rundir import refuse_earlier_run
     from tracetrain.tasks import load_task
-    from tracetrain.trainer import refuse_earlier_run
 
     v = verl or getattr(cfg, "verl", None) or VerlConfig()
     task = load_task(cfg.task, base_dir)

@@ -1,0 +1,75 @@
+"""What a run leaves beside its rows: its directory's files, the metric sinks, the step line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tracetrain.config import ConfigError, TrainConfig
+
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
+
+
+def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
+    """A new run never writes into an earlier one's files (its metrics would be mixed in)."""
+    earlier = [n for n in RUN_FILES if (run_dir / n).exists()]
+    if not earlier:
+        return
+    how = "give a new or empty directory"
+    if resumable:
+        how = ("trainer.resume=true continues it" if "checkpoint.pt" in earlier else
+               "trainer.resume=true starts it over (it has no checkpoint)") + "; or " + how
+    raise ConfigError(f"config key 'trainer.run_dir': {run_dir} already holds a run "
+                      f"({', '.join(earlier)}); {how}")
+
+
+def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:
+    """Where step metrics go besides metrics.jsonl: TensorBoard and/or Weights & Biases, when
+    asked for (a clear error when asked for but not installed)."""
+    sinks = []
+    numeric = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
+    if cfg.trainer.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ConfigError(f"config key 'trainer.tensorboard': needs the tensorboard package ({e})") from None
+        writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+        def tb(m: dict) -> None:
+            for k, v in numeric(m).items():
+                writer.add_scalar(k, v, m["step"])
+            writer.flush()
+
+        sinks.append(tb)
+    if cfg.trainer.wandb:
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("config key 'trainer.wandb': needs the wandb package") from None
+        run = wandb.init(project="tracetrain", dir=str(run_dir), config=cfg.model_dump())
+        sinks.append(lambda m: run.log(numeric(m), step=m["step"]))
+    return sinks
+
+
+def format_step(m: dict) -> str:
+    """One line per step: what a person watching a run wants to see."""
+    drift = "/".join(str(int(m.get(f"aggregate/breaks/{k}", 0)))
+                     for k in ("retokenization", "assistant_rewrite", "context_rewrite"))
+    parts = [
+        f"step {m['step']:4d}",
+        f"reward {m['reward_mean']:.3f}",
+        f"rollouts/s {m['rollouts_per_s']:.1f}",
+        f"tok/s {m['trained_tokens_per_s']:.0f}",
+        f"rows/rollout {m['rows_per_rollout']:.2f}",
+        f"drift r/a/c {drift}",
+        f"fail {m['n_failed']}+{m['n_timed_out']}",
+    ]
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:+.4f}")
+    if m.get("loss/n_rollouts"):
+        parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
+                     f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
+    if "engine/logprob_gap_max" in m:  # engine vs trainer logprobs, same weights
+        parts.append(f"gap {m['engine/logprob_gap_max']:.0e}")
+    if "eval/reward_mean" in m:
+        parts.append(f"eval {m['eval/reward_mean']:.3f}")
+    return " | ".join(parts)
