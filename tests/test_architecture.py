@@ -96,3 +96,12 @@ def test_a_pure_stage_reaches_no_io_module(stage):
     io = ("tracetrain.store", "tracetrain.gateway", "tracetrain.runner", "tracetrain.engines",
           "tracetrain.trainer", "tracetrain.integrations", "tracetrain.step")
     assert not [m for m in seen if m.startswith(io)], seen
+
+
+def test_every_engine_kind_the_config_accepts_has_a_starter_and_no_other():
+    from typing import get_args
+
+    from tracetrain.config import EngineConfig
+    from tracetrain.engines.start import ENGINE_KINDS
+
+    assert set(get_args(EngineConfig.model_fields["kind"].annotation)) == set(ENGINE_KINDS)

@@ -45,6 +45,7 @@ from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_wor
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, wrap
 from tracetrain.engines.local import LocalEngine
+from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.optim import adamw
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
@@ -389,44 +390,10 @@ class Trainer:
         """The rollouts' engine, holding the weights the next collect uses (the policy's, or under
         overlap_collect the engine copy's). vllm: a server launched on them, or a running one
         they are pushed to (engines/vllm.py)."""
-        cfg = self.cfg
         own = self.engine_model is not None
-        weights = self.engine_model if own else self.model
-        version = self.engine_version if own else self.version
-        if cfg.engine.kind == "local":
-            return LocalEngine(weights, self.tokenizer, max_batch_size=4096, model_version=version,
-                               seed=cfg.trainer.seed, threads=self.threads,
-                               batch_window_ms=cfg.rollout.batch_window_ms)
-        from tracetrain.engines.vllm import LoraTransport, NcclTransport, VLLMEngine, write_hf_dir
-        from tracetrain.engines.vllm_server import VLLMServer
-
-        ec, ac = cfg.engine, cfg.aggregate
-        transport = NcclTransport() if ec.sync == "nccl" else None
-        if cfg.model.lora is not None:  # the server holds the base, each sync brings the adapter
-            transport = LoraTransport(self.run_dir / "engine-adapter", cfg.model.lora.r)
-        max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
-        weights_dir = self.run_dir / "engine-weights"
-        await asyncio.to_thread(lambda: write_hf_dir(lora.base(weights), self.tokenizer, weights_dir))
-        if ec.python is not None:
-            self.log(f"starting vLLM ({ec.python}), log in {self.run_dir / 'vllm.log'}")
-            server = await asyncio.to_thread(
-                VLLMServer.launch, ec.python, weights_dir, self.run_dir / "vllm.log",
-                args=(transport.server_args if transport else [])
-                + (["--enable-sleep-mode"] if ec.sleep_level else []) + ec.args,
-                max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
-                env={**getattr(transport, "env", {}), **ec.env}, start_timeout_s=ec.start_timeout_s)
-        else:
-            server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
-        engine = VLLMEngine(server, self.tokenizer, weights_dir, max_context=max_len,
-                            timeout=ec.request_timeout_s, model_version=version, transport=transport)
-        try:
-            # a server started by someone else: make it serve our weights; LoRA: load the adapter
-            if ec.python is None or cfg.model.lora is not None:
-                await engine.load_weights(weights, version)
-        except BaseException:
-            await engine.aclose()
-            raise
-        return engine
+        return await start_engine(self.cfg, self.engine_model if own else self.model,
+                                  self.tokenizer, version=self.engine_version if own else self.version,
+                                  run_dir=self.run_dir, threads=self.threads, log=self.log)
 
     def write_policy(self) -> Path:
         """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir);

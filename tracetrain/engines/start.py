@@ -1,0 +1,86 @@
+"""The engine a run's config names (`engine.kind`), started on the weights the next collect uses.
+
+    ENGINE_KINDS[kind](cfg, weights, tokenizer, version=..., run_dir=..., threads=..., log=...)
+        -> an engine (engines/base.py's contract)
+
+A new kind is one function registered with `@register_engine("kind")` (and the kind added to
+`EngineConfig.kind`, which validates the config).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracetrain import lora
+from tracetrain.config import TrainConfig
+
+StartEngine = Callable[..., Awaitable[Any]]
+ENGINE_KINDS: dict[str, StartEngine] = {}
+
+
+def register_engine(kind: str) -> Callable[[StartEngine], StartEngine]:
+    def add(fn: StartEngine) -> StartEngine:
+        ENGINE_KINDS[kind] = fn
+        return fn
+
+    return add
+
+
+async def start_engine(cfg: TrainConfig, weights: torch.nn.Module, tokenizer, *, version: int,
+                       run_dir: Path, threads: int, log=print):
+    """The engine of kind cfg.engine.kind, serving `weights` as model version `version`."""
+    return await ENGINE_KINDS[cfg.engine.kind](cfg, weights, tokenizer, version=version,
+                                               run_dir=run_dir, threads=threads, log=log)
+
+
+@register_engine("local")
+async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log):
+    """In this process, decoding with the module itself (shared with the optimizer unless the
+    trainer gives it a copy)."""
+    from tracetrain.engines.local import LocalEngine
+
+    return LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
+                       seed=cfg.trainer.seed, threads=threads,
+                       batch_window_ms=cfg.rollout.batch_window_ms)
+
+
+@register_engine("vllm")
+async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log):
+    """A vLLM server launched on the weights (engine.python), or a running one (engine.base_url)
+    they are pushed to; under LoRA the server holds the base and takes the adapter
+    (engines/vllm.py)."""
+    from tracetrain.engines.vllm import LoraTransport, NcclTransport, VLLMEngine, write_hf_dir
+    from tracetrain.engines.vllm_server import VLLMServer
+
+    ec, ac = cfg.engine, cfg.aggregate
+    transport = NcclTransport() if ec.sync == "nccl" else None
+    if cfg.model.lora is not None:  # the server holds the base, each sync brings the adapter
+        transport = LoraTransport(run_dir / "engine-adapter", cfg.model.lora.r)
+    max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
+    weights_dir = run_dir / "engine-weights"
+    await asyncio.to_thread(lambda: write_hf_dir(lora.base(weights), tokenizer, weights_dir))
+    if ec.python is not None:
+        log(f"starting vLLM ({ec.python}), log in {run_dir / 'vllm.log'}")
+        server = await asyncio.to_thread(
+            VLLMServer.launch, ec.python, weights_dir, run_dir / "vllm.log",
+            args=(transport.server_args if transport else [])
+            + (["--enable-sleep-mode"] if ec.sleep_level else []) + ec.args,
+            max_model_len=max_len, dtype=str(next(weights.parameters()).dtype).removeprefix("torch."),
+            env={**getattr(transport, "env", {}), **ec.env}, start_timeout_s=ec.start_timeout_s)
+    else:
+        server = await asyncio.to_thread(VLLMServer.running, ec.base_url, ec.start_timeout_s)
+    engine = VLLMEngine(server, tokenizer, weights_dir, max_context=max_len,
+                        timeout=ec.request_timeout_s, model_version=version, transport=transport)
+    try:
+        # a server started by someone else: make it serve our weights; LoRA: load the adapter
+        if ec.python is None or cfg.model.lora is not None:
+            await engine.load_weights(weights, version)
+    except BaseException:
+        await engine.aclose()
+        raise
+    return engine
