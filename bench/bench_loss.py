@@ -1,7 +1,7 @@
 """Token weights + policy loss on [N, 2048] float32, ~2.5 rows per rollout, N in {1024, 4096, 16384}.
 
-Times, per size (min, or --stat median, of --repeat runs after one warm-up; min is the least
-disturbed run, which matters on a shared machine):
+Times, per size (min, or --stat median, of --repeat runs after one warm-up, the candidates of a size
+interleaved run by run; min is the least disturbed run, which matters on a shared machine):
   row_scales        tracetrain.loss.row_scales(mask, rollout_index)          -> [N]
   row_scales(str)   the same with rollout ids as a list of str
   token_weights     mask * row_scales, materialized [N, 2048]
@@ -11,16 +11,20 @@ disturbed run, which matters on a shared machine):
                     entropy term) + backward w.r.t. the logprobs
   fused             (logprobs * advantages * mask).sum().backward(), with loss / fused
   ... (row adv)     the same two with advantages given per row ([N], broadcast) instead of [N, 2048]
+  --compare FILE    another loss.py (e.g. the commit before a change), timed in the same runs:
+                    its row_scales and both losses, and this tree's time over its (new/old)
 
-Goals (issue 3): row_scales >= 3x faster than AL at every size; loss within 3x of fused.
+Goals (issues 3 and 18): row_scales >= 3x faster than AL at every size; loss within 3x of fused.
 
     .venv/bin/python bench/bench_loss.py [--sizes 1024 4096 16384] [--repeat 5] [--threads N]
-                                         [--stat min|median] [--no-peer]
+                                         [--stat min|median] [--no-peer] [--compare FILE]
+    git show HEAD~1:tracetrain/loss.py > /tmp/loss_old.py   # then --compare /tmp/loss_old.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -67,13 +71,29 @@ stat, STAT_NAME = min, "min"
 
 def timeit(fn, repeat: int) -> float:
     """Wall time in ms over `repeat` runs (min or median), after one warm-up run."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+    return time_all({"fn": fn}, repeat)["fn"]
+
+
+def time_all(fns: dict, repeat: int) -> dict:
+    """{name: wall time in ms} (min or median of `repeat` runs after one warm-up), the functions
+    interleaved run by run so that a disturbance of the machine hits them alike."""
+    times: dict = {k: [] for k in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * stat(times)
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * stat(v) for k, v in times.items()}
+
+
+def load_loss(path: str):
+    """A loss.py file as a module of its own (to time it next to tracetrain.loss)."""
+    spec = importlib.util.spec_from_file_location("loss_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def peer_main(n: int, repeat: int, threads: int | None) -> None:
@@ -106,9 +126,9 @@ def time_peer(n: int, repeat: int, threads: int | None) -> float | None:
     return None
 
 
-def bench_size(n: int, repeat: int) -> dict:
-    """tracetrain's timings at one size (ms)."""
-    from tracetrain.loss import RowWeights, policy_loss, row_scales, token_weights
+def bench_size(n: int, repeat: int, other=None) -> dict:
+    """tracetrain's timings at one size (ms); with `other` (a loss module), its timings too."""
+    from tracetrain import loss
 
     x = make_inputs(n)
     g = torch.Generator().manual_seed(1)
@@ -118,34 +138,38 @@ def bench_size(n: int, repeat: int) -> dict:
     ref = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
     entropy = 2 * torch.rand(n, R, generator=g)
 
-    def loss_pass(adv):
+    def loss_pass(adv, mod=loss):
         logprobs.grad = None
-        loss, _ = policy_loss(
+        value, _ = mod.policy_loss(
             logprobs,
             old,
             adv,
-            RowWeights(mask, row_scales(mask, ri)),
+            mod.RowWeights(mask, mod.row_scales(mask, ri)),
             ref_logprobs=ref,
             kl_coef=0.01,
             entropy=entropy,
             entropy_coef=0.01,
         )
-        loss.backward()
+        value.backward()
 
     def fused_pass(adv):
         logprobs.grad = None
         (logprobs * adv * mask).sum().backward()
 
-    return {
-        "rollouts": int(ri[-1]) + 1,
-        "row_scales": timeit(lambda: row_scales(mask, ri), repeat),
-        "row_scales_str": timeit(lambda: row_scales(mask, x["rollout_ids"]), repeat),
-        "token_weights": timeit(lambda: token_weights(mask, ri), repeat),
-        "loss": timeit(lambda: loss_pass(adv_tok), repeat),
-        "fused": timeit(lambda: fused_pass(adv_tok), repeat),
-        "loss_row": timeit(lambda: loss_pass(adv_row), repeat),
-        "fused_row": timeit(lambda: fused_pass(adv_row[:, None]), repeat),
+    fns = {
+        "row_scales": lambda: loss.row_scales(mask, ri),
+        "row_scales_str": lambda: loss.row_scales(mask, x["rollout_ids"]),
+        "token_weights": lambda: loss.token_weights(mask, ri),
+        "loss": lambda: loss_pass(adv_tok),
+        "fused": lambda: fused_pass(adv_tok),
+        "loss_row": lambda: loss_pass(adv_row),
+        "fused_row": lambda: fused_pass(adv_row[:, None]),
     }
+    if other is not None:
+        fns["old_row_scales"] = lambda: other.row_scales(mask, ri)
+        fns["old_loss"] = lambda: loss_pass(adv_tok, other)
+        fns["old_loss_row"] = lambda: loss_pass(adv_row, other)
+    return {"rollouts": int(ri[-1]) + 1, **time_all(fns, repeat)}
 
 
 def main() -> None:
@@ -155,6 +179,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--stat", choices=sorted(STAT), default="min")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--compare", default=None, help="another loss.py to time side by side")
     p.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     global stat, STAT_NAME
@@ -172,15 +197,19 @@ def main() -> None:
         print("Agent Lightning peer: skipped (--no-peer); tracetrain figures only")
     elif not have_peer:
         print("Agent Lightning peer: unavailable (no bench/.venv-peers); tracetrain figures only")
+    other = load_loss(a.compare) if a.compare else None
     head = (
         f"{'N':>6} {'rollouts':>8} | {'row_scales':>10} {'(str ids)':>9} {'token_w':>8} | "
         f"{'AL norm':>8} {'AL/rs':>6} | {'loss':>8} {'fused':>8} {'ratio':>6} | "
         f"{'loss':>8} {'fused':>8} {'ratio':>6} (row adv)"
     )
+    if other is not None:
+        print(f"compared: {a.compare} (old); new/old = this tree's time over its")
+        head += f" | {'old rs':>7} {'new/old':>7} {'old loss':>8} {'new/old':>7} {'(row)':>8} {'new/old':>7}"
     print(head)
     print("-" * len(head))
     for n in a.sizes:
-        t = bench_size(n, a.repeat)
+        t = bench_size(n, a.repeat, other)
         t_al = time_peer(n, a.repeat, a.threads) if have_peer else None
         rs = t["row_scales"]
         al = f"{t_al:8.1f} {t_al / rs:5.1f}x" if t_al is not None else f"{'n/a':>8} {'':>6}"
@@ -188,7 +217,14 @@ def main() -> None:
             f"{n:>6} {t['rollouts']:>8} | {rs:10.2f} {t['row_scales_str']:9.2f} "
             f"{t['token_weights']:8.1f} | {al} | "
             f"{t['loss']:8.1f} {t['fused']:8.1f} {t['loss'] / t['fused']:5.2f}x | "
-            f"{t['loss_row']:8.1f} {t['fused_row']:8.1f} {t['loss_row'] / t['fused_row']:5.2f}x",
+            f"{t['loss_row']:8.1f} {t['fused_row']:8.1f} {t['loss_row'] / t['fused_row']:5.2f}x"
+            + (
+                ""
+                if other is None
+                else f" | {t['old_row_scales']:7.2f} {rs / t['old_row_scales']:6.2f}x "
+                f"{t['old_loss']:8.1f} {t['loss'] / t['old_loss']:6.2f}x "
+                f"{t['old_loss_row']:8.1f} {t['loss_row'] / t['old_loss_row']:6.2f}x"
+            ),
             flush=True,
         )
 

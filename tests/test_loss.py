@@ -18,7 +18,6 @@ from tracetrain.loss import (
     policy_loss,
     rollout_mass,
     row_scales,
-    row_token_counts,
     token_weights,
     truncated_is_weights,
 )
@@ -273,26 +272,6 @@ def test_a_complex_or_3_d_mask_is_refused():
         row_scales(torch.ones(2, 3, dtype=torch.complex64), ["A", "B"])
     with pytest.raises(ValueError, match=r"shape \(2, 3, 1\)"):
         row_scales(torch.ones(2, 3, 1, dtype=torch.long), ["A", "B"])
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 5), st.integers(0, 2100), st.floats(0, 1))
-def test_row_token_counts_equals_mask_sum(rows, width, p):
-    g = torch.Generator().manual_seed(rows * 10007 + width)
-    mask = torch.rand(rows, width, generator=g) < p
-    assert torch.equal(row_token_counts(mask), mask.sum(1))
-
-
-def test_row_token_counts_over_many_blocks():
-    g = torch.Generator().manual_seed(0)
-    mask = torch.rand(700, 2048 + 13, generator=g) < 0.5  # several row blocks, a tail of 13
-    assert torch.equal(row_token_counts(mask), mask.sum(1))
-
-
-def test_row_token_counts_all_ones_does_not_carry():
-    mask = torch.ones(3, 2048 + 8 * 255 + 5, dtype=torch.bool)  # full 128-word blocks and a tail
-    assert row_token_counts(mask).tolist() == [mask.shape[1]] * 3
-    assert row_token_counts(mask[:, 1:]).tolist() == [mask.shape[1] - 1] * 3  # non-contiguous
 
 
 # --- policy loss against a slow reference and hand-computed numbers ----------------------------

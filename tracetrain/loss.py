@@ -17,84 +17,31 @@ set of token weights w[i,t] = m[i,t] * s_i (the mask times one scale per row) an
 R counts rollouts, never rows. Empty rows and rollouts (no trained token) get weight 0 and are not
 counted in R or B: they carry no signal and must not dilute the others, so the mass of a mean mode
 stays exactly 1 (and is 0, not NaN, when nothing at all is trained).
+
+This file is the math, in plain torch, and runs on any device. On CPU, above a size, two functions
+hand the same computation to a faster twin in loss_cpu.py (tested equal to the plain version):
+`row_token_counts` and `policy_loss`. On GPU the plain versions here run.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from tracetrain import loss_cpu
 
 # ---------------------------------------------------------------------------------------------
 # Row token counts and rollout indices
 # ---------------------------------------------------------------------------------------------
 
 
-# Work on CPU is cut into blocks small enough (< 32k elements, torch's intra-op grain) that torch
-# runs each op on the calling thread; the blocks are spread over a few Python threads instead
-# (torch releases the GIL inside ops). There is then no per-op barrier between threads, which
-# otherwise stalls every op when the machine's cores are shared with other processes.
-_GRAIN = 1 << 15
-
-
-def map_blocks(fn: Callable[[int], object], starts: Sequence[int], device: torch.device) -> list:
-    """[fn(a) for a in starts], on torch.get_num_threads() threads when on CPU."""
-    workers = min(torch.get_num_threads(), len(starts)) if device.type == "cpu" else 1
-    if workers <= 1:
-        return [fn(a) for a in starts]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(fn, starts))
-
-
 def row_token_counts(mask: torch.Tensor) -> torch.Tensor:
-    """T_i = sum_t m[i,t] as int64 [rows], reading the bool mask once.
-
-    torch's bool row-sum is slow on CPU (it widens every byte to int64). A bool is one byte holding
-    0 or 1, so we sum the mask as int64 words instead: each word carries 8 byte lanes, and a lane
-    that adds up at most 255 words cannot carry into its neighbour. Summing blocks of 128 words,
-    then the 8 bytes of each block sum, gives the exact count (tested against `mask.sum(1)`).
-    """
-    rows, width = mask.shape
-    if mask.device.type != "cpu":
-        return mask.sum(1)
-    counts = torch.empty(rows, dtype=torch.int64)
-    step = max(1, _GRAIN // max(width // 8, 1))  # rows per block
-
-    def block(a: int) -> None:
-        counts[a : a + step] = _count_rows(mask[a : a + step])
-
-    map_blocks(block, range(0, rows, step), mask.device)
-    return counts
-
-
-def _count_rows(mask: torch.Tensor) -> torch.Tensor:
-    rows, width = mask.shape
-    n_words = width // 8
-    counts = torch.zeros(rows, dtype=torch.int64, device=mask.device)
-    if n_words and rows:
-        head = mask[:, : 8 * n_words]
-        if not (
-            head.is_contiguous()
-            and head.stride(0) == 8 * n_words
-            and head.storage_offset() % 8 == 0
-        ):
-            head = torch.empty(rows, 8 * n_words, dtype=torch.bool, device=mask.device).copy_(head)
-        words = head.view(torch.int64)  # [rows, n_words]
-        full = n_words // 128
-        lanes = []
-        if full:
-            lanes.append(words[:, : 128 * full].view(rows, full, 128).sum(-1))  # lanes <= 128
-        if n_words % 128:
-            lanes.append(words[:, 128 * full :].sum(-1, keepdim=True))  # lanes <= 127
-        lane_sums = torch.cat(lanes, dim=1).contiguous()  # [rows, blocks] int64, 8 lanes each
-        counts += lane_sums.view(torch.uint8).view(rows, 8 * lane_sums.shape[1]).sum(-1)
-    if width % 8:
-        counts += mask[:, 8 * n_words :].sum(-1)
-    return counts
+    """T_i = sum_t m[i,t] as int64 [rows] of a bool mask (loss_cpu's on CPU: the same counts)."""
+    return loss_cpu.row_token_counts(mask) if loss_cpu.counts_pay(mask) else mask.sum(1)
 
 
 RolloutIds = Sequence[str] | torch.Tensor
@@ -303,10 +250,36 @@ class RowWeights(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------------
-# KL estimators: value and d value / d logprob, per token (Schulman's k1, k2, k3)
+# Per-token terms: PPO surrogate, KL to a reference (Schulman's k1, k2, k3)
 # ---------------------------------------------------------------------------------------------
 
-KlFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+def ppo_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(l, clipped, dual) per token, with ratio r and advantage A:
+
+        l = max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high)),  then  min(l, |A| dual_clip)
+
+    The min is dual-clip PPO: it binds only for A < 0 (for A >= 0, l <= 0) and caps the loss of a
+    token whose ratio blew up. `clipped` marks tokens where a bound set l (no gradient through r
+    there), `dual` those where the dual clip did.
+    """
+    unclipped = -advantages * ratio
+    loss = torch.maximum(unclipped, -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+    dual = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = advantages.abs() * dual_clip
+        dual = loss > cap
+        loss = torch.minimum(loss, cap)
+    return loss, loss != unclipped, dual
+
+
+KlFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, KlFn] = {}
 
 
@@ -319,168 +292,81 @@ def register_kl(name: str) -> Callable[[KlFn], KlFn]:
 
 
 @register_kl("k1")
-def kl_k1(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k1 = logprob - ref; d/dlogprob = 1."""
-    return logprob - ref, torch.ones_like(logprob)
+def kl_k1(logprob: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """k1 = logprob - ref."""
+    return logprob - ref
 
 
 @register_kl("k2")
-def kl_k2(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k2 = (logprob - ref)^2 / 2; d/dlogprob = logprob - ref."""
-    diff = logprob - ref
-    return 0.5 * diff * diff, diff
+def kl_k2(logprob: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """k2 = (logprob - ref)^2 / 2."""
+    return 0.5 * (logprob - ref) ** 2
 
 
 @register_kl("k3")
-def kl_k3(logprob: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k3 = exp(x) - x - 1 with x = ref - logprob clamped to [-20, 20], then k3 clamped to <= 10
-    (as verl's low_var_kl); d/dlogprob = 1 - exp(x), and 0 where the clamp at 10 is active."""
-    x = (ref - logprob).clamp_(-20.0, 20.0)
-    e = x.exp()
-    value = (e - x).sub_(1.0)
-    grad = torch.rsub(e, 1.0).mul_(torch.le(value, 10.0, out=torch.empty_like(value)))
-    return value.clamp_(max=10.0), grad
+def kl_k3(logprob: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(x) - x - 1 with x = ref - logprob clamped to [-20, 20], then clamped to <= 10
+    (verl's low_var_kl)."""
+    x = torch.clamp(ref - logprob, -20.0, 20.0)
+    return torch.clamp(torch.exp(x) - x - 1, max=10.0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Policy loss
 # ---------------------------------------------------------------------------------------------
 
-# Per-block sums, in this order; metrics are built from their totals.
-_SUMS = ("pg", "mass", "clip_mass", "dual_mass", "ratio_w", "logratio_w", "kl_w", "entropy_w")
+SUMS = ("pg", "mass", "clip", "dual_clip", "approx_kl", "kl_ref", "entropy")
 
 
-class _Cfg(NamedTuple):
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    kl_coef: float
-    kl_fn: KlFn | None
-    entropy_coef: float
+def policy_loss_sums(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    is_weights: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    kl_estimator: str,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(L, sums) in float32, each sum sum_{i,t} w[i,t] x[i,t] of a per-token x (SUMS):
 
+        L = pg + kl_coef * kl_ref - entropy_coef * entropy      (x = l, kl, H)
 
-def _block(lp, old, adv, w, isw, ref, ent, cfg: _Cfg, grad_out):
-    """Sums (see _SUMS) of one block of rows; writes d loss / d logprob of the block to grad_out.
-
-    Per token, with ratio r = exp(clamp(lp - old, -20, 20)), advantage A and IS weight v >= 0:
-        surrogate = min(max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high)), |A| dual_clip) * v
-    The outer min is dual-clip PPO: it only binds for A < 0 (for A >= 0 the max is <= 0), where it
-    caps the loss of a token whose ratio blew up at |A| * dual_clip. The gradient is -A v r where
-    the unclipped term -A r is the one selected (`kept`), else 0.
+    and, detached, mass (x = 1), clip / dual_clip (x = the flags of ppo_surrogate), approx_kl
+    (x = r - 1 - log r: k3 of the new policy against old_logprobs). `weights` is w [rows, R] or
+    (mask [rows, R], s [rows]). The ratio is r = exp(clamp(logprobs - old_logprobs, -20, 20)).
     """
-    logratio = torch.sub(lp, old).clamp_(-20.0, 20.0)
-    ratio = logratio.exp()
-    nav = adv.mul(isw).neg_() if isw is not None else adv.neg()  # -A v
-    unclipped = ratio * nav
-    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high).mul_(nav)
-    surrogate = torch.maximum(unclipped, clipped, out=clipped)
-    zero = w.new_zeros(())
-    flag = torch.empty_like(w)  # a 0/1 float indicator, reused
-    dual_w = zero
-    if cfg.dual_clip is not None:
-        cap = nav.abs().mul_(cfg.dual_clip)  # |A| v dual_clip
-        dual_w = torch.dot(torch.gt(surrogate, cap, out=flag).view(-1), w.view(-1))
-        surrogate = torch.minimum(surrogate, cap, out=surrogate)
-    kept = torch.eq(surrogate, unclipped, out=flag)  # the gradient flows through r here
-    sums = [
-        torch.dot(surrogate.view(-1), w.view(-1)),
-        zero,  # the mass, filled in by the caller
-        torch.dot(torch.sub(1.0, kept).view(-1), w.view(-1)),  # clipped: exactly 0 when none is
-        dual_w,
-        torch.dot(ratio.view(-1), w.view(-1)),
-        torch.dot(logratio.view(-1), w.view(-1)),
-    ]
-    grad = unclipped.mul_(kept)  # d surrogate / d lp, before the weights
-    if cfg.kl_fn is not None:
-        kl, dkl = cfg.kl_fn(lp, ref.float())
-        sums.append(torch.dot(kl.view(-1), w.view(-1)))
-        if cfg.kl_coef != 0.0:
-            grad = grad.add_(dkl, alpha=cfg.kl_coef)
-    else:
-        sums.append(zero)
-    torch.mul(grad, w, out=grad_out)
-    sums.append(torch.dot(ent.float().view(-1), w.view(-1)) if ent is not None else zero)
-    return torch.stack(sums)
+    w = weights.float() if isinstance(weights, torch.Tensor) else weights[0] * weights[1][:, None].float()
+    adv = advantages.float()[:, None] if advantages.dim() == 1 else advantages.float()
+    if is_weights is not None:  # an IS weight v >= 0 scales a token's loss: l(A v) = v l(A)
+        adv = adv * is_weights.float()
+    logprobs = logprobs.float()
+    logratio = torch.clamp(logprobs - old_logprobs.float(), -20.0, 20.0)
+    ratio = torch.exp(logratio)
+    pg, clipped, dual = ppo_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    kl = None if ref_logprobs is None else KL_ESTIMATORS[kl_estimator](logprobs, ref_logprobs.float())
+    entropy = None if entropy is None else entropy.float()
 
+    def wsum(x: torch.Tensor | None) -> torch.Tensor:
+        return w.new_zeros(()) if x is None else (w * x).sum()
 
-class _PolicyLoss(torch.autograd.Function):
-    """Blockwise forward that also computes d loss / d logprob, so backward is one multiply.
-
-    The [rows, R] temporaries of the elementwise math exist only one block at a time and stay in
-    cache; the only full-size tensor written is the gradient. Blocks run through `map_blocks`.
-    """
-
-    @staticmethod
-    def forward(ctx, logprobs, entropy, old, adv, weights, mask, scales, isw, ref, cfg, chunk):
-        rows, width = logprobs.shape
-        grad = torch.empty(rows, width, dtype=torch.float32, device=logprobs.device)
-        step = max(1, chunk // max(width, 1))
-        per_row_adv = adv.dim() == 1
-
-        @torch.no_grad()  # grad mode is per thread: the workers need it off too
-        def block(a: int) -> torch.Tensor:
-            b = min(a + step, rows)
-            if weights is not None:
-                w = weights[a:b].float()
-            else:  # a bool tensor in arithmetic is slow on CPU; its uint8 view is not
-                w = torch.mul(mask[a:b].view(torch.uint8), scales[a:b, None].float())
-            sums = _block(
-                logprobs[a:b].float(),
-                old[a:b].float(),
-                (adv[a:b, None] if per_row_adv else adv[a:b]).float(),
-                w,
-                None if isw is None else isw[a:b].float(),
-                None if ref is None else ref[a:b],
-                None if entropy is None else entropy[a:b],
-                cfg,
-                grad[a:b],
-            )
-            if weights is not None:
-                sums[1] = w.sum()
-            return sums
-
-        parts = map_blocks(block, range(0, rows, step), logprobs.device)
-        totals = torch.zeros(len(_SUMS), dtype=torch.float32, device=logprobs.device)
-        if parts:
-            totals = torch.stack(parts).sum(0)
-        if weights is None:  # mass = sum_i s_i T_i, from the row counts
-            totals[1] = torch.dot(scales.float(), row_token_counts(mask).float())
-        ctx.save_for_backward(grad, weights, mask, scales)
-        ctx.entropy_coef = cfg.entropy_coef
-        ctx.lp_dtype = logprobs.dtype
-        ctx.ent_dtype = None if entropy is None else entropy.dtype
-        loss = totals[0] + cfg.kl_coef * totals[6] - cfg.entropy_coef * totals[7]
-        ctx.mark_non_differentiable(totals)
-        return loss, totals
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_totals):
-        grad, weights, mask, scales = ctx.saved_tensors
-        grad_lp = (grad * grad_loss).to(ctx.lp_dtype) if ctx.needs_input_grad[0] else None
-        grad_ent = None
-        if ctx.needs_input_grad[1] and ctx.entropy_coef != 0.0:
-            c = -ctx.entropy_coef * grad_loss
-            w = (
-                weights * c
-                if weights is not None
-                else mask.view(torch.uint8) * (scales[:, None] * c)
-            )
-            grad_ent = w.to(ctx.ent_dtype)
-        return grad_lp, grad_ent, *([None] * 9)
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_same_shape(name: str, x: torch.Tensor | None, shape: torch.Size) -> None:
-    if x is None:
-        return
-    if not isinstance(x, torch.Tensor) or x.shape != shape:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {got}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"{name} must be a float tensor, got {x.dtype}")
+    sums = {"pg": wsum(pg), "kl_ref": wsum(kl), "entropy": wsum(entropy)}
+    loss = sums["pg"]  # (a term with coefficient 0 stays out of the graph: no gradient at all)
+    if kl_coef != 0.0:
+        loss = loss + kl_coef * sums["kl_ref"]
+    if entropy_coef != 0.0:
+        loss = loss - entropy_coef * sums["entropy"]
+    with torch.no_grad():
+        sums["mass"] = w.sum()
+        sums["clip"], sums["dual_clip"] = wsum(clipped), wsum(dual)
+        sums["approx_kl"] = wsum(ratio - 1 - logratio)
+    return loss, {k: sums[k].detach() for k in SUMS}
 
 
 def policy_loss(
@@ -505,8 +391,9 @@ def policy_loss(
     - logprobs [rows, R]: the current policy's log-probabilities (differentiable).
     - old_logprobs [rows, R]: the log-probabilities the ratio is taken against (constant).
     - advantages: [rows] (one per row, e.g. `adv[batch.rollout_index]`) or [rows, R] (constant).
-    - weights: a [rows, R] tensor, or `RowWeights(mask, row_scales)` (the hot path: no [rows, R]
-      weight tensor is built). All three terms use the same weights (invariant 5).
+    - weights: a [rows, R] tensor, or `RowWeights(mask, row_scales)` (as the trainer passes them;
+      the CPU path then builds no [rows, R] weight tensor). All three terms use the same weights
+      (invariant 5).
     - is_weights [rows, R]: truncated importance weights (constant), see `truncated_is_weights`.
     - ref_logprobs [rows, R] with `kl_estimator` in KL_ESTIMATORS: KL(policy || reference) term;
       needed when kl_coef != 0, reported as a metric whenever given.
@@ -516,7 +403,91 @@ def policy_loss(
     sync): pg_loss (the weighted sum of the surrogate), weight_mass (sum w), and weighted means
     sum(w x) / sum(w) of clip_frac (ratio clipped by any bound), dual_clip_frac, approx_kl
     (k3 of the new policy against old_logprobs), and kl_ref / entropy when given.
+
+    The math is `policy_loss_sums`. On CPU from loss_cpu.LOSS_MIN tokens, or whenever
+    `chunk_tokens` is given (its block size), loss_cpu.policy_loss_sums computes the same.
     """
+    weights = _check_tensors(logprobs, old_logprobs, advantages, weights, is_weights, ref_logprobs, entropy)
+    _check_options(clip_low, clip_high, dual_clip, kl_coef, entropy_coef, chunk_tokens)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    if ref_logprobs is not None and kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+    def const(x):  # the gradient flows to logprobs and entropy only
+        return None if x is None else x.detach()
+
+    args = (logprobs, old_logprobs.detach(), advantages.detach(), weights)
+    kw = dict(
+        clip_low=float(clip_low),
+        clip_high=float(clip_high),
+        dual_clip=None if dual_clip is None else float(dual_clip),
+        is_weights=const(is_weights),
+        ref_logprobs=const(ref_logprobs),
+        kl_estimator=kl_estimator,
+        kl_coef=float(kl_coef),
+        entropy=entropy,
+        entropy_coef=float(entropy_coef),
+    )
+    if chunk_tokens is not None or loss_cpu.loss_pays(logprobs):
+        loss, s = loss_cpu.policy_loss_sums(*args, **kw, chunk_tokens=chunk_tokens or loss_cpu.BLOCK)
+    else:
+        loss, s = policy_loss_sums(*args, **kw)
+    mass = s["mass"]
+    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
+
+    def mean(x):
+        return torch.where(mass > 0, x / safe, torch.zeros_like(x))
+
+    metrics = {
+        "pg_loss": s["pg"],
+        "weight_mass": mass,
+        "clip_frac": mean(s["clip"]),
+        "dual_clip_frac": mean(s["dual_clip"]),
+        "approx_kl": mean(s["approx_kl"]),
+    }
+    if ref_logprobs is not None:
+        metrics["kl_ref"] = mean(s["kl_ref"])
+    if entropy is not None:
+        metrics["entropy"] = mean(s["entropy"])
+    return loss, metrics
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *, cap: float = 2.0
+) -> torch.Tensor:
+    """min(exp(old - rollout), cap), detached: truncated importance weights correcting for the
+    inference engine's sampling distribution differing from the trainer's (TIS)."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+    return (
+        (old_logprobs.detach() - rollout_logprobs.detach()).clamp_(max=20.0).exp_().clamp_(max=cap)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks of policy_loss
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_same_shape(name: str, x: torch.Tensor | None, shape: torch.Size) -> None:
+    if x is None:
+        return
+    if not isinstance(x, torch.Tensor) or x.shape != shape:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {got}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a float tensor, got {x.dtype}")
+
+
+def _check_tensors(logprobs, old_logprobs, advantages, weights, is_weights, ref_logprobs, entropy):
+    """Shapes and dtypes; returns the weights detached, as a tensor or (bool mask, scales)."""
     if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
         raise ValueError("logprobs must be a 2-D float tensor [rows, R]")
     shape = logprobs.shape
@@ -530,21 +501,22 @@ def policy_loss(
         raise ValueError(
             f"advantages must have shape [rows] {tuple(shape[:1])} or {tuple(shape)}, got {got}"
         )
-    if isinstance(weights, tuple):
-        mask, scales = weights
-        mask = as_mask(mask, "weights mask")
-        if mask.shape != shape:
-            raise ValueError(
-                f"weights mask must have the shape of logprobs {tuple(shape)}, got {tuple(mask.shape)}"
-            )
-        if not isinstance(scales, torch.Tensor) or scales.shape != shape[:1]:
-            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
-            raise ValueError(f"weights row scales must have shape {tuple(shape[:1])}, got {got}")
-        full = None
-        mask, scales = mask.contiguous(), scales.contiguous()
-    else:
+    if not isinstance(weights, tuple):
         _check_same_shape("weights", weights, shape)
-        full, mask, scales = weights.contiguous(), None, None
+        return weights.detach()
+    mask, scales = weights
+    mask = as_mask(mask, "weights mask")
+    if mask.shape != shape:
+        raise ValueError(
+            f"weights mask must have the shape of logprobs {tuple(shape)}, got {tuple(mask.shape)}"
+        )
+    if not isinstance(scales, torch.Tensor) or scales.shape != shape[:1]:
+        got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise ValueError(f"weights row scales must have shape {tuple(shape[:1])}, got {got}")
+    return mask, scales.detach()
+
+
+def _check_options(clip_low, clip_high, dual_clip, kl_coef, entropy_coef, chunk_tokens):
     for name, v in (("clip_low", clip_low), ("clip_high", clip_high)):
         if not (_is_number(v) and v >= 0.0):
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -559,67 +531,3 @@ def policy_loss(
         )
     if dual_clip is not None and not (_is_number(dual_clip) and dual_clip > 1.0):
         raise ValueError(f"dual_clip must be > 1 or None, got {dual_clip!r}")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError("kl_coef != 0 needs ref_logprobs")
-    if entropy_coef != 0.0 and entropy is None:
-        raise ValueError("entropy_coef != 0 needs entropy")
-    kl_fn = None
-    if ref_logprobs is not None:
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"unknown kl_estimator {kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
-            )
-        kl_fn = KL_ESTIMATORS[kl_estimator]
-    cfg = _Cfg(
-        float(clip_low), float(clip_high), dual_clip, float(kl_coef), kl_fn, float(entropy_coef)
-    )
-    if chunk_tokens is None:
-        chunk_tokens = _GRAIN if logprobs.device.type == "cpu" else 1 << 24
-
-    def c(x):
-        return None if x is None else x.detach().contiguous()
-
-    loss, totals = _PolicyLoss.apply(
-        logprobs.contiguous(),
-        None if entropy is None else entropy.contiguous(),
-        c(old_logprobs),
-        c(advantages),
-        None if full is None else full.detach(),
-        mask,
-        None if scales is None else scales.detach(),
-        c(is_weights),
-        c(ref_logprobs),
-        cfg,
-        chunk_tokens,
-    )
-    s = dict(zip(_SUMS, totals.unbind(0), strict=True))
-    mass = s["mass"]
-    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
-
-    def mean(x):
-        return torch.where(mass > 0, x / safe, torch.zeros_like(x))
-
-    metrics = {
-        "pg_loss": s["pg"],
-        "weight_mass": mass,
-        "clip_frac": mean(s["clip_mass"]),
-        "dual_clip_frac": mean(s["dual_mass"]),
-        "approx_kl": mean(s["ratio_w"] - mass - s["logratio_w"]),
-    }
-    if ref_logprobs is not None:
-        metrics["kl_ref"] = mean(s["kl_w"])
-    if entropy is not None:
-        metrics["entropy"] = mean(s["entropy_w"])
-    return loss, metrics
-
-
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *, cap: float = 2.0
-) -> torch.Tensor:
-    """min(exp(old - rollout), cap), detached: truncated importance weights correcting for the
-    inference engine's sampling distribution differing from the trainer's (TIS)."""
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap!r}")
-    return (
-        (old_logprobs.detach() - rollout_logprobs.detach()).clamp_(max=20.0).exp_().clamp_(max=cap)
-    )

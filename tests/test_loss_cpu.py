@@ -1,0 +1,241 @@
+"""loss_cpu's speed-ups against the plain versions in loss.py: equal row counts; allclose losses,
+sums and gradients over random shapes, masks, rollout cuts, block sizes and options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracetrain import loss, loss_cpu
+from tracetrain.loss import KL_ESTIMATORS, MODES, RowWeights, policy_loss, row_scales
+
+# --- row token counts: the int64 byte-lane sum equals mask.sum(1) ------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 2100), st.integers(0, 9), st.floats(0, 1))
+def test_row_token_counts_equals_mask_sum(rows, width, offset, p):
+    g = torch.Generator().manual_seed(rows * 10007 + width * 13 + offset)
+    mask = (torch.rand(rows, width + offset, generator=g) < p)[:, offset:]  # any byte alignment
+    assert torch.equal(loss_cpu.row_token_counts(mask), mask.sum(1))
+
+
+def test_row_token_counts_of_many_rows_with_a_tail():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(700, 2048 + 13, generator=g) < 0.5  # 2 blocks of 128 words, 1 word, 5 bytes
+    assert torch.equal(loss_cpu.row_token_counts(mask), mask.sum(1))
+
+
+def test_row_token_counts_all_ones_does_not_carry():
+    mask = torch.ones(3, 2048 + 8 * 255 + 5, dtype=torch.bool)  # full 128-word blocks and a tail
+    assert loss_cpu.row_token_counts(mask).tolist() == [mask.shape[1]] * 3
+    assert loss_cpu.row_token_counts(mask[:, 1:]).tolist() == [mask.shape[1] - 1] * 3
+
+
+def test_loss_row_token_counts_picks_the_fast_one_on_cpu_above_the_size(monkeypatch):
+    calls = []
+    fast = loss_cpu.row_token_counts
+    monkeypatch.setattr(loss_cpu, "row_token_counts", lambda m: calls.append(m) or fast(m))
+    small = torch.ones(2, 3, dtype=torch.bool)
+    big = torch.ones(4, loss_cpu.COUNTS_MIN, dtype=torch.bool)
+    assert loss.row_token_counts(small).tolist() == [3, 3] and not calls
+    assert loss.row_token_counts(big).tolist() == [loss_cpu.COUNTS_MIN] * 4 and len(calls) == 1
+
+
+# --- KL estimators: value and derivative against autograd on the plain ones --------------------
+
+
+@pytest.mark.parametrize("name", sorted(KL_ESTIMATORS))
+def test_kl_value_and_derivative_match_autograd_on_the_plain_estimator(name):
+    assert set(loss_cpu.KL_GRADS) == set(KL_ESTIMATORS)
+    g = torch.Generator().manual_seed(0)
+    lp = -3 * torch.rand(4, 257, generator=g)
+    ref = lp + torch.linspace(-25, 25, 4 * 257).view(4, 257)  # past both clamps of k3
+    x = lp.clone().requires_grad_()
+    plain = KL_ESTIMATORS[name](x, ref)
+    (grad,) = torch.autograd.grad(plain.sum(), x)
+    out, t1, t2 = torch.empty_like(lp), torch.empty_like(lp), torch.empty_like(lp)
+    d = loss_cpu.KL_GRADS[name](lp, ref, 0.3, out, t1, t2)
+    torch.testing.assert_close(out, plain.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.as_tensor(d).expand_as(lp), 0.3 * grad, rtol=1e-5, atol=1e-6)
+
+
+# --- the policy loss: blocked (loss_cpu) against plain autograd (loss) -------------------------
+
+
+@st.composite
+def loss_cases(draw):
+    rows = draw(st.integers(1, 9))
+    width = draw(st.integers(1, 40))
+    n_rollouts = draw(st.integers(1, 4))
+    case = {
+        "rows": rows,
+        "width": width,
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "rollout_of_row": draw(st.lists(st.integers(0, n_rollouts - 1), min_size=rows, max_size=rows)),
+        "p": draw(st.sampled_from([0.0, 0.3, 0.8, 1.0])),
+        "mode": draw(st.sampled_from(sorted(MODES))),
+        "full_weights": draw(st.booleans()),
+        "adv_per_row": draw(st.booleans()),
+        "spread": draw(st.sampled_from([0.05, 0.5, 3.0])),  # of logprob - old: how much is clipped
+        "is_weights": draw(st.booleans()),
+        "kl": draw(st.sampled_from([None, *sorted(KL_ESTIMATORS)])),
+        "kl_coef": draw(st.sampled_from([0.0, 0.3])),
+        "entropy": draw(st.booleans()),
+        "entropy_coef": draw(st.sampled_from([0.0, 0.05])),
+        "clip": draw(st.sampled_from([(0.2, 0.2), (0.2, 0.28), (0.0, 0.0)])),
+        "dual_clip": draw(st.sampled_from([None, 3.0, 1.5])),
+        "chunk_tokens": draw(st.integers(1, 3 * width + 1)),  # blocks of 1 to 3 rows, a short last
+    }
+    if case["kl"] is None:
+        case["kl_coef"] = 0.0
+    if not case["entropy"]:
+        case["entropy_coef"] = 0.0
+    return case
+
+
+def make(case):
+    rows, width = case["rows"], case["width"]
+    g = torch.Generator().manual_seed(case["seed"])
+    mask = torch.rand(rows, width, generator=g) < case["p"]
+    ids = torch.tensor(case["rollout_of_row"])
+    mode = case["mode"]
+    scales = row_scales(mask, ids, mode=mode, norm_length=8 if mode in loss.NORM_MODES else None)
+    weights = (mask, scales)
+    if case["full_weights"]:
+        weights = mask * scales[:, None] + torch.rand(rows, width, generator=g) * (torch.rand(()) < 0.5)
+    lp = torch.randn(rows, width, generator=g) * 0.5 - 1
+    old = lp + case["spread"] * torch.randn(rows, width, generator=g)
+    adv = torch.randn(rows if case["adv_per_row"] else (rows, width), generator=g)
+    adv[torch.rand(adv.shape, generator=g) < 0.2] = 0.0
+    return {
+        "logprobs": lp,
+        "old_logprobs": old,
+        "advantages": adv,
+        "weights": weights,
+        "is_weights": torch.rand(rows, width, generator=g) * 2 if case["is_weights"] else None,
+        "ref_logprobs": lp + 1.5 * torch.randn(rows, width, generator=g) if case["kl"] else None,
+        "entropy": torch.rand(rows, width, generator=g) * 3 if case["entropy"] else None,
+    }
+
+
+def run(fn, x, case, **extra):
+    """(loss, sums, d loss / d logprobs, d loss / d entropy or None) of one implementation."""
+    lp = x["logprobs"].clone().requires_grad_()
+    ent = None if x["entropy"] is None else x["entropy"].clone().requires_grad_()
+    loss_value, sums = fn(
+        lp,
+        x["old_logprobs"],
+        x["advantages"],
+        x["weights"],
+        clip_low=case["clip"][0],
+        clip_high=case["clip"][1],
+        dual_clip=case["dual_clip"],
+        is_weights=x["is_weights"],
+        ref_logprobs=x["ref_logprobs"],
+        kl_estimator=case["kl"] or "k3",
+        kl_coef=case["kl_coef"],
+        entropy=ent,
+        entropy_coef=case["entropy_coef"],
+        **extra,
+    )
+    loss_value.backward()
+    return loss_value.detach(), sums, lp.grad, None if ent is None else ent.grad
+
+
+def assert_same(plain, fast, *, metrics=True):
+    (l0, s0, g0, e0), (l1, s1, g1, e1) = plain, fast
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+    assert (e0 is None) == (e1 is None)  # no entropy gradient when entropy_coef == 0
+    if e0 is not None:
+        torch.testing.assert_close(e1, e0, rtol=1e-5, atol=1e-7)
+    assert set(s0) == set(s1) == set(loss.SUMS)
+    for k in loss.SUMS if metrics else ("pg", "mass", "kl_ref", "entropy"):
+        torch.testing.assert_close(s1[k], s0[k], rtol=1e-5, atol=2e-6, msg=k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(loss_cases())
+def test_blocked_policy_loss_equals_the_plain_one(case):
+    x = make(case)
+    plain = run(loss.policy_loss_sums, x, case)
+    fast = run(loss_cpu.policy_loss_sums, x, case, chunk_tokens=case["chunk_tokens"])
+    assert_same(plain, fast)
+
+
+@settings(max_examples=60, deadline=None)
+@given(loss_cases())
+def test_blocked_policy_loss_equals_the_plain_one_past_the_ratio_clamp(case):
+    """|logprob - old| up to 30, past the clamp at 20: the gradient is cut there in both; only the
+    clip_frac metric may count such a token differently (see loss_cpu.policy_loss_sums)."""
+    x = make(case)
+    x["old_logprobs"] = x["logprobs"] + 30 * (2 * torch.rand(x["logprobs"].shape) - 1)
+    plain = run(loss.policy_loss_sums, x, case)
+    fast = run(loss_cpu.policy_loss_sums, x, case, chunk_tokens=case["chunk_tokens"])
+    assert_same(plain, fast, metrics=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_blocked_policy_loss_keeps_the_input_dtypes_and_scales_by_the_incoming_gradient(dtype):
+    case = {"clip": (0.2, 0.2), "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.1, "entropy_coef": 0.02}
+    x = make({**case, "rows": 5, "width": 7, "seed": 3, "rollout_of_row": [0, 0, 1, 2, 2],
+              "p": 0.8, "mode": "rollout-mean", "full_weights": False, "adv_per_row": True,
+              "spread": 0.5, "is_weights": False, "entropy": True})
+    x = {k: v.to(dtype) if isinstance(v, torch.Tensor) and k != "advantages" else v
+         for k, v in x.items()}
+    results = []
+    for fn, extra in ((loss.policy_loss_sums, {}), (loss_cpu.policy_loss_sums, {"chunk_tokens": 14})):
+        lp = x["logprobs"].clone().requires_grad_()
+        ent = x["entropy"].clone().requires_grad_()
+        value, _ = fn(lp, x["old_logprobs"], x["advantages"], x["weights"], clip_low=0.2,
+                      clip_high=0.2, dual_clip=3.0, is_weights=None,
+                      ref_logprobs=x["ref_logprobs"], kl_estimator="k3", kl_coef=0.1,
+                      entropy=ent, entropy_coef=0.02, **extra)
+        (-2.5 * value).backward()  # an incoming gradient other than 1
+        assert value.dtype == torch.float32
+        assert lp.grad.dtype == dtype and ent.grad.dtype == dtype
+        results.append((value, lp.grad.double(), ent.grad.double()))
+    (v0, g0, e0), (v1, g1, e1) = results
+    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
+    tol = {"rtol": 1e-2, "atol": 1e-3} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(g1, g0, **tol)
+    torch.testing.assert_close(e1, e0, **tol)
+
+
+def test_policy_loss_picks_the_blocked_path_on_cpu_from_loss_min_tokens(monkeypatch):
+    calls = []
+    fast = loss_cpu.policy_loss_sums
+    monkeypatch.setattr(loss_cpu, "policy_loss_sums", lambda *a, **k: calls.append(1) or fast(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    loss_min = loss_cpu.LOSS_MIN
+    for rows, want in ((3, 0), (loss_min // 64, 1)):
+        mask = torch.rand(rows, 64, generator=g) < 0.7
+        ids = torch.arange(rows) // 2
+        lp = -torch.rand(rows, 64, generator=g)
+        args = (lp, lp + 0.2 * torch.randn(rows, 64, generator=g), torch.randn(rows, generator=g))
+        weights = RowWeights(mask, row_scales(mask, ids))
+        calls.clear()
+        _, metrics = policy_loss(*args, weights)
+        assert len(calls) == want
+        monkeypatch.setattr(loss_cpu, "LOSS_MIN", 10**12)  # the same call on the plain path
+        _, plain = policy_loss(*args, weights)
+        monkeypatch.setattr(loss_cpu, "LOSS_MIN", loss_min)
+        assert metrics.keys() == plain.keys()
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], plain[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_blocked_policy_loss_equals_the_plain_one_on_bench_sized_rows():
+    """Rows of 2048 tokens in the default blocks (several, the last one short), per-token advantages
+    with IS weights, and per-row advantages: as the trainer and bench/bench_loss.py use it."""
+    case = {"clip": (0.2, 0.28), "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.01, "entropy_coef": 0.01}
+    rows = 2 * loss_cpu.BLOCK // 2048 + 5
+    for adv_per_row, isw in ((True, False), (False, True)):
+        x = make({**case, "rows": rows, "width": 2048, "seed": 5, "p": 0.9, "mode": "rollout-mean",
+                  "rollout_of_row": [i // 3 for i in range(rows)], "full_weights": False,
+                  "adv_per_row": adv_per_row, "spread": 0.3, "is_weights": isw, "entropy": True})
+        assert_same(run(loss.policy_loss_sums, x, case),
+                    run(loss_cpu.policy_loss_sums, x, case, chunk_tokens=loss_cpu.BLOCK))
