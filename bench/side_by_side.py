@@ -5,9 +5,10 @@
 The earlier commit is checked out into a temporary git worktree; each round runs the script
 (with the arguments after `--`) first on one tree, then on the other (the order alternates per
 round, since the shared machine's speed drifts), with that tree's package first on PYTHONPATH and
-the tree as working directory, and prints each run's output under a header naming its tree. The
-script itself is the working tree's, so both sides are measured the same way; what differs is the
-tracetrain package they import.
+the tree as working directory, and prints each run's output under a header naming its tree. Each
+tree runs its own copy of the script (the working tree's where the earlier commit has none), so a
+script that follows a renamed import still runs on both; compare only scripts whose measurement
+did not change between the two.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main() -> None:
                     print(f"===== round {k + 1}: {name} =====", flush=True)
                     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                         [str(tree), str(tree / "tests"), os.environ.get("PYTHONPATH", "")])}
-                    cmd = [sys.executable, str(ROOT / script[0]), *script[1:]]
+                    own = tree / script[0]
+                    cmd = [sys.executable, str(own if own.exists() else ROOT / script[0]), *script[1:]]
                     subprocess.run(cmd, cwd=tree, env=env, check=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
