@@ -346,7 +346,7 @@ def aggregate(
         P = max((row.n_prompt for row in rows), default=0)
         R = max((row.n_region for row in rows), default=0)
     filled = fill_rows(rollouts, planned, P, R, pad_token_id)
-    batch = _batch(rollouts, planned, rows, filled, P)
+    batch = _batch(planned, rows, filled, P)
     metrics = _metrics(level, rollouts, planned, rows, P + R)
     if return_breaks:
         return batch, metrics, [DriftBreak(*b) for b in planned.breaks]
@@ -358,12 +358,17 @@ class _Planned:
     """The plans of the rollouts kept (rollout indices in batch order) and what was dropped."""
 
     kept: list[int] = field(default_factory=list)
+    rollouts: list[Rollout] = field(default_factory=list)  # rollouts[kept[j]]
     plans: list[_Plan] = field(default_factory=list)
     breaks: list[tuple] = field(default_factory=list)  # DriftBreak fields
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("no_turns", "overlong_prompt", "overlong_response", "no_trained_tokens"), 0))
     n_zero_rows: int = 0
     counts: _Counts = field(default_factory=_Counts)
+
+    @property
+    def rows_per_rollout(self) -> list[int]:
+        return [len(plan.rows) for plan in self.plans]
 
 
 def plan_rollouts(rollouts: Sequence[Rollout], level: str, lim: _Limits, tokenizer,
@@ -390,6 +395,7 @@ def plan_rollouts(rollouts: Sequence[Rollout], level: str, lim: _Limits, tokeniz
             continue
         plan.rows = rows
         out.kept.append(ri)
+        out.rollouts.append(r)
         out.plans.append(plan)
         out.breaks.extend((r.rollout_id, *b) for b in plan.breaks)
     return out
@@ -418,7 +424,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
     ids_flat, mask_flat, lp_flat = (
         a.reshape(-1) for a in (input_ids, response_mask, rollout_logprobs)
     )
-    kept_rollouts = [rollouts[ri] for ri in planned.kept]
+    kept_rollouts = planned.rollouts
     row_version: list[int] = []
     have_logprobs = True
     chunk, i = _Chunk(), 0
@@ -490,15 +496,14 @@ def positions_and_attention(n_prompt: torch.Tensor, n_region: torch.Tensor, P: i
     return position_ids, attention_mask
 
 
-def _batch(rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row], filled: _Filled,
-           P: int) -> TrainingBatch:
-    kept_rollouts = [rollouts[ri] for ri in planned.kept]
+def _batch(planned: _Planned, rows: list[_Row], filled: _Filled, P: int) -> TrainingBatch:
+    kept_rollouts = planned.rollouts
     position_ids, attention_mask = positions_and_attention(
         torch.tensor([row.n_prompt for row in rows], dtype=torch.int64),
         torch.tensor([row.n_region for row in rows], dtype=torch.int64),
         P, filled.input_ids.shape[1])
-    rows_per_rollout = [len(plan.rows) for plan in planned.plans]
-    per_row = [(r, c) for r, c in zip(kept_rollouts, rows_per_rollout, strict=True)]
+    rows_per_rollout = planned.rows_per_rollout
+    per_row = list(zip(kept_rollouts, rows_per_rollout, strict=True))
     logprobs = filled.rollout_logprobs
     return TrainingBatch(
         input_ids=torch.from_numpy(filled.input_ids),
@@ -525,7 +530,7 @@ def _batch(rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row], fil
 def _metrics(level: str, rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row],
              width: int) -> dict[str, float]:
     """Step 5: the counts `aggregate` returns (its docstring lists the keys)."""
-    rows_per_rollout = [len(plan.rows) for plan in planned.plans]
+    rows_per_rollout = planned.rows_per_rollout
     counts, breaks = planned.counts, planned.breaks
     tokens_prompt = sum(row.n_prompt for row in rows)
     tokens_region = sum(row.n_region for row in rows)
