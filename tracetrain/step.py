@@ -6,7 +6,8 @@
     learn     mini-batches of whole rollouts -> optimizer updates
     sync      the engine takes the new weights; the model version goes up by one
 
-`collect` is the runner's (runner.run_rollouts, runner_ray), `learn` and `sync` the backend's (the
+`collect` runs the agents (runner.run_rollouts, runner_ray, agent_workers), `learn` and `sync` the
+backend's (the
 embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor and checkpoint
 manager). What every backend logs of a step comes from `rows` and `throughput`.
 """
@@ -22,13 +23,19 @@ from tracetrain.aggregate import aggregate
 from tracetrain.batch import TrainingBatch
 from tracetrain.config import TrainConfig
 from tracetrain.gateway.context import context_metrics
+from tracetrain.runner import run_rollouts
 from tracetrain.types import Rollout
 
 
+def step_seed(cfg: TrainConfig, step: int) -> int:
+    """The seed of step `step`'s tasks and sampling: a function of (trainer.seed, step) only, so a
+    resumed run sees the same."""
+    return cfg.trainer.seed * 1_000_003 + step
+
+
 def step_tasks(task_module: Any, cfg: TrainConfig, step: int) -> list[dict]:
-    """The tasks of step `step`: a function of (seed, step) only, so a resumed run sees the same."""
-    seed = cfg.trainer.seed * 1_000_003 + step
-    return task_module.tasks(cfg.rollout.tasks_per_step, seed=seed, **cfg.task_args)
+    """The tasks of step `step`."""
+    return task_module.tasks(cfg.rollout.tasks_per_step, seed=step_seed(cfg, step), **cfg.task_args)
 
 
 def rollout_specs(
@@ -42,6 +49,27 @@ def rollout_specs(
         for j, task in enumerate(tasks)
         for m in range(n_per_task)
     ]
+
+
+async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temperature: float,
+                  step: int, http_client=None, workers=None) -> list:
+    """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
+    calls sampled at `temperature` with step `step`'s seed; results in the order of `specs`.
+    runner "ray": the agents are Ray tasks; `workers` (agent_workers.AgentWorkers): they run in
+    those processes; else as coroutines here (on `http_client`'s connections when given)."""
+    rc = cfg.rollout
+    extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
+             "seed": step_seed(cfg, step)}
+    limits = {"concurrency": rc.concurrency, "timeout_s": rc.timeout_s, "client_extra": extra}
+    if cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
+        from tracetrain.runner_ray import run_rollouts_ray
+
+        return await run_rollouts_ray(gateway, specs, agent, **limits)
+    if workers is not None:
+        from tracetrain.agent_workers import run_rollouts_in_workers
+
+        return await run_rollouts_in_workers(gateway, specs, workers, **limits)
+    return await run_rollouts(gateway, specs, agent, **limits, http_client=http_client)
 
 
 def drop_stale(

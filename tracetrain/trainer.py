@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from tracetrain import lora
-from tracetrain.agent_workers import AgentRef, AgentWorkers, run_rollouts_in_workers
+from tracetrain.agent_workers import AgentRef, AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, wrap
 from tracetrain.engines.local import LocalEngine
@@ -49,8 +49,8 @@ from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.optim import adamw
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
-from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client, run_rollouts
-from tracetrain.step import rollout_specs, rows, step_tasks, throughput
+from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client
+from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
 from tracetrain.tasks import load_task, resolve_agent
 from tracetrain.update import lr_factor, ppo_update
 
@@ -218,22 +218,9 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------
     async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
                       temperature: float, step: int | None = None) -> list[RolloutResult]:
-        rc = self.cfg.rollout
-        specs = rollout_specs(tasks, n_per_task, prefix)
-        step = self.step if step is None else step
-        client_extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
-                        "seed": self.cfg.trainer.seed * 1_000_003 + step}
-        if self.cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
-            from tracetrain.runner_ray import run_rollouts_ray
-
-            return await run_rollouts_ray(gateway, specs, self.agent, concurrency=rc.concurrency,
-                                          timeout_s=rc.timeout_s, client_extra=client_extra)
-        if self.workers is not None:
-            return await run_rollouts_in_workers(gateway, specs, self.workers, concurrency=rc.concurrency,
-                                                 timeout_s=rc.timeout_s, client_extra=client_extra)
-        return await run_rollouts(gateway, specs, self.agent, concurrency=rc.concurrency,
-                                  timeout_s=rc.timeout_s, client_extra=client_extra,
-                                  http_client=self.http_client)
+        return await collect(gateway, rollout_specs(tasks, n_per_task, prefix), self.agent, self.cfg,
+                             temperature=temperature, step=self.step if step is None else step,
+                             http_client=self.http_client, workers=self.workers)
 
     async def collect_step(self, gateway: GatewayClient, engine: LocalEngine, step: int) -> Collected:
         """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""

@@ -157,8 +157,7 @@ class VerlRun:
     async def train_step(self, gateway, engines: dict, http) -> dict:
         """The shared step (tracetrain/step.py) on verl: the servers take the weights, collect,
         rows, verl's actor learns."""
-        from tracetrain.runner import run_rollouts
-        from tracetrain.step import rollout_specs, rows, step_tasks, throughput
+        from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
 
         cfg, rc, t0 = self.cfg, self.cfg.rollout, time.perf_counter()
         cm = self.trainer.checkpoint_manager
@@ -168,27 +167,8 @@ class VerlRun:
             await gateway.engine(name, "resume")
         tasks = step_tasks(self.task, cfg, self.step)
         specs = rollout_specs(tasks, rc.n_per_task, f"{self.nonce}-s{self.step}", list(engines))
-        extra = {
-            "model": "policy",
-            "temperature": rc.temperature,
-            "max_tokens": rc.max_tokens,
-            "seed": cfg.trainer.seed * 1_000_003 + self.step,
-        }
-        if cfg.runner == "ray":  # agents as Ray tasks on verl's cluster (runner_ray.py)
-            from tracetrain.runner_ray import run_rollouts_ray
-
-            results = await run_rollouts_ray(gateway, specs, self.agent, concurrency=rc.concurrency,
-                                             timeout_s=rc.timeout_s, client_extra=extra)
-        else:
-            results = await run_rollouts(
-                gateway,
-                specs,
-                self.agent,
-                concurrency=rc.concurrency,
-                timeout_s=rc.timeout_s,
-                client_extra=extra,
-                http_client=http,
-            )
+        results = await collect(gateway, specs, self.agent, cfg, temperature=rc.temperature,
+                                step=self.step, http_client=http)
         for name in engines:
             await gateway.drain(name)  # holds new requests, waits for those in flight
         await asyncio.to_thread(cm.sleep_replicas)  # free the servers' GPU memory for training
