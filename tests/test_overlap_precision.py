@@ -16,7 +16,7 @@ from test_train_e2e import small_config as e2e_config
 from tracetrain import tiny
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, build_config
-from tracetrain.logprobs import autocast, response_logprobs
+from tracetrain.logprobs import PRECISIONS, autocast, faster_precision, response_logprobs
 from tracetrain.trainer import Trainer, ppo_update, train
 from tracetrain.types import Rollout, Turn
 
@@ -113,6 +113,8 @@ def test_overlap_collect_config_errors_name_the_key():
         build_config({}, ["trainer.precision=fp16"])
     with pytest.raises(ConfigError, match=r"^config key 'trainer.precision': 'bf16-mixed' is for backend"):
         build_config({}, ["trainer.precision=bf16-mixed", "backend=verl"])
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.precision': 'auto' is for backend"):
+        build_config({}, ["trainer.precision=auto", "backend=verl"])
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         build_config({}, ["model.attn_implementation=flash"])
 
@@ -172,3 +174,74 @@ def test_attn_implementation_reaches_the_model(tmp_path):
 
     trainer = Trainer(cfg, load_task("task.py", EXAMPLE))
     assert trainer.model.config._attn_implementation == "eager"
+
+
+def _tiny_model():
+    tok = tiny.build_tokenizer()
+    return tiny.build_model(tok, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
+
+
+def test_faster_precision_measures_both_and_leaves_the_model_as_it_was():
+    model = _tiny_model().train()
+    params = list(model.parameters())
+    params[0].grad = torch.full_like(params[0], 0.5)  # a gradient being accumulated survives
+    weights = [p.detach().clone() for p in params]
+    rng = torch.get_rng_state()
+    choice, seconds = faster_precision(model, tokens=64)
+    assert set(seconds) == set(PRECISIONS) and all(0 < s < 60 for s in seconds.values())
+    assert choice == ("bf16-mixed" if seconds["bf16-mixed"] <= 0.9 * seconds["fp32"] else "fp32")
+    assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+    assert torch.equal(params[0].grad, torch.full_like(params[0], 0.5))
+    assert all(p.grad is None for p in params[1:])
+    assert torch.equal(torch.get_rng_state(), rng)  # the run's random stream did not move
+    assert model.training
+
+
+@pytest.mark.parametrize("slow", PRECISIONS)
+def test_faster_precision_picks_the_one_that_measures_faster(slow, monkeypatch):
+    """A pass made slower by 0.2 s under one precision: the other one is chosen."""
+    import tracetrain.logprobs as L
+
+    real = L.response_logprobs
+
+    def timed(*a, precision="fp32", **k):
+        if precision == slow:
+            time.sleep(0.2)
+        return real(*a, precision=precision, **k)
+
+    monkeypatch.setattr(L, "response_logprobs", timed)
+    choice, seconds = faster_precision(_tiny_model(), tokens=32)
+    assert seconds[slow] >= 0.2
+    assert choice == next(p for p in PRECISIONS if p != slow)
+
+
+@pytest.mark.slow
+def test_auto_precision_is_resolved_once_recorded_and_kept_by_a_resumed_run(tmp_path, monkeypatch):
+    import json
+
+    import tracetrain.trainer as T
+
+    seen, update = [], T.ppo_update
+
+    def spy(*a, **k):
+        seen.append(a[4].trainer.precision)  # ppo_update(model, optimizer, batch, adv, cfg, ...)
+        return update(*a, **k)
+
+    monkeypatch.setattr(T, "ppo_update", spy)
+    monkeypatch.setattr(T, "faster_precision", lambda model: ("bf16-mixed", {"fp32": 2.0, "bf16-mixed": 1.0}))
+    run, lines = tmp_path / "run", []
+    overrides = {"trainer.eval_every": 0, "trainer.precision": "auto", "trainer.overlap_collect": "false",
+                 "trainer.max_staleness": 0}
+    train(small_config(run, 1, **overrides), base_dir=EXAMPLE, log=lines.append)
+    assert seen == ["bf16-mixed"]
+    assert any("trainer.precision auto: bf16-mixed" in str(line) for line in lines)
+    assert json.loads((run / "config.json").read_text())["trainer"]["precision"] == "bf16-mixed"
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["precision"] == "bf16-mixed"
+
+    def refuse(model):
+        raise AssertionError("a resumed run measured again")
+
+    monkeypatch.setattr(T, "faster_precision", refuse)
+    train(small_config(run, 2, **overrides, **{"trainer.resume": "true"}), base_dir=EXAMPLE,
+          log=lambda *_: None)
+    assert seen == ["bf16-mixed", "bf16-mixed"]

@@ -253,10 +253,12 @@ class TrainerConfig(_Section):
     """Torch intra-op threads (engine decode); 0: torch's default."""
     update_threads: int = Field(0, ge=0)
     """Torch threads of the update (the warm start: the larger of the two); 0: `threads`."""
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    precision: Literal["fp32", "bf16-mixed", "auto"] = "fp32"
     """The training forward passes (warm start, update, reference): `bf16-mixed` runs them under
     torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected.
-    `bf16-mixed` is for backend `embedded`."""
+    `auto`: whichever of the two a forward and backward pass of the model measures faster on this
+    machine at the start of the run (logged, and kept by a resumed run). `bf16-mixed` and `auto`
+    are for backend `embedded`."""
     overlap_collect: bool = False
     """Collect step k+1's rollouts while step k's update runs (with the policy before that update:
     its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
@@ -406,7 +408,7 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _embedded_only(self) -> TrainConfig:
         if self.trainer.precision != "fp32" and self.backend != "embedded":
-            raise ValueError("trainer.precision: 'bf16-mixed' is for backend 'embedded' "
+            raise ValueError(f"trainer.precision: {self.trainer.precision!r} is for backend 'embedded' "
                              "(verl's workers take their precision from the verl section)")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":

@@ -6,7 +6,9 @@ For row i and response column t (absolute position P + t), with logits z = model
 T is the sampling temperature, so these are the same quantities the local engine records.
 
 precision "bf16-mixed" runs the model under torch.autocast(bfloat16): matmuls in bf16 (AMX /
-tensor cores), weights, gradients and everything from the logits on in fp32.
+tensor cores), weights, gradients and everything from the logits on in fp32. Whether that is
+faster depends on the CPU (it is on some with AVX-512 BF16 and slower on others): "auto" is
+resolved to whichever of the two `faster_precision` measures faster on the model itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 
 import torch
 
@@ -64,3 +67,40 @@ def response_logprobs(
     if with_entropy:
         entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logprobs, entropy
+
+
+def faster_precision(
+    model: torch.nn.Module, *, tokens: int = 256, repeats: int = 2, margin: float = 0.1
+) -> tuple[str, dict[str, float]]:
+    """The precision of the faster training pass on this machine, measured: forward (as
+    response_logprobs, a quarter of the row as response) and backward of `model` on one row of
+    `tokens` random ids, one warm-up then `repeats` timed passes per precision, alternating so
+    that the machine's drift hits both. "bf16-mixed" when its best time is at least `margin`
+    below fp32's, else "fp32". Returns (choice, {precision: best seconds}). Weights, gradients,
+    the RNG state and the train/eval mode are left as they were."""
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 256)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    mask, positions = torch.ones_like(ids), torch.arange(tokens, device=device).unsqueeze(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    best = {p: float("inf") for p in PRECISIONS}
+    try:
+        with torch.random.fork_rng(devices=[]):  # dropout must not move the run's random stream
+            for k in range(1 + repeats):
+                for precision in PRECISIONS if k % 2 == 0 else PRECISIONS[::-1]:
+                    t = time.perf_counter()
+                    logprobs, _ = response_logprobs(model, ids, mask, positions, tokens // 4,
+                                                    precision=precision)
+                    logprobs.mean().backward()
+                    if k:  # the first pass of each builds kernels and caches
+                        best[precision] = min(best[precision], time.perf_counter() - t)
+                    for p in params:
+                        p.grad = None
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+    choice = "bf16-mixed" if best["bf16-mixed"] <= (1 - margin) * best["fp32"] else "fp32"
+    return choice, best

@@ -47,6 +47,7 @@ from tracetrain.distributed import DataParallel, from_main, wrap
 from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
+from tracetrain.logprobs import faster_precision
 from tracetrain.optim import adamw
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client
@@ -128,6 +129,7 @@ class Trainer:
         # step's rollouts come from: the checkpoint keeps those instead of the engine's.
         self.next_weights: dict | None = None
         self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
+        self.resumed_precision: str | None = None  # from a checkpoint: what "auto" chose
         self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
                                weight_decay=cfg.optim.weight_decay)
         updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
@@ -189,6 +191,7 @@ class Trainer:
                 "ref_model": None if self.ref_model is None else self.ref_model.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                 "history": self.history,
+                "precision": self.cfg.trainer.precision,  # what "auto" chose, kept on resume
             },
             tmp,
         )
@@ -214,6 +217,7 @@ class Trainer:
             lora.load_weights(self.engine_model, ck["engine"]["model"])
             self.engine_version = ck["engine"]["version"]
         self.next_collected = ck.get("next_collected")
+        self.resumed_precision = ck.get("precision")
 
     # -- one step ------------------------------------------------------------------------
     async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
@@ -382,6 +386,20 @@ class Trainer:
                                   self.tokenizer, version=self.engine_version if own else self.version,
                                   run_dir=self.run_dir, threads=self.threads, log=self.log)
 
+    async def resolve_precision(self) -> TrainConfig:
+        """The config with trainer.precision "auto" resolved: the checkpoint's choice when resuming,
+        else rank 0's measurement (logprobs.faster_precision, on the update's threads), the same on
+        every rank."""
+        chosen = self.resumed_precision
+        if chosen is None and self.dp.is_main:
+            chosen, seconds = await self.on_update_thread(self.update_threads, faster_precision, self.model)
+            self.log("trainer.precision auto: " + chosen + " (a training pass of the model: "
+                     + ", ".join(f"{p} {s:.3f} s" for p, s in seconds.items()) + ")")
+        if self.dp.enabled:
+            chosen = await self.on_update_thread(0, from_main, chosen, self.dp)
+        trainer = self.cfg.trainer.model_copy(update={"precision": chosen})
+        return self.cfg.model_copy(update={"trainer": trainer})
+
     def write_policy(self) -> Path:
         """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
         under LoRA the merged model, and the adapter alone in policy/adapter (peft's format)."""
@@ -420,6 +438,8 @@ class Trainer:
         if resumed:
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
+        if cfg.trainer.precision == "auto":
+            cfg = self.cfg = await self.resolve_precision()
         if self.dp.is_main:
             self.claim_run_dir(resumed)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
