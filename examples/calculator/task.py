@@ -1,7 +1,8 @@
 """Arithmetic with a calculator tool, for a real pretrained chat model (SmolLM2-135M-Instruct).
 
-The agent asks a question; the model may answer `CALC: <expression>` to use the calculator (the
-agent evaluates it and sends back the result) or give its answer. Reward 1 if the correct number
+The agent asks a question (after one worked example, as earlier turns of the chat); the model
+may answer `CALC: <expression>` to use the calculator (the agent evaluates it and sends back the
+result) or give its answer. Reward 1 if the correct number
 appears in the model's final reply within `max_turns` calls, else 0. An ordinary `openai` program.
 """
 
@@ -19,6 +20,15 @@ SYSTEM = (
     "You are a careful assistant with a calculator. To use it, reply exactly `CALC: <expression>`, "
     "for example `CALC: 12 * 7`. When you know the result, reply with the number only."
 )
+# One worked exchange, sent before the question as earlier turns of the chat. Told only in the
+# system prompt, the untrained model answers 0 of 48 sampled questions with `CALC:`; shown this,
+# about 2 in 3 (mostly with a wrong expression): there are calls for RL to improve on.
+EXAMPLE = [
+    {"role": "user", "content": "What is 17 * 23?"},
+    {"role": "assistant", "content": "CALC: 17 * 23"},
+    {"role": "user", "content": "Calculator: 391"},
+    {"role": "assistant", "content": "391"},
+]
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -56,7 +66,7 @@ def numbers(text: str) -> list[int]:
 async def agent(task: dict, client: dict) -> float:
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
                          http_client=client.get("http_client"))
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task["question"]}]
     for turn in range(task["max_turns"]):
         out = await openai.chat.completions.create(
             model=client["model"], messages=messages,
