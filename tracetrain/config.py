@@ -238,8 +238,10 @@ class TrainerConfig(_Section):
     """Tasks of an eval pass (with `eval_every`, one pass also runs before the first step: the
     untrained policy's figure, `eval/initial_reward_mean` in step 0's metrics)."""
     target_gain: float = Field(0.3, gt=0)
-    """The rise of the 10-step mean training reward over the first 10 steps' mean that
-    summary.json times (`target_gain_step`, `target_gain_elapsed_s`)."""
+    """The rise of the 10-step mean training reward that summary.json times: over the first 10
+    steps' mean (`target_gain_step`, `target_gain_elapsed_s`) and over the reward of the rollouts
+    the untrained policy generated (`reward_untrained`; `untrained_gain_step`,
+    `untrained_gain_elapsed_s`)."""
     checkpoint_every: int = Field(0, ge=0)
     """Write a checkpoint every this many steps; 0: only at the end."""
     run_dir: str = "runs/default"

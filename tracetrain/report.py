@@ -50,7 +50,9 @@ def plot_curves(history: list[dict], path: str | Path, *, window: int = 10, titl
 def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) -> dict:
     """First and last `window`-step mean reward, the gain, the best moving average, totals, and
     the first step whose `window`-step mean is >= the first window's mean + `target_gain`
-    (with its `time/elapsed_s`: seconds since the run started, warm start included), or None."""
+    (with its `time/elapsed_s`: seconds since the run started, warm start included), or None;
+    likewise over `reward_untrained`, the mean reward of the steps whose rollouts the untrained
+    policy generated (`rollout_model_version` 0), when the history says."""
     reward = [m["reward_mean"] for m in history]
     ma = moving_average(reward, window)
     first = ma[min(window, len(ma)) - 1] if ma else float("nan")
@@ -66,10 +68,22 @@ def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) 
         "failed_rollouts": sum(m.get("n_failed", 0) for m in history),
         "timed_out_rollouts": sum(m.get("n_timed_out", 0) for m in history),
     }
-    hit = next((k for k, v in enumerate(ma) if k >= window - 1 and v >= start + target_gain - 1e-9), None)
+    def reached(base: float) -> int | None:  # the first full window at base + target_gain
+        return next((k for k, v in enumerate(ma) if k >= window - 1 and v >= base + target_gain - 1e-9), None)
+
     out["target_gain"] = target_gain
+    hit = reached(start)
     out["target_gain_step"] = None if hit is None else history[hit]["step"]
     out["target_gain_elapsed_s"] = None if hit is None else history[hit].get("time/elapsed_s")
+    # The untrained policy's own reward: the rollouts its weights (model version 0) generated. The
+    # first window mixes in steps already trained, a baseline too high when learning is fast.
+    untrained = [m["reward_mean"] for m in history
+                 if m.get("rollout_model_version") == 0 and not math.isnan(m["reward_mean"])]
+    if untrained:
+        out["reward_untrained"] = sum(untrained) / len(untrained)
+        hit = reached(out["reward_untrained"])
+        out["untrained_gain_step"] = None if hit is None else history[hit]["step"]
+        out["untrained_gain_elapsed_s"] = None if hit is None else history[hit].get("time/elapsed_s")
     evals = [m["eval/reward_mean"] for m in history if "eval/reward_mean" in m]
     if history and "eval/initial_reward_mean" in history[0]:
         out["eval_initial"] = history[0]["eval/initial_reward_mean"]
