@@ -6,10 +6,9 @@
     learn     mini-batches of whole rollouts -> optimizer updates
     sync      the engine takes the new weights; the model version goes up by one
 
-`collect` runs the agents (runner.run_rollouts, runner_ray, agent_workers), `learn` and `sync` the
-backend's (the
-embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor and checkpoint
-manager). What every backend logs of a step comes from `rows` and `throughput`.
+`collect` runs the agents (runner.run_rollouts, runner_ray, agent_workers), `learn` and `sync` are
+the backend's (the embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor
+and checkpoint manager). What every backend logs of a step comes from `rows` and `throughput`.
 """
 
 from __future__ import annotations

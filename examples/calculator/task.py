@@ -2,8 +2,8 @@
 
 The agent asks a question (after one worked example, as earlier turns of the chat); the model
 may answer `CALC: <expression>` to use the calculator (the agent evaluates it and sends back the
-result) or give its answer. Reward 1 if the correct number
-appears in the model's final reply within `max_turns` calls, else 0. An ordinary `openai` program.
+result) or give its answer. Reward 1 if the correct number appears in the model's final reply
+within `max_turns` calls, else 0. An ordinary `openai` program.
 """
 
 from __future__ import annotations
