@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
+from contextlib import closing
 
 import pytest
 from chat_templates import DROPS_OLD_REASONING, MARKS_LAST_MESSAGE, with_template
@@ -195,6 +197,13 @@ def test_prompts_continue_exactly_or_equal_the_full_render(policy_gateway, conve
         before = turns[k - 1]["prompt_ids"] + turns[k - 1]["response_ids"]
         assert turn["prompt_ids"][: len(before)] == before
         assert turn["context"] == "exact" and turn["reused_tokens"] == len(before)
+        # ... and the store keeps only the ids it adds to the turn before (reads join them back)
+        with closing(sqlite3.connect(gw.store.path)) as conn:
+            stored = conn.execute(
+                "SELECT length(prompt_ids) / 4, prompt_from FROM turns"
+                " WHERE rollout_id = ? AND idx = ?", (rollout_id, k),
+            ).fetchone()
+        assert stored == (len(turn["prompt_ids"]) - len(before), k - 1)
         # What the model saw, as text: the conversation with every answer exactly as generated
         # (raw tool-call text, a cut-off answer closed by the template) rendered by the template.
         seen = []

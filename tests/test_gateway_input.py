@@ -3,13 +3,19 @@ only a failing engine gives 502/503/504, with its reason."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import httpx
 import pytest
+from fastapi.exceptions import RequestValidationError
 from gateway_fixtures import FakeEngine, live_gateway
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracetrain.engines.base import EngineError
+from tracetrain.gateway.schemas import ChatCompletionIn
+from tracetrain.gateway.turn import parse_body, parse_json_body
 
 LIMIT = 64 * 1024
 
@@ -385,3 +391,41 @@ def test_invalid_generation_is_502(tmp_path):
         assert resp.status_code == 502 and "response_logprobs" in resp.json()["error"]["message"]
         assert g.store.get_turns(r["rollout_id"]) == []
         g.admin.close()
+
+
+# A chat body is parsed once (orjson, then pydantic on the values); what it accepts and the
+# errors it gives must be those of pydantic's own JSON parse, which the rest of this file checks.
+_json_leaf = (
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=5) | st.sampled_from(["user", "assistant", "tool", "system", "text", "auto"])
+)
+_json_value = st.recursive(
+    _json_leaf,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "name", "x"]), inner,
+                      max_size=3),
+    max_leaves=8,
+)
+_chat_field = st.sampled_from(
+    ["messages", "model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "tools",
+     "tool_choice", "logprobs", "top_logprobs", "n", "extra_field"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.dictionaries(_chat_field, _json_value, max_size=5)
+    | st.fixed_dictionaries({"messages": st.lists(_json_value, min_size=1, max_size=3)})
+    | _json_value
+)
+def test_one_parse_of_a_chat_body_accepts_and_refuses_as_pydantic_parsing_the_json(body):
+    raw = json.dumps(body).encode()
+    try:
+        want = parse_body(ChatCompletionIn, raw)
+    except RequestValidationError as e:
+        with pytest.raises(RequestValidationError) as got:
+            parse_json_body(ChatCompletionIn, raw)
+        assert got.value.errors() == e.errors()
+        return
+    got, data = parse_json_body(ChatCompletionIn, raw)
+    assert got == want and data == json.loads(raw)

@@ -81,6 +81,62 @@ def test_turns_round_trip_in_order(store):
     assert t1.response_ids == [2**31 - 1] and t1.response_logprobs is None
 
 
+@st.composite
+def continued_turns(draw):
+    """Turns of one rollout, each (prompt, response, prompt_from): a turn either has a prompt of
+    its own (prompt_from None) or continues an earlier one k: prompt(k) + response(k) + more."""
+    ids = st.lists(st.integers(0, 2**31 - 1), max_size=12)
+    turns = []
+    for k in range(draw(st.integers(1, 8))):
+        earlier = draw(st.none() | st.integers(0, k - 1)) if k else None
+        if earlier is None:
+            prompt = draw(ids.filter(bool))
+        else:
+            p, r, _ = turns[earlier]
+            prompt = p + r + draw(ids)
+        turns.append((prompt, draw(ids.filter(bool)), earlier))
+    return turns
+
+
+def test_a_continued_prompt_keeps_only_what_it_adds_and_reads_back_whole(tmp_path):
+    with SQLiteStore(tmp_path / "c.db") as store:
+
+        @settings(max_examples=60, deadline=None)
+        @given(continued_turns())
+        def check(turns):
+            rid = f"c{next(_ids)}"
+            run(store.create_rollouts([new(rid)]))
+            for prompt, response, earlier in turns:
+                reused = 0 if earlier is None else len(turns[earlier][0]) + len(turns[earlier][1])
+                how = ("exact" if earlier is not None else "rendered", None, reused)
+                run(store.add_turn(rid, prompt, response, None, 0, "stop", how, earlier))
+            got = store.get_turns(rid)
+            assert [(t.prompt_ids, t.response_ids) for t in got] == [(p, r) for p, r, _ in turns]
+            arrays = store.training_turns(rid)
+            assert [list(t.prompt_ids) for t in arrays] == [p for p, _, _ in turns]
+            conn = sqlite3.connect(tmp_path / "c.db")
+            stored = conn.execute(
+                "SELECT length(prompt_ids) / 4, prompt_from, prompt_len FROM turns"
+                " WHERE rollout_id = ? ORDER BY idx", (rid,)
+            ).fetchall()
+            conn.close()
+            for (n, frm, whole), (prompt, _, earlier), t in zip(stored, turns, got, strict=True):
+                assert (frm, whole) == (earlier, len(prompt))
+                assert n == len(prompt) - t.reused_tokens  # only the ids it adds
+
+        check()
+
+
+def test_a_continued_prompt_that_does_not_fit_its_earlier_turn_is_refused(store):
+    run(store.create_rollouts([new("a")]))
+    run(store.add_turn("a", [1, 2, 3], [4, 5], None, 0, "stop"))
+    with pytest.raises(ValueError, match="holds 5 ids"):  # claims 4 ids of turn 0, which has 5
+        run(store.add_turn("a", [1, 2, 3, 4, 9], [6], None, 0, "stop", ("exact", None, 4), 0))
+    with pytest.raises(ValueError, match="does not exist"):
+        run(store.add_turn("a", [1, 2, 3, 4, 5, 9], [6], None, 0, "stop", ("exact", None, 5), 3))
+    assert [t.prompt_ids for t in store.get_turns("a")] == [[1, 2, 3]]  # nothing else written
+
+
 def test_turn_after_end_and_unknown_rollout_are_refused(store):
     run(store.create_rollouts([new("a")]))
     run(store.set_state("a", "running"))
@@ -291,6 +347,33 @@ def test_schema_is_versioned_and_survives_reopen(tmp_path):
     conn.close()
     with SQLiteStore(path) as s:
         assert s.get_rollout("keep") is not None
+
+
+def test_a_version_2_file_is_migrated_and_its_turns_read_as_before(tmp_path):
+    """A file written before prompts could continue an earlier turn (schema 2) opens, reads its
+    turns whole, and takes continued turns after them."""
+    from tracetrain.store import MIGRATIONS
+
+    path = tmp_path / "v2.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for v, script in enumerate(MIGRATIONS[:2]):
+        conn.executescript(f"BEGIN; {script}; PRAGMA user_version = {v + 1}; COMMIT;")
+    conn.execute(
+        "INSERT INTO rollouts (rollout_id, group_id, task, state, key_salt, key_hash, created_at,"
+        " updated_at, n_turns) VALUES ('old', 'g', 'null', 'running', x'00', x'01', 0, 0, 1)"
+    )
+    conn.execute(
+        "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, created_at) VALUES"
+        " ('old', 0, ?, ?, 0)", (ids_to_blob([5, 6, 7]), ids_to_blob([8, 9]))
+    )
+    conn.close()
+    with SQLiteStore(path) as s:
+        run(s.add_turn("old", [5, 6, 7, 8, 9, 10], [11], None, 0, "stop", ("exact", None, 5), 0))
+        assert [t.prompt_ids for t in s.get_turns("old")] == [[5, 6, 7], [5, 6, 7, 8, 9, 10]]
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    conn.close()
 
 
 def test_bad_arguments_are_refused(tmp_path):

@@ -69,6 +69,7 @@ class Built:
     reason: str | None  # for RENDERED: one of REASONS
     reused_tokens: int  # prompt ids taken as they were from the earlier turn (not rendered)
     ids: array | None = None  # prompt_ids as an int32 array, when built from one
+    from_turn: int | None = None  # for EXACT: the index of that earlier turn
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class _Answered:
     tools: bytes  # the JSON of the tools it was sent
     ids: array  # prompt_ids + response_ids
     response_tail: tuple[int, ...]
+    turn: int  # its index in the rollout
 
     @property
     def size(self) -> int:  # bytes, roughly
@@ -186,7 +188,8 @@ class ExactContext:
     event loop.
 
     build(rollout_id, messages, tools, full, first)   -> Built
-    answered(rollout_id, messages, tools, answer, prompt_ids, response_ids)   remember a turn
+    answered(rollout_id, turn, messages, tools, answer, prompt_ids, response_ids)   remember turn
+                                                                                    `turn`
 
     `prompts` encodes for the engine's tokenizer; `render(messages, tools, generation_prompt)` is
     the chat template's text.
@@ -231,7 +234,7 @@ class ExactContext:
         if suffix is None:
             return Built(full(), RENDERED, TEMPLATE_PREFIX, 0)
         ids = entry.ids + array("i", self.prompts.encode(suffix))
-        return Built(ids.tolist(), EXACT, None, len(entry.ids), ids)
+        return Built(ids.tolist(), EXACT, None, len(entry.ids), ids, entry.turn)
 
     def _closing(self, tools: list | None) -> tuple[str, list[int]] | None:
         """(text, ids) the template writes after an assistant message's content; None if a probe
@@ -281,6 +284,7 @@ class ExactContext:
     def answered(
         self,
         rollout_id: str,
+        turn: int,
         messages: list[dict],
         tools: list | None,
         answer: dict,
@@ -293,7 +297,7 @@ class ExactContext:
         prompt = prompt_ids if isinstance(prompt_ids, array) else array("i", prompt_ids)
         entry = _Answered(
             sent, len(messages), answer_key(answer), tools_json,
-            prompt + array("i", response_ids), tuple(response_ids[-8:]),
+            prompt + array("i", response_ids), tuple(response_ids[-8:]), turn,
         )
         if entry.size > self.max_bytes // 8:
             return

@@ -46,6 +46,7 @@ from tracetrain.gateway.turn import (
     generate_turn,
     json_response,
     parse_body,
+    parse_json_body,
     rollout_of,
     turn_meta,
 )
@@ -73,10 +74,10 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
 async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
     rollout = rollout_of(gw, authorization, rollout_id)
-    body: ChatCompletionIn = parse_body(ChatCompletionIn, raw)
+    body, data = parse_json_body(ChatCompletionIn, raw)
     slot = gw.slot_for(rollout)
     max_tokens = render.chat_max_tokens(body)
-    messages, tools = render.chat_messages(body, raw)
+    messages, tools = render.chat_messages(body, data)
     how = decoding_for(gw, slot, tools, body.tool_choice, getattr(body, "response_format", None))
 
     def answer(deltas: TextDeltas | None = None):

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams, can_constrain
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.prompt_cache import PromptEncoder
@@ -64,11 +62,11 @@ def full_prompt_ids(
     return tokenizer.encode(render(), add_special_tokens=False)
 
 
-def chat_messages(body: ChatCompletionIn, raw: bytes) -> tuple[list[dict], list | None]:
+def chat_messages(body: ChatCompletionIn, data: dict) -> tuple[list[dict], list | None]:
     """(messages as dicts, tools or None) of a chat request, as the template receives them: the
-    messages as sent (`raw`, the JSON pydantic validated into `body`), with content None where
-    absent."""
-    messages = orjson.loads(raw)["messages"]
+    messages as sent (`data`, the JSON values pydantic validated into `body`), with content None
+    where absent."""
+    messages = data["messages"]
     return [m if "content" in m else {**m, "content": None} for m in messages], body.tools or None
 
 

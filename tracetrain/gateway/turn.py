@@ -16,6 +16,7 @@ shape requests into messages and answers into their API's JSON or events.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,19 @@ def parse_body(model: type[BaseModel], raw: bytes):
         raise RequestValidationError(errors) from None
 
 
+def parse_json_body(model: type[BaseModel], raw: bytes) -> tuple[Any, Any]:
+    """(the route's request model, the body as Python values) from one parse of the JSON: orjson,
+    then pydantic checks the values (for a route that reads the body as sent too: chat's messages
+    reach the template with every field). A body either refuses is parsed again by pydantic from
+    the JSON, so the error names the fault in JSON's words ("an object", "an array")."""
+    try:
+        data = orjson.loads(raw)
+        return model.model_validate(data), data
+    except (orjson.JSONDecodeError, ValidationError):
+        body = parse_body(model, raw)  # raises, unless it is JSON only orjson refuses
+        return body, json.loads(raw)  # (an integer over 64 bits)
+
+
 async def generate_turn(
     gw,
     rollout: RolloutHead,
@@ -71,9 +85,11 @@ async def generate_turn(
     params: SamplingParams,
     context: tuple[str | None, str | None, int] = (None, None, 0),
     on_tokens: OnTokens | None = None,
+    prompt_from: int | None = None,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
-    was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it."""
+    was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it;
+    `prompt_from`: the earlier turn an exact prompt continues (Store.add_turn)."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -107,6 +123,7 @@ async def generate_turn(
             gen.model_version,
             gen.finish_reason,
             context,
+            prompt_from,
         )
     return gen, index
 
@@ -199,7 +216,9 @@ async def chat_answer(
         markers, safe = (parser.markers, parser.safe) if parse else ((), None)
         deltas.start(tok, params, markers, safe, len(prompt_ids))
         on_tokens = deltas.add
-    gen, index = await generate_turn(gw, rollout, slot, prompt_ids, params, how, on_tokens)
+    gen, index = await generate_turn(
+        gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn
+    )
 
     text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())
     content, tool_calls = parser.parse(text) if parse else (text, [])
@@ -207,7 +226,7 @@ async def chat_answer(
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids
         slot.exact.answered(
-            rollout.rollout_id, messages, tools, answer.message, prompt, gen.response_ids
+            rollout.rollout_id, index, messages, tools, answer.message, prompt, gen.response_ids
         )
     return answer
 

@@ -25,6 +25,9 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
   that ended or is gone is refused inside its transaction.)
 - Token ids are stored as little-endian int32 BLOBs and logprobs as little-endian float32 BLOBs
   (4 bytes per token; float32 keeps a logprob to ~1e-7 relative, the precision engines compute in).
+  A prompt that continues an earlier turn of its rollout (the gateway's exact context:
+  `add_turn(..., prompt_from=k)`) is stored as the ids it adds to turn k's prompt + response, so
+  a long conversation takes O(turns) bytes, not O(turns²); reads join it back.
 - Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1.
 
 A rollout's reward is its `reward_override` when the trainer set one, else the value of its last

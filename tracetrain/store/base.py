@@ -52,10 +52,13 @@ class Store(ABC):
         model_version: int | None,
         finish_reason: str | None,
         context: tuple[str | None, str | None, int] = (None, None, 0),
+        prompt_from: int | None = None,
     ) -> int:
         """Append a turn and return its index (0, 1, ...). A queued rollout becomes running;
         RolloutEnded if it is terminal. `context`: how its prompt was built, (context, reason,
-        reused_tokens) as in TurnRecord."""
+        reused_tokens) as in TurnRecord. `prompt_from`: an earlier turn of the rollout whose prompt
+        + response ids are prompt_ids[:reused_tokens] (an exact context); the store may keep only
+        the ids after them. Reads return the whole prompt either way."""
 
     @abstractmethod
     async def add_event(

@@ -66,6 +66,12 @@ MIGRATIONS: list[str] = [
     ALTER TABLE turns ADD COLUMN context_reason TEXT;   -- why it was rendered in full
     ALTER TABLE turns ADD COLUMN reused_tokens INTEGER NOT NULL DEFAULT 0;
     """,
+    # 2 -> 3: a prompt that continues an earlier turn keeps only what it adds
+    """
+    ALTER TABLE turns ADD COLUMN prompt_from INTEGER;   -- NULL: prompt_ids is the whole prompt;
+        -- k: the prompt is turn k's prompt and response ids (reused_tokens of them), then prompt_ids
+    ALTER TABLE turns ADD COLUMN prompt_len INTEGER;    -- the whole prompt's length (NULL before 3)
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

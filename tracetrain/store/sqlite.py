@@ -122,6 +122,7 @@ class SQLiteStore(Store):
         model_version,
         finish_reason,
         context=(None, None, 0),
+        prompt_from=None,
     ):
         try:
             index = await self._write(
@@ -133,6 +134,7 @@ class SQLiteStore(Store):
                 model_version,
                 finish_reason,
                 context,
+                prompt_from,
             )
         except StoreError:
             self._forget(rollout_id)
@@ -222,17 +224,27 @@ class SQLiteStore(Store):
 
     def _turn_rows(self, rollout_id: str) -> list[tuple]:
         """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at,
-        context, context_reason, reused_tokens)."""
-        return (
+        context, context_reason, reused_tokens), the ids as stored BLOBs; a prompt kept as what
+        it adds to turn k (prompt_from = k) is joined back: prompt(k) + response(k) + its ids."""
+        rows = (
             self._reader()
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
-                " created_at, context, context_reason, reused_tokens"
+                " created_at, context, context_reason, reused_tokens, prompt_from"
                 " FROM turns WHERE rollout_id = ? ORDER BY idx",
                 (rollout_id,),
             )
             .fetchall()
         )
+        out: list[tuple] = []
+        at: dict[int, int] = {}  # turn index -> position in out
+        for idx, prompt, *rest, prompt_from in rows:
+            if prompt_from is not None:
+                earlier = out[at[prompt_from]]
+                prompt = earlier[1] + earlier[2] + prompt
+            at[idx] = len(out)
+            out.append((idx, prompt, *rest))
+        return out
 
     def get_turns(self, rollout_id):
         return [

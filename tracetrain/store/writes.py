@@ -111,8 +111,10 @@ def _op_start(conn, rollout_id: str) -> RolloutRecord:
 
 def _op_add_turn(
     conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
-    context,
+    context, prompt_from=None,
 ) -> int:
+    """A turn; with `prompt_from` = k only the prompt ids after turn k's prompt + response ids
+    (context[2] of them) are stored, once that length is checked against turn k."""
     row = conn.execute(
         "SELECT state, n_turns FROM rollouts WHERE rollout_id = ?", (rollout_id,)
     ).fetchone()
@@ -121,21 +123,38 @@ def _op_add_turn(
     state, index = RolloutState(row[0]), row[1]
     if state in TERMINAL_STATES:
         raise RolloutEnded(f"rollout {rollout_id!r} has ended ({state.value}); no more turns")
+    stored = prompt_ids
+    if prompt_from is not None:
+        reused = context[2]
+        earlier = conn.execute(
+            "SELECT COALESCE(prompt_len, length(prompt_ids) / 4) + length(response_ids) / 4"
+            " FROM turns WHERE rollout_id = ? AND idx = ?",
+            (rollout_id, prompt_from),
+        ).fetchone()
+        if earlier is None or earlier[0] != reused or reused > len(prompt_ids):
+            raise ValueError(
+                f"turn {index} of rollout {rollout_id!r}: prompt_from={prompt_from} with "
+                f"reused_tokens={reused}, but that turn "
+                + ("does not exist" if earlier is None else f"holds {earlier[0]} ids")
+            )
+        stored = prompt_ids[reused:]
     now = _now()
     conn.execute(
         "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
-        " finish_reason, created_at, context, context_reason, reused_tokens)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " finish_reason, created_at, context, context_reason, reused_tokens, prompt_from,"
+        " prompt_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             rollout_id,
             index,
-            ids_to_blob(prompt_ids),
+            ids_to_blob(stored),
             ids_to_blob(response_ids),
             None if response_logprobs is None else floats_to_blob(response_logprobs),
             model_version,
             finish_reason,
             now,
             *context,
+            prompt_from,
+            len(prompt_ids),
         ),
     )
     conn.execute(
