@@ -13,9 +13,10 @@ with the tools, as harnesses do. The chat template is HERMES_TOOLS (tests/chat_t
 
 Per policy and conversation length it prints, from the recorded turns (aggregate at the
 trajectory level, with the tokenizer): prefix breaks per rollout by kind, rows per rollout, the
-tokens a training step forwards per rollout, and the gateway's CPU per request (all its threads,
-from /proc/PID/task/*/schedstat): the mean over the conversation and over its last 4 turns. Each
-policy runs --repeats times, alternating; the ratios compare the medians.
+tokens a training step forwards per rollout, the bytes of token ids the store keeps per rollout,
+and the gateway's CPU per request (all its threads, from /proc/PID/task/*/schedstat): the mean
+over the conversation and over its last 4 turns. Each policy runs --repeats times, alternating;
+the ratios compare the medians.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import asyncio
 import json
 import os
 import secrets
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import aiohttp
@@ -209,6 +212,10 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     _, m = aggregate(rollouts, max_prompt_length=16384, max_response_length=16384,
                      pad_token_id=tok.pad_token_id or 0, tokenizer=tok)
     n = len(rollouts)
+    with closing(sqlite3.connect(db)) as conn:  # what the store keeps of the turns' ids (bytes)
+        (stored,) = conn.execute(
+            "SELECT SUM(length(prompt_ids) + length(response_ids)) FROM turns"
+        ).fetchone()
     per_turn = agents.cpu_per_request
     out = {
         "context": context,
@@ -218,12 +225,14 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
                     for k in ("retokenization", "assistant_rewrite", "context_rewrite")},
         "rows": m["n_rows"] / n,
         "forward_tokens": m["tokens/non_pad"] / n,
+        "stored_kb": stored / n / 1024,
         "cpu_ms": 1e3 * sum(per_turn) / len(per_turn),
         "cpu_ms_last": 1e3 * sum(per_turn[-LAST:]) / len(per_turn[-LAST:]),
     }
     kinds = " ".join(f"{k[:6]} {v:.2f}" for k, v in out["by_kind"].items())
     print(f"  {context:<8} {turns:3d} turns: breaks/rollout {out['breaks']:6.2f} ({kinds})  "
           f"rows/rollout {out['rows']:6.2f}  forward tokens/rollout {out['forward_tokens']:8.0f}  "
+          f"ids stored/rollout {out['stored_kb']:6.1f} kB  "
           f"gateway CPU {out['cpu_ms']:.2f} ms/req (last {LAST} turns {out['cpu_ms_last']:.2f})", flush=True)
     return out
 
@@ -292,6 +301,7 @@ def main(argv=None) -> None:
                 print(f"  {turns} turns, medians of {args.repeats}, template / exact: gateway CPU per request "
                       f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x), "
                       f"forward tokens {t['forward_tokens'] / e['forward_tokens']:.2f}x, "
+                      f"ids stored {t['stored_kb'] / e['stored_kb']:.2f}x, "
                       f"rows {t['rows'] / e['rows']:.2f}x   [{time.perf_counter() - t0:.0f} s]", flush=True)
         finally:
             fake.kill()

@@ -3,7 +3,8 @@
 It speaks vLLM's wire protocol (>= 0.10.2) for `/v1/completions` and `/v1/chat/completions`
 (and SGLang's native `/generate`: input_ids, meta_info.output_token_logprobs),
 non-streaming and SSE: token-id prompts, `return_token_ids` (choices[0].token_ids and
-prompt_token_ids), completions logprobs (`logprobs.token_logprobs`) and chat logprobs
+prompt_token_ids), completions logprobs (`logprobs.token_logprobs`; `logprobs.tokens` as
+"token_id:N" with `return_tokens_as_token_ids`) and chat logprobs
 (`logprobs.content[].logprob`), `finish_reason`, `usage`, and vLLM's 400 for a prompt over the
 context. Generation is a pure function of (prompt ids, seed, max_tokens, stop ids): see
 `fake_generation`, which tests use as the oracle.
@@ -246,6 +247,14 @@ def _sse(chunks: list[dict], delay_s: float, stats: dict) -> StreamingResponse:
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 
+def _token_names(body: dict, ids: list[int]) -> list[str]:
+    """Completions logprobs' `tokens`: each id's text, or "token_id:N" with
+    return_tokens_as_token_ids (vLLM's _create_completion_logprobs)."""
+    if body.get("return_tokens_as_token_ids"):
+        return [f"token_id:{i}" for i in ids]
+    return [fake_detokenize([i]) for i in ids]
+
+
 def completion_chunks(
     head: dict, prompt_ids: list[int], ids: list[int], lps: list[float], finish: str, body: dict
 ) -> list[dict]:
@@ -259,11 +268,12 @@ def completion_chunks(
         token = fake_detokenize([i])
         logprobs = None
         if body.get("logprobs") is not None:
+            (name,) = _token_names(body, [i])
             logprobs = {
                 "text_offset": [k],
                 "token_logprobs": [lp],
-                "tokens": [token],
-                "top_logprobs": [{token: lp}],
+                "tokens": [name],
+                "top_logprobs": [{name: lp}],
             }
         choice = {
             "index": 0,
@@ -372,7 +382,7 @@ def make_app(config: FakeConfig | None = None) -> FastAPI:
             "stop_reason": None,
         }
         if body.get("logprobs") is not None:
-            tokens = [fake_detokenize([i]) for i in ids]
+            tokens = _token_names(body, ids)
             choice["logprobs"] = {
                 "text_offset": list(range(len(ids))),
                 "token_logprobs": lps,

@@ -107,7 +107,7 @@ def test_request_body_is_vllm_shaped():
     body = request_body(
         "m", [1, 2], SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,))
     )
-    assert body["prompt"] == [1, 2] and body["return_token_ids"] is True and body["logprobs"] == 1
+    assert body["prompt"] == [1, 2] and body["return_tokens_as_token_ids"] is True and "return_token_ids" not in body and body["logprobs"] == 1
     assert (body["max_tokens"], body["temperature"], body["seed"], body["stop_token_ids"]) == (
         5,
         0.5,
@@ -238,20 +238,24 @@ def test_bad_params_are_refused_before_any_call(clean, params):
     assert clean.stats["requests"] == 0
 
 
+def named(ids: list[int]) -> list[str]:
+    """Completions logprobs' tokens as vLLM names them with return_tokens_as_token_ids."""
+    return [f"token_id:{i}" for i in ids]
+
+
 @pytest.mark.parametrize(
     "payload,err",
     [
         ({}, "no choices"),
         (
             {"choices": [{"logprobs": {"token_logprobs": []}, "finish_reason": "stop"}]},
-            "token_ids is missing",
+            "tokens is missing",
         ),
         (
             {
                 "choices": [
                     {
-                        "token_ids": [1, 2],
-                        "logprobs": {"token_logprobs": [-1.0]},
+                        "logprobs": {"tokens": named([1, 2]), "token_logprobs": [-1.0]},
                         "finish_reason": "stop",
                     }
                 ]
@@ -259,15 +263,18 @@ def test_bad_params_are_refused_before_any_call(clean, params):
             "has 1 values for 2",
         ),
         (
-            {"choices": [{"token_ids": [1], "logprobs": None, "finish_reason": "stop"}]},
+            {"choices": [{"logprobs": {"tokens": named([1])}, "finish_reason": "stop"}]},
             "has no values",
+        ),
+        (  # a server that ignored return_tokens_as_token_ids: tokens as text
+            {"choices": [{"logprobs": {"tokens": ["hi"], "token_logprobs": [-1.0]}}]},
+            "return_tokens_as_token_ids",
         ),
         (
             {
                 "choices": [
                     {
-                        "token_ids": [1],
-                        "logprobs": {"token_logprobs": [None]},
+                        "logprobs": {"tokens": named([1]), "token_logprobs": [None]},
                         "finish_reason": "stop",
                     }
                 ]
@@ -278,8 +285,7 @@ def test_bad_params_are_refused_before_any_call(clean, params):
             {
                 "choices": [
                     {
-                        "token_ids": [1],
-                        "logprobs": {"token_logprobs": [-1.0]},
+                        "logprobs": {"tokens": named([1]), "token_logprobs": [-1.0]},
                         "finish_reason": "abort",
                     }
                 ]
@@ -290,13 +296,12 @@ def test_bad_params_are_refused_before_any_call(clean, params):
             {
                 "choices": [
                     {
-                        "token_ids": [-1],
-                        "logprobs": {"token_logprobs": [-1.0]},
+                        "logprobs": {"tokens": named([-1]), "token_logprobs": [-1.0]},
                         "finish_reason": "stop",
                     }
                 ]
             },
-            "token_ids",
+            "token_id:N",
         ),
     ],
 )
@@ -570,7 +575,7 @@ def test_a_malformed_chunk_is_a_502_naming_the_field(clean):
         finally:
             await eng.aclose()
 
-    with pytest.raises(EngineError, match=r"bad answer: choices\[0\]\.token_ids") as e:
+    with pytest.raises(EngineError, match=r"bad answer: choices\[0\]\.logprobs\.tokens") as e:
         run(go())
     assert e.value.status == 502 and runs == [[3]] and clean.stats["completions"] == 1
 
@@ -595,9 +600,8 @@ def token_chunk(ids, finish=None, **extra) -> dict:
     choice = {
         "index": 0,
         "text": "",
-        "token_ids": ids,
         "finish_reason": finish,
-        "logprobs": {"token_logprobs": [-0.25] * len(ids)},
+        "logprobs": {"tokens": named(ids), "token_logprobs": [-0.25] * len(ids)},
         **extra,
     }
     return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
@@ -676,13 +680,12 @@ def test_an_error_chunk_is_retried_only_before_the_first_token():
     [
         ({}, "no choices"),
         ({"choices": ["x"]}, "choices\\[0\\] is str"),
-        ({"choices": [{"token_ids": [1], "logprobs": None}]}, "has no values"),
+        ({"choices": [{"logprobs": {"tokens": named([1])}}]}, "has no values"),
         (
             {
                 "choices": [
                     {
-                        "token_ids": [1],
-                        "logprobs": {"token_logprobs": [-1.0]},
+                        "logprobs": {"tokens": named([1]), "token_logprobs": [-1.0]},
                         "finish_reason": "abort",
                     }
                 ]

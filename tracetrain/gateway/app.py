@@ -73,6 +73,15 @@ class Gateway:
             self.owned.append(engine)
         return self.slots[name]
 
+    def warm(self) -> None:
+        """Each slot's first-request work done now (EngineSlot.warm); a slot that fails it is
+        left to fail on its requests, with their error."""
+        for slot in self.slots.values():
+            try:
+                slot.warm(self.tool_parser)
+            except Exception as e:
+                log.warning("engine %r not warmed: %s: %s", slot.name, type(e).__name__, e)
+
     def slot_for(self, rollout: RolloutHead) -> EngineSlot:
         name = rollout.engine or self.default_engine
         slot = self.slots.get(name)
@@ -175,6 +184,7 @@ def create_app(
                     gw.add_engine(name, engine_factory(spec, gw), spec=spec)
                 except Exception as e:
                     log.warning("engine %r not rebuilt: %s: %s", name, type(e).__name__, e)
+        gw.warm()
         yield
         for engine in gw.owned:
             await engine.aclose()

@@ -236,6 +236,11 @@ class ExactContext:
         ids = entry.ids + array("i", self.prompts.encode(suffix))
         return Built(ids.tolist(), EXACT, None, len(entry.ids), ids, entry.turn)
 
+    def warm(self) -> None:
+        """Probe the template's closing with and without tools now, not on a first request."""
+        self._closing(None)
+        self._closing([{"type": "function", "function": {"name": "probe", "parameters": {}}}])
+
     def _closing(self, tools: list | None) -> tuple[str, list[int]] | None:
         """(text, ids) the template writes after an assistant message's content; None if a probe
         conversation does not show it."""

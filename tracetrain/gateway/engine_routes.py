@@ -53,6 +53,7 @@ async def register_engine(body: RegisterEngineIn, request: Request):
         raise ApiError(409, f"engine {body.name!r} already exists", "name")
     await gw.store.put_engine(body.name, spec)
     gw.add_engine(body.name, engine, spec=spec)
+    gw.warm()
     return gw.slots[body.name].describe()
 
 
