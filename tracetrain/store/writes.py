@@ -157,10 +157,17 @@ def _op_add_turn(
             len(prompt_ids),
         ),
     )
-    conn.execute(
-        "UPDATE rollouts SET n_turns = ?, state = 'running', updated_at = ? WHERE rollout_id = ?",
-        (index + 1, now, rollout_id),
-    )
+    if state == RolloutState.running:  # state is indexed: leave it, and its index page, alone
+        conn.execute(
+            "UPDATE rollouts SET n_turns = ?, updated_at = ? WHERE rollout_id = ?",
+            (index + 1, now, rollout_id),
+        )
+    else:
+        conn.execute(
+            "UPDATE rollouts SET n_turns = ?, state = 'running', updated_at = ?"
+            " WHERE rollout_id = ?",
+            (index + 1, now, rollout_id),
+        )
     return index
 
 
