@@ -431,6 +431,23 @@ def server_metric(base_url: str, name: str, having: str = "") -> float:
                if line.startswith(name + "{") and having in line)
 
 
+def settled(read, base_url: str, timeout_s: float = 30.0):
+    """`read()` once the server has nothing running or waiting and two reads 0.5 s apart agree:
+    an earlier test's request that vLLM ends after its client has its answer (a stop string is
+    found by the front end while the engine core decodes on) is counted late."""
+    deadline = time.monotonic() + timeout_s
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        busy = sum(server_metric(base_url, m) for m in ("vllm:num_requests_running",
+                                                        "vllm:num_requests_waiting"))
+        now = read()
+        if not busy and now == last:
+            return now
+        last = now
+    raise AssertionError(f"the server did not settle in {timeout_s} s: {last}")
+
+
 @pytest.mark.slow
 def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
     """The engine's task cancelled after two runs of a long greedy answer: vLLM stops decoding it
@@ -441,7 +458,8 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
     # vLLM counts an abort in request_success_total too (finished_reason="abort") when the abort
     # reaches its engine core before its front end: only stop and length are finishing.
     reasons = ('finished_reason="stop"', 'finished_reason="length"')
-    finished = [server_metric(url, "vllm:request_success_total", r) for r in reasons]
+    finished = settled(lambda: [server_metric(url, "vllm:request_success_total", r)
+                                for r in reasons], url)
 
     async def go():
         runs: list[list[int]] = []
