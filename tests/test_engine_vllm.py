@@ -55,12 +55,15 @@ def tok():
     return build_tokenizer()
 
 
+SERVED_CONTEXT = 2048  # the tiny model's max_position_embeddings: the cancel test's answer is long
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, vllm_python, tok):
     """One server for the module, started on the tiny model (tied embeddings, written untied)."""
     model = build_model(tok, seed=0)
     d = write_hf_dir(model, tok, tmp_path_factory.mktemp("served") / "weights")
-    server = VLLMServer.launch(vllm_python, d, d.parent / "vllm.log", max_model_len=512,
+    server = VLLMServer.launch(vllm_python, d, d.parent / "vllm.log", max_model_len=SERVED_CONTEXT,
                                dtype="float32", start_timeout_s=600)
     try:
         yield server, model, d
@@ -71,7 +74,8 @@ def served(tmp_path_factory, vllm_python, tok):
 def engine_on(served, tok) -> VLLMEngine:
     """An engine on the module's server that does not stop it when closed."""
     server, _, d = served
-    return VLLMEngine(VLLMServer(None, server.base_url), tok, d, max_context=512, timeout=120)
+    return VLLMEngine(VLLMServer(None, server.base_url), tok, d, max_context=SERVED_CONTEXT,
+                      timeout=120)
 
 
 def chat(tok, text: str) -> list[int]:
@@ -432,9 +436,8 @@ def server_metric(base_url: str, name: str, having: str = "") -> float:
 
 
 def settled(read, base_url: str, timeout_s: float = 30.0):
-    """`read()` once the server has nothing running or waiting and two reads 0.5 s apart agree:
-    an earlier test's request that vLLM ends after its client has its answer (a stop string is
-    found by the front end while the engine core decodes on) is counted late."""
+    """`read()` once the server has nothing running or waiting and two reads 0.5 s apart agree
+    (vLLM's counters of a request move after its client has stopped listening)."""
     deadline = time.monotonic() + timeout_s
     last = read()
     while time.monotonic() < deadline:
@@ -450,16 +453,25 @@ def settled(read, base_url: str, timeout_s: float = 30.0):
 
 @pytest.mark.slow
 def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
-    """The engine's task cancelled after two runs of a long greedy answer: vLLM stops decoding it
-    (no request left running, none finished by stop or length)."""
+    """The engine's task cancelled after two runs of a greedy answer as long as the context allows:
+    vLLM stops decoding it (it generated fewer tokens than asked for, no request is left running,
+    none finished by stop or length)."""
     url = served[0].base_url
     engine = engine_on(served, tok)
-    params = SamplingParams(max_tokens=480, temperature=0.0, stop_token_ids=())
+    prompt = chat(tok, "Say something long.")
+    # Seconds of decoding at the tiny model's few ms per token: in the full suite a pause of the
+    # test's process (a GC pass over its large heap) once outlasted a 480-token answer.
+    params = SamplingParams(max_tokens=SERVED_CONTEXT - len(prompt), temperature=0.0,
+                            stop_token_ids=())
     # vLLM counts an abort in request_success_total too (finished_reason="abort") when the abort
     # reaches its engine core before its front end: only stop and length are finishing.
     reasons = ('finished_reason="stop"', 'finished_reason="length"')
-    finished = settled(lambda: [server_metric(url, "vllm:request_success_total", r)
-                                for r in reasons], url)
+
+    def counts() -> list[float]:
+        return [server_metric(url, "vllm:generation_tokens_total")] + [
+            server_metric(url, "vllm:request_success_total", r) for r in reasons]
+
+    before = settled(counts, url)
 
     async def go():
         runs: list[list[int]] = []
@@ -469,8 +481,7 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
             if len(runs) == 2:  # cancelled from inside the engine's read loop, at once: a
                 task.cancel()  # waiter woken later may find vLLM's whole answer already read
 
-        task = asyncio.create_task(engine.generate(chat(tok, "Say something long."), params,
-                                                   on_tokens))
+        task = asyncio.create_task(engine.generate(prompt, params, on_tokens))
         try:
             await asyncio.wait({task}, timeout=120)
             assert task.cancelled(), f"not cancelled: {task}"
@@ -480,12 +491,10 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
             await UpstreamEngine.aclose(engine)
 
     runs = asyncio.run(go())
-    deadline = time.monotonic() + 10  # vLLM learns of it asynchronously
-    while server_metric(url, "vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server_metric(url, "vllm:num_requests_running") == 0
-    assert [server_metric(url, "vllm:request_success_total", r) for r in reasons] == finished
+    after = settled(counts, url)  # vLLM learns of it asynchronously
     assert len([t for r in runs for t in r]) < params.max_tokens
+    assert after[0] - before[0] < params.max_tokens, (before, after)  # tokens vLLM generated
+    assert after[1:] == before[1:], (before, after)
 
 
 # A schema whose every value is bounded, so that even the random model's constrained answer ends.
@@ -526,7 +535,7 @@ def test_a_named_tool_choice_is_answered_with_one_call_of_that_tool(tmp_path, se
     """A named tool_choice through the gateway, sent to vLLM as the hermes structural tag: the
     answer is one call of that tool in the model's own format (the recorded ids decode to a
     <tool_call> block), which the hermes parser reads, with arguments valid for its schema."""
-    tools = [{"type": "function", "function": {"name": "plan"}},  # short: the context is 512
+    tools = [{"type": "function", "function": {"name": "plan"}},
              {"type": "function", "function": {"name": "book", "parameters": TRIP}}]
     with live_gateway(tmp_path, engine_on(served, tok), close_engines=True) as live:
         for seed, (rid, client) in enumerate(clients(live, 3)):
