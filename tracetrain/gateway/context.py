@@ -140,6 +140,11 @@ def _same(a: dict, b: dict) -> bool:
     return {k: v for k, v in a.items() if v is not None} == {k: v for k, v in b.items() if v is not None}
 
 
+def messages_json(messages: list[dict]) -> bytes | None:
+    """The messages' JSON, as build and answered compare and keep it (None: not JSON)."""
+    return _json(messages)
+
+
 def _json(value: Any) -> bytes | None:
     try:
         return orjson.dumps(value)
@@ -147,16 +152,19 @@ def _json(value: Any) -> bytes | None:
         return None
 
 
-def _continues(entry: _Answered, messages: list[dict], tools: bytes) -> bool:
-    """entry's conversation (its messages, then its answer) is a prefix of `messages`: the same
-    JSON (the harness resent its history unchanged), or else the same messages by `_same`."""
+def _continues(entry: _Answered, messages: list[dict], sent: bytes | None, tools: bytes) -> bool:
+    """entry's conversation (its messages, then its answer) is a prefix of `messages` (whose JSON
+    is `sent`): the same JSON (the harness resent its history unchanged: `sent` begins with
+    entry.sent's messages and a comma), or else the same messages by `_same`."""
     n = entry.n_sent
     if len(messages) <= n or entry.tools != tools:
         return False
     if messages[n].get("role") != "assistant" or answer_key(messages[n]) != entry.answer:
         return False
-    head = messages[:n]
-    return _json(head) == entry.sent or all(map(_same, head, orjson.loads(entry.sent)))
+    head = entry.sent[:-1] + b","  # "[m0,...,m(n-1)," : JSON values delimit themselves
+    if sent is not None and sent.startswith(head):
+        return True
+    return all(map(_same, messages[:n], orjson.loads(entry.sent)))
 
 
 # ------------------------------------------------------------------------- the template's part
@@ -187,9 +195,9 @@ class ExactContext:
     """Exact prompts for one engine's tokenizer (module docstring). Not thread-safe: one per
     event loop.
 
-    build(rollout_id, messages, tools, full, first)   -> Built
-    answered(rollout_id, turn, messages, tools, answer, prompt_ids, response_ids)   remember turn
-                                                                                    `turn`
+    build(rollout_id, messages, tools, full, first, sent)   -> Built
+    answered(rollout_id, turn, messages, tools, answer, prompt_ids, response_ids, sent)
+                                                                        remember turn `turn`
 
     `prompts` encodes for the engine's tokenizer; `render(messages, tools, generation_prompt)` is
     the chat template's text.
@@ -219,15 +227,19 @@ class ExactContext:
         full: Callable[[], list[int]],
         *,
         first: bool,
+        sent: bytes | None = None,
     ) -> Built:
         """The prompt of a chat request under `context: exact`. `full()`: the template's full render
-        (ids); `first`: the rollout has made no model call yet."""
+        (ids); `first`: the rollout has made no model call yet; `sent`: the messages' JSON
+        (`messages_json`), if the caller has it."""
         seen = self._rollouts.get(rollout_id)
         if not seen:
             return Built(full(), RENDERED, FIRST_TURN if first else FORGOTTEN, 0)
         self._rollouts.move_to_end(rollout_id)
         tools_json = _json(tools)
-        entry = next((e for e in reversed(seen) if _continues(e, messages, tools_json)), None)
+        if sent is None:
+            sent = _json(messages)
+        entry = next((e for e in reversed(seen) if _continues(e, messages, sent, tools_json)), None)
         if entry is None:
             return Built(full(), RENDERED, NO_MATCH, 0)
         suffix = self._suffix(messages, entry.n_sent + 1, tools, entry.response_tail)
@@ -295,8 +307,12 @@ class ExactContext:
         answer: dict,
         prompt_ids: Sequence[int],
         response_ids: Sequence[int],
+        *,
+        sent: bytes | None = None,
     ) -> None:
-        sent, tools_json = _json(messages), _json(tools)
+        if sent is None:
+            sent = _json(messages)
+        tools_json = _json(tools)
         if sent is None or tools_json is None:
             return
         prompt = prompt_ids if isinstance(prompt_ids, array) else array("i", prompt_ids)

@@ -35,7 +35,7 @@ from tracetrain.engines.base import (
     SamplingParams,
 )
 from tracetrain.gateway import keys, render
-from tracetrain.gateway.context import POLICY, RENDERED, Built
+from tracetrain.gateway.context import POLICY, RENDERED, Built, messages_json
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.schemas import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
@@ -201,7 +201,8 @@ async def chat_answer(
 
     if gw.context == "exact":
         first = rollout.state == RolloutState.queued
-        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first)
+        sent = messages_json(messages)  # one serialization, for the match and the memory
+        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first, sent=sent)
     else:
         built = Built(full(), RENDERED, POLICY, 0)
     prompt_ids = built.prompt_ids
@@ -226,7 +227,8 @@ async def chat_answer(
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids
         slot.exact.answered(
-            rollout.rollout_id, index, messages, tools, answer.message, prompt, gen.response_ids
+            rollout.rollout_id, index, messages, tools, answer.message, prompt, gen.response_ids,
+            sent=sent,
         )
     return answer
 
