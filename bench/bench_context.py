@@ -15,7 +15,8 @@ Per policy and conversation length it prints, from the recorded turns (aggregate
 trajectory level, with the tokenizer): prefix breaks per rollout by kind, rows per rollout, the
 tokens a training step forwards per rollout, the bytes of token ids the store keeps per rollout,
 and the gateway's CPU per request (all its threads, from /proc/PID/task/*/schedstat): the mean
-over the conversation and over its last 4 turns. Each policy runs --repeats times, alternating;
+over the conversation, over its last 4 turns, and at its last turn (the requests whose history
+holds every earlier turn). Each policy runs --repeats times, alternating;
 the ratios compare the medians.
 """
 
@@ -228,12 +229,14 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
         "stored_kb": stored / n / 1024,
         "cpu_ms": 1e3 * sum(per_turn) / len(per_turn),
         "cpu_ms_last": 1e3 * sum(per_turn[-LAST:]) / len(per_turn[-LAST:]),
+        "cpu_ms_end": 1e3 * per_turn[-1],  # the requests at the last turn (the deepest history)
     }
     kinds = " ".join(f"{k[:6]} {v:.2f}" for k, v in out["by_kind"].items())
     print(f"  {context:<8} {turns:3d} turns: breaks/rollout {out['breaks']:6.2f} ({kinds})  "
           f"rows/rollout {out['rows']:6.2f}  forward tokens/rollout {out['forward_tokens']:8.0f}  "
           f"ids stored/rollout {out['stored_kb']:6.1f} kB  "
-          f"gateway CPU {out['cpu_ms']:.2f} ms/req (last {LAST} turns {out['cpu_ms_last']:.2f})", flush=True)
+          f"gateway CPU {out['cpu_ms']:.2f} ms/req (last {LAST} turns {out['cpu_ms_last']:.2f}, "
+          f"turn {turns} {out['cpu_ms_end']:.2f})", flush=True)
     return out
 
 
@@ -258,7 +261,7 @@ def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[st
 def median_run(runs: list[dict]) -> dict:
     """The runs' figures (all equal but the CPU ones) with the CPU figures' medians."""
     out = dict(runs[0])
-    for k in ("cpu_ms", "cpu_ms_last"):
+    for k in ("cpu_ms", "cpu_ms_last", "cpu_ms_end"):
         out[k] = statistics.median(r[k] for r in runs)
     return out
 
@@ -299,7 +302,8 @@ def main(argv=None) -> None:
                 results.append(pair)
                 e, t = pair["exact"], pair["template"]
                 print(f"  {turns} turns, medians of {args.repeats}, template / exact: gateway CPU per request "
-                      f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x), "
+                      f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x, "
+                      f"turn {turns} {t['cpu_ms_end'] / e['cpu_ms_end']:.2f}x), "
                       f"forward tokens {t['forward_tokens'] / e['forward_tokens']:.2f}x, "
                       f"ids stored {t['stored_kb'] / e['stored_kb']:.2f}x, "
                       f"rows {t['rows'] / e['rows']:.2f}x   [{time.perf_counter() - t0:.0f} s]", flush=True)
