@@ -148,6 +148,7 @@ class Agents:
         ]
         self.histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
                           for _ in self.made]
+        self.sent: list[list[int]] = [[] for _ in self.made]  # per agent: messages sent, each call
         return self
 
     async def __aexit__(self, *exc):
@@ -163,6 +164,7 @@ class Agents:
         """Agent k's next model call: its whole history and the tools, as harnesses send them;
         the answer and the tool results are appended to the history."""
         history = self.histories[k]
+        self.sent[k].append(len(history))
         body = {"model": "fake", "messages": history, "tools": TOOLS, "max_tokens": 96}
         async with self.sessions[k].post(self.made[k]["base_url"] + "/chat/completions",
                                          data=orjson.dumps(body), headers=JSON) as r:
@@ -240,6 +242,63 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     return out
 
 
+def prompt_cpu(agents: Agents, db: Path, tok) -> dict[str, float]:
+    """The prompt's part alone, in this process: every request of the exact gateway's run replayed
+    turn by turn (all agents, as the gateway saw them) through each policy's prompt code, ms per
+    request: `template` the full render and its encode (render.full_prompt_ids with a PromptEncoder,
+    as the gateway does), `exact` ExactContext (serializing the messages, matching the earlier
+    turn, rendering and encoding the new messages, remembering the answer). Each replayed exact
+    prompt is checked against the ids the gateway recorded."""
+    import gc
+
+    from tracetrain.gateway.context import ExactContext, messages_json
+    from tracetrain.gateway.prompt_cache import PromptEncoder
+    from tracetrain.gateway.render import chat_messages, full_prompt_ids, template_text
+    from tracetrain.gateway.schemas import ChatCompletionIn
+    from tracetrain.store import SQLiteStore
+
+    with SQLiteStore(db) as store:
+        turns = {r.rollout_id: r.turns for r in store.load_rollouts(rollout_ids=agents.rollout_ids)}
+    full_encoder, exact_encoder = PromptEncoder(tok), PromptEncoder(tok)
+    context = ExactContext(exact_encoder, lambda m, t, g: template_text(tok, m, t, g))
+    context.warm()
+    spent: dict[str, list[float]] = {"template": [], "exact": []}  # seconds, per turn
+    gc.collect()
+    gc.disable()  # the gateway runs its cyclic GC rarely too (serve.py)
+    try:
+        for turn in range(len(agents.sent[0])):
+            per = {"template": 0.0, "exact": 0.0}
+            for k, rid in enumerate(agents.rollout_ids):
+                history, n = agents.histories[k], agents.sent[k][turn]
+                data = {"messages": history[:n], "tools": TOOLS}
+                messages, tools = chat_messages(ChatCompletionIn.model_validate(data), data)
+                recorded = turns[rid][turn]
+                t0 = time.perf_counter()
+                full_prompt_ids(tok, messages, tools, full_encoder)
+                t1 = time.perf_counter()
+                sent = messages_json(messages)
+                built = context.build(
+                    rid, messages, tools,
+                    lambda m=messages, t=tools: full_prompt_ids(tok, m, t, exact_encoder),
+                    first=turn == 0, sent=sent)
+                prompt = built.prompt_ids if built.ids is None else built.ids
+                context.answered(rid, turn, messages, tools, history[n], prompt,
+                                 recorded.response_ids, sent=sent)
+                t2 = time.perf_counter()
+                assert built.prompt_ids == list(recorded.prompt_ids), (rid, turn)
+                per["template"] += t1 - t0
+                per["exact"] += t2 - t1
+            for c in per:
+                spent[c].append(per[c] / len(agents.rollout_ids))
+    finally:
+        gc.enable()
+    out = {}
+    for c, per_turn in spent.items():
+        out[f"prompt_{c}_ms"] = 1e3 * sum(per_turn) / len(per_turn)
+        out[f"prompt_{c}_ms_end"] = 1e3 * per_turn[-1]
+    return out
+
+
 def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[str, dict]:
     """Both policies side by side, each its own gateway process, on the same CPU."""
     procs, gateways, dbs = [], {}, {}
@@ -255,13 +314,21 @@ def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[st
         for proc in procs:
             proc.kill()
             proc.wait()
-    return {c: figures(c, turns, agents[c], dbs[c], tok) for c in agents}
+    out = {c: figures(c, turns, agents[c], dbs[c], tok) for c in agents}
+    prompt = prompt_cpu(agents["exact"], dbs["exact"], tok)
+    print(f"  prompt only, in-process replay of the exact run: template {prompt['prompt_template_ms']:.3f} "
+          f"ms/req (turn {turns} {prompt['prompt_template_ms_end']:.3f}), exact {prompt['prompt_exact_ms']:.3f} "
+          f"ms/req (turn {turns} {prompt['prompt_exact_ms_end']:.3f})", flush=True)
+    for c in out:
+        out[c].update(prompt)
+    return out
 
 
 def median_run(runs: list[dict]) -> dict:
     """The runs' figures (all equal but the CPU ones) with the CPU figures' medians."""
     out = dict(runs[0])
-    for k in ("cpu_ms", "cpu_ms_last", "cpu_ms_end"):
+    for k in ("cpu_ms", "cpu_ms_last", "cpu_ms_end", "prompt_template_ms", "prompt_template_ms_end",
+              "prompt_exact_ms", "prompt_exact_ms_end"):
         out[k] = statistics.median(r[k] for r in runs)
     return out
 
@@ -307,6 +374,11 @@ def main(argv=None) -> None:
                       f"forward tokens {t['forward_tokens'] / e['forward_tokens']:.2f}x, "
                       f"ids stored {t['stored_kb'] / e['stored_kb']:.2f}x, "
                       f"rows {t['rows'] / e['rows']:.2f}x   [{time.perf_counter() - t0:.0f} s]", flush=True)
+                print(f"  {turns} turns, medians of {args.repeats}: the prompt alone (in-process replay) "
+                      f"template {e['prompt_template_ms']:.3f} ms/req, exact {e['prompt_exact_ms']:.3f} "
+                      f"ms/req: {e['prompt_template_ms'] / e['prompt_exact_ms']:.2f}x (turn {turns} "
+                      f"{e['prompt_template_ms_end']:.3f} vs {e['prompt_exact_ms_end']:.3f} ms: "
+                      f"{e['prompt_template_ms_end'] / e['prompt_exact_ms_end']:.2f}x)", flush=True)
         finally:
             fake.kill()
             fake.wait()
