@@ -333,7 +333,8 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict[str, dict]]:
+    """Per conversation length, {policy: its figures (medians)}; also printed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--turns", type=int, nargs="+", default=[8, 32])
     p.add_argument("--clients", type=int, default=32)
@@ -382,6 +383,7 @@ def main(argv=None) -> None:
         finally:
             fake.kill()
             fake.wait()
+    return results
 
 
 if __name__ == "__main__":
