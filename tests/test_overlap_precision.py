@@ -199,20 +199,25 @@ def test_faster_precision_measures_both_and_leaves_the_model_as_it_was():
 
 @pytest.mark.parametrize("slow", PRECISIONS)
 def test_faster_precision_picks_the_one_that_measures_faster(slow, monkeypatch):
-    """A pass made slower by 0.2 s under one precision: the other one is chosen."""
+    """A pass that takes 0.2 s under one precision and 0.01 s under the other, on a clock that
+    moves only inside the passes (a busy shared machine cannot stall the fast one past the slow
+    one, as it once did in CI with real sleeps): the other one is chosen, each timed as it ran."""
+    import types
+
     import tracetrain.logprobs as L
 
-    real = L.response_logprobs
+    real, clock = L.response_logprobs, [0.0]
 
     def timed(*a, precision="fp32", **k):
-        if precision == slow:
-            time.sleep(0.2)
+        clock[0] += 0.2 if precision == slow else 0.01
         return real(*a, precision=precision, **k)
 
     monkeypatch.setattr(L, "response_logprobs", timed)
+    monkeypatch.setattr(L, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     choice, seconds = faster_precision(_tiny_model(), tokens=32)
-    assert seconds[slow] >= 0.2
-    assert choice == next(p for p in PRECISIONS if p != slow)
+    fast = next(p for p in PRECISIONS if p != slow)
+    assert seconds == {slow: pytest.approx(0.2), fast: pytest.approx(0.01)}
+    assert choice == fast
 
 
 @pytest.mark.slow
