@@ -227,18 +227,15 @@ class ExactContext:
         full: Callable[[], list[int]],
         *,
         first: bool,
-        sent: bytes | None = None,
+        sent: bytes | None,
     ) -> Built:
         """The prompt of a chat request under `context: exact`. `full()`: the template's full render
-        (ids); `first`: the rollout has made no model call yet; `sent`: the messages' JSON
-        (`messages_json`), if the caller has it."""
+        (ids); `first`: the rollout has made no model call yet; `sent`: `messages_json(messages)`."""
         seen = self._rollouts.get(rollout_id)
         if not seen:
             return Built(full(), RENDERED, FIRST_TURN if first else FORGOTTEN, 0)
         self._rollouts.move_to_end(rollout_id)
         tools_json = _json(tools)
-        if sent is None:
-            sent = _json(messages)
         entry = next((e for e in reversed(seen) if _continues(e, messages, sent, tools_json)), None)
         if entry is None:
             return Built(full(), RENDERED, NO_MATCH, 0)
@@ -308,10 +305,9 @@ class ExactContext:
         prompt_ids: Sequence[int],
         response_ids: Sequence[int],
         *,
-        sent: bytes | None = None,
+        sent: bytes | None,
     ) -> None:
-        if sent is None:
-            sent = _json(messages)
+        """Remember turn `turn`; `sent`: `messages_json(messages)` (None: not JSON, not kept)."""
         tools_json = _json(tools)
         if sent is None or tools_json is None:
             return
