@@ -206,6 +206,16 @@ async def play(gateways: dict, clients: int, turns: int) -> dict[str, Agents]:
     return agents
 
 
+def cpu_figures(agents: Agents) -> dict[str, float]:
+    """The gateway's CPU per request, ms: over the conversation, its last turns, its last turn."""
+    per_turn = agents.cpu_per_request
+    return {
+        "cpu_ms": 1e3 * sum(per_turn) / len(per_turn),
+        "cpu_ms_last": 1e3 * sum(per_turn[-LAST:]) / len(per_turn[-LAST:]),
+        "cpu_ms_end": 1e3 * per_turn[-1],  # the requests at the last turn (the deepest history)
+    }
+
+
 def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     from tracetrain.aggregate import aggregate
     from tracetrain.store import SQLiteStore
@@ -219,7 +229,6 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
         (stored,) = conn.execute(
             "SELECT SUM(length(prompt_ids) + length(response_ids)) FROM turns"
         ).fetchone()
-    per_turn = agents.cpu_per_request
     out = {
         "context": context,
         "turns": turns,
@@ -229,9 +238,7 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
         "rows": m["n_rows"] / n,
         "forward_tokens": m["tokens/non_pad"] / n,
         "stored_kb": stored / n / 1024,
-        "cpu_ms": 1e3 * sum(per_turn) / len(per_turn),
-        "cpu_ms_last": 1e3 * sum(per_turn[-LAST:]) / len(per_turn[-LAST:]),
-        "cpu_ms_end": 1e3 * per_turn[-1],  # the requests at the last turn (the deepest history)
+        **cpu_figures(agents),
     }
     kinds = " ".join(f"{k[:6]} {v:.2f}" for k, v in out["by_kind"].items())
     print(f"  {context:<8} {turns:3d} turns: breaks/rollout {out['breaks']:6.2f} ({kinds})  "
@@ -299,8 +306,21 @@ def prompt_cpu(agents: Agents, db: Path, tok) -> dict[str, float]:
     return out
 
 
+def start_bare(upstream: str):
+    """bench/bare_gateway.py, pinned like a gateway: the floor of any gateway on this stack."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_gateway.py"), upstream],
+                            stdout=subprocess.PIPE, text=True)
+    pin(proc.pid, GATEWAY_CPUS)
+    line = proc.stdout.readline()
+    if not line.startswith("TRACETRAIN_GATEWAY_URL="):
+        proc.kill()
+        raise RuntimeError(f"bare gateway did not start: {line!r}")
+    return proc, line.strip().split("=", 1)[1]
+
+
 def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[str, dict]:
-    """Both policies side by side, each its own gateway process, on the same CPU."""
+    """Both policies side by side, each its own gateway process, on the same CPU (and with
+    args.bare the bare gateway too: its CPU figures only)."""
     procs, gateways, dbs = [], {}, {}
     try:
         for c in ("template", "exact"):
@@ -309,12 +329,22 @@ def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[st
             proc, url = start_gateway(dbs[c], upstream, tokdir, key, c)
             procs.append(proc)
             gateways[c] = (url, key, proc.pid)
+        if args.bare:
+            proc, url = start_bare(upstream)
+            procs.append(proc)
+            gateways["bare"] = (url, "bare", proc.pid)
         agents = asyncio.run(play(gateways, args.clients, turns))
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-    out = {c: figures(c, turns, agents[c], dbs[c], tok) for c in agents}
+    out = {c: figures(c, turns, agents[c], dbs[c], tok) for c in agents if c != "bare"}
+    if args.bare:
+        out["bare"] = {"context": "bare", "sent": agents["bare"].sent, **cpu_figures(agents["bare"])}
+        out["exact"]["sent"] = agents["exact"].sent
+        print(f"  bare      {turns:3d} turns: gateway CPU {out['bare']['cpu_ms']:.2f} ms/req (last {LAST} "
+              f"turns {out['bare']['cpu_ms_last']:.2f}, turn {turns} {out['bare']['cpu_ms_end']:.2f})",
+              flush=True)
     prompt = prompt_cpu(agents["exact"], dbs["exact"], tok)
     print(f"  prompt only, in-process replay of the exact run: template {prompt['prompt_template_ms']:.3f} "
           f"ms/req (turn {turns} {prompt['prompt_template_ms_end']:.3f}), exact {prompt['prompt_exact_ms']:.3f} "
@@ -329,8 +359,24 @@ def median_run(runs: list[dict]) -> dict:
     out = dict(runs[0])
     for k in ("cpu_ms", "cpu_ms_last", "cpu_ms_end", "prompt_template_ms", "prompt_template_ms_end",
               "prompt_exact_ms", "prompt_exact_ms_end"):
-        out[k] = statistics.median(r[k] for r in runs)
+        if k in out:  # the bare gateway has no prompt figures
+            out[k] = statistics.median(r[k] for r in runs)
     return out
+
+
+def floor(pair: dict[str, dict], turns: int, repeats: int) -> None:
+    """What the bare gateway says: each policy's CPU above the floor, and the most template /
+    exact could be were the gateway's shared path (all but the prompt) as cheap as the bare one's:
+    (bare + template's prompt) / (bare + exact's prompt); (x + T) / (x + E) falls as x grows."""
+    b, e, t = pair["bare"], pair["exact"], pair["template"]
+    for at, end in (("mean", ""), (f"turn {turns}", "_end")):
+        ceiling = ((b[f"cpu_ms{end}"] + e[f"prompt_template_ms{end}"])
+                   / (b[f"cpu_ms{end}"] + e[f"prompt_exact_ms{end}"]))
+        print(f"  {turns} turns, medians of {repeats}, {at}: bare gateway "
+              f"{b[f'cpu_ms{end}']:.2f} ms/req; above it template +{t[f'cpu_ms{end}'] - b[f'cpu_ms{end}']:.2f}, "
+              f"exact +{e[f'cpu_ms{end}'] - b[f'cpu_ms{end}']:.2f} ms/req; template / exact at most "
+              f"{ceiling:.2f}x with a shared path as cheap as the bare one's "
+              f"(measured {t[f'cpu_ms{end}'] / e[f'cpu_ms{end}']:.2f}x)", flush=True)
 
 
 def main(argv=None) -> list[dict[str, dict]]:
@@ -340,6 +386,8 @@ def main(argv=None) -> list[dict[str, dict]]:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="runs per policy; CPU figures: medians")
     p.add_argument("--tokenizer", default="qwen", choices=["qwen", "smollm2", "deepseek", "tiny"])
+    p.add_argument("--bare", action="store_true",
+                   help="play the conversations through bench/bare_gateway.py too: the floor")
     args = p.parse_args(argv)
     tok = tokenizer(args.tokenizer)
     print(f"tokenizer {args.tokenizer} ({len(tok)} ids), template HERMES_TOOLS; {args.clients} clients; "
@@ -362,10 +410,10 @@ def main(argv=None) -> list[dict[str, dict]]:
             results = []
             for turns in args.turns:
                 t0 = time.perf_counter()
-                runs = {"template": [], "exact": []}
+                runs: dict[str, list] = {}
                 for _ in range(args.repeats):
                     for c, out in run(turns, args, tok, tokdir, upstream, tmp).items():
-                        runs[c].append(out)
+                        runs.setdefault(c, []).append(out)
                 pair = {c: median_run(rs) for c, rs in runs.items()}
                 results.append(pair)
                 e, t = pair["exact"], pair["template"]
@@ -380,6 +428,8 @@ def main(argv=None) -> list[dict[str, dict]]:
                       f"ms/req: {e['prompt_template_ms'] / e['prompt_exact_ms']:.2f}x (turn {turns} "
                       f"{e['prompt_template_ms_end']:.3f} vs {e['prompt_exact_ms_end']:.3f} ms: "
                       f"{e['prompt_template_ms_end'] / e['prompt_exact_ms_end']:.2f}x)", flush=True)
+                if args.bare:
+                    floor(pair, turns, args.repeats)
         finally:
             fake.kill()
             fake.wait()
