@@ -55,13 +55,14 @@ def tok():
     return build_tokenizer()
 
 
-SERVED_CONTEXT = 2048  # the tiny model's max_position_embeddings: the cancel test's answer is long
+# the served model's positions and vLLM's max_model_len: the cancel test's answer is long
+SERVED_CONTEXT = 2048
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, vllm_python, tok):
     """One server for the module, started on the tiny model (tied embeddings, written untied)."""
-    model = build_model(tok, seed=0)
+    model = build_model(tok, max_position_embeddings=SERVED_CONTEXT, seed=0)
     d = write_hf_dir(model, tok, tmp_path_factory.mktemp("served") / "weights")
     server = VLLMServer.launch(vllm_python, d, d.parent / "vllm.log", max_model_len=SERVED_CONTEXT,
                                dtype="float32", start_timeout_s=600)
@@ -427,24 +428,29 @@ def test_a_streamed_answer_is_the_whole_answer(served, tok):
     assert answers[1][0].finish_reason == "stop"
 
 
-def server_metric(base_url: str, name: str, having: str = "") -> float:
-    """The sum of a Prometheus metric's series at the server's /metrics (those whose labels
+def server_metric(metrics: str, name: str, having: str = "") -> float:
+    """The sum of a Prometheus metric's series in a server's /metrics text (those whose labels
     contain `having`, e.g. 'finished_reason="stop"')."""
-    text = httpx.get(base_url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith(name + "{") and having in line)
 
 
 def settled(read, base_url: str, timeout_s: float = 30.0):
-    """`read()` once the server has nothing running or waiting and two reads 0.5 s apart agree
-    (vLLM's counters of a request move after its client has stopped listening)."""
+    """`read(metrics)` of the server's /metrics text once the server has nothing running or
+    waiting and two reads 0.5 s apart agree (vLLM's counters of a request move after its client
+    has stopped listening). One GET per read."""
+
+    def metrics() -> str:
+        return httpx.get(base_url + "/metrics", timeout=30).text
+
     deadline = time.monotonic() + timeout_s
-    last = read()
+    last = read(metrics())
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        busy = sum(server_metric(base_url, m) for m in ("vllm:num_requests_running",
-                                                        "vllm:num_requests_waiting"))
-        now = read()
+        text = metrics()
+        busy = sum(server_metric(text, m) for m in ("vllm:num_requests_running",
+                                                    "vllm:num_requests_waiting"))
+        now = read(text)
         if not busy and now == last:
             return now
         last = now
@@ -467,9 +473,9 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
     # reaches its engine core before its front end: only stop and length are finishing.
     reasons = ('finished_reason="stop"', 'finished_reason="length"')
 
-    def counts() -> list[float]:
-        return [server_metric(url, "vllm:generation_tokens_total")] + [
-            server_metric(url, "vllm:request_success_total", r) for r in reasons]
+    def counts(metrics: str) -> list[float]:
+        return [server_metric(metrics, "vllm:generation_tokens_total")] + [
+            server_metric(metrics, "vllm:request_success_total", r) for r in reasons]
 
     before = settled(counts, url)
 
