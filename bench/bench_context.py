@@ -115,18 +115,28 @@ def pin(pid: int, cpus: list[int]) -> None:
             pass
 
 
-def start_gateway(db: Path, upstream: str, tokdir: str, key: str, context: str):
-    cmd = [sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(db), "--port", "0",
-           "--engine", "upstream", "--upstream-url", upstream, "--model", "fake",
-           "--tokenizer", tokdir, "--max-context", "16384", "--context", context]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "TRACETRAIN_ADMIN_KEY": key})
+def launch(what: str, cmd: list[str], env: dict | None = None):
+    """(process, URL) of `what` (a gateway) started by `cmd`, pinned to the gateway's CPU, once it
+    prints its TRACETRAIN_GATEWAY_URL line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     pin(proc.pid, GATEWAY_CPUS)
     line = proc.stdout.readline()
     if not line.startswith("TRACETRAIN_GATEWAY_URL="):
         proc.kill()
-        raise RuntimeError(f"gateway did not start: {line!r}")
+        raise RuntimeError(f"{what} did not start: {line!r}")
     return proc, line.strip().split("=", 1)[1]
+
+
+def start_gateway(db: Path, upstream: str, tokdir: str, key: str, context: str):
+    cmd = [sys.executable, "-m", "tracetrain.gateway.serve", "--db", str(db), "--port", "0",
+           "--engine", "upstream", "--upstream-url", upstream, "--model", "fake",
+           "--tokenizer", tokdir, "--max-context", "16384", "--context", context]
+    return launch("gateway", cmd, env={**os.environ, "TRACETRAIN_ADMIN_KEY": key})
+
+
+def start_bare(upstream: str):
+    """bench/bare_gateway.py: the floor of any gateway on this stack."""
+    return launch("bare gateway", [sys.executable, str(ROOT / "bench" / "bare_gateway.py"), upstream])
 
 
 class Agents:
@@ -216,6 +226,11 @@ def cpu_figures(agents: Agents) -> dict[str, float]:
     }
 
 
+def cpu_text(figs: dict, turns: int) -> str:
+    return (f"gateway CPU {figs['cpu_ms']:.2f} ms/req (last {LAST} turns {figs['cpu_ms_last']:.2f}, "
+            f"turn {turns} {figs['cpu_ms_end']:.2f})")
+
+
 def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     from tracetrain.aggregate import aggregate
     from tracetrain.store import SQLiteStore
@@ -244,8 +259,7 @@ def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
     print(f"  {context:<8} {turns:3d} turns: breaks/rollout {out['breaks']:6.2f} ({kinds})  "
           f"rows/rollout {out['rows']:6.2f}  forward tokens/rollout {out['forward_tokens']:8.0f}  "
           f"ids stored/rollout {out['stored_kb']:6.1f} kB  "
-          f"gateway CPU {out['cpu_ms']:.2f} ms/req (last {LAST} turns {out['cpu_ms_last']:.2f}, "
-          f"turn {turns} {out['cpu_ms_end']:.2f})", flush=True)
+          f"{cpu_text(out, turns)}", flush=True)
     return out
 
 
@@ -306,18 +320,6 @@ def prompt_cpu(agents: Agents, db: Path, tok) -> dict[str, float]:
     return out
 
 
-def start_bare(upstream: str):
-    """bench/bare_gateway.py, pinned like a gateway: the floor of any gateway on this stack."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_gateway.py"), upstream],
-                            stdout=subprocess.PIPE, text=True)
-    pin(proc.pid, GATEWAY_CPUS)
-    line = proc.stdout.readline()
-    if not line.startswith("TRACETRAIN_GATEWAY_URL="):
-        proc.kill()
-        raise RuntimeError(f"bare gateway did not start: {line!r}")
-    return proc, line.strip().split("=", 1)[1]
-
-
 def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[str, dict]:
     """Both policies side by side, each its own gateway process, on the same CPU (and with
     args.bare the bare gateway too: its CPU figures only)."""
@@ -342,9 +344,7 @@ def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[st
     if args.bare:
         out["bare"] = {"context": "bare", "sent": agents["bare"].sent, **cpu_figures(agents["bare"])}
         out["exact"]["sent"] = agents["exact"].sent
-        print(f"  bare      {turns:3d} turns: gateway CPU {out['bare']['cpu_ms']:.2f} ms/req (last {LAST} "
-              f"turns {out['bare']['cpu_ms_last']:.2f}, turn {turns} {out['bare']['cpu_ms_end']:.2f})",
-              flush=True)
+        print(f"  bare      {turns:3d} turns: {cpu_text(out['bare'], turns)}", flush=True)
     prompt = prompt_cpu(agents["exact"], dbs["exact"], tok)
     print(f"  prompt only, in-process replay of the exact run: template {prompt['prompt_template_ms']:.3f} "
           f"ms/req (turn {turns} {prompt['prompt_template_ms_end']:.3f}), exact {prompt['prompt_exact_ms']:.3f} "
@@ -370,13 +370,12 @@ def floor(pair: dict[str, dict], turns: int, repeats: int) -> None:
     (bare + template's prompt) / (bare + exact's prompt); (x + T) / (x + E) falls as x grows."""
     b, e, t = pair["bare"], pair["exact"], pair["template"]
     for at, end in (("mean", ""), (f"turn {turns}", "_end")):
-        ceiling = ((b[f"cpu_ms{end}"] + e[f"prompt_template_ms{end}"])
-                   / (b[f"cpu_ms{end}"] + e[f"prompt_exact_ms{end}"]))
-        print(f"  {turns} turns, medians of {repeats}, {at}: bare gateway "
-              f"{b[f'cpu_ms{end}']:.2f} ms/req; above it template +{t[f'cpu_ms{end}'] - b[f'cpu_ms{end}']:.2f}, "
-              f"exact +{e[f'cpu_ms{end}'] - b[f'cpu_ms{end}']:.2f} ms/req; template / exact at most "
-              f"{ceiling:.2f}x with a shared path as cheap as the bare one's "
-              f"(measured {t[f'cpu_ms{end}'] / e[f'cpu_ms{end}']:.2f}x)", flush=True)
+        bare, template, exact = (x[f"cpu_ms{end}"] for x in (b, t, e))
+        ceiling = (bare + e[f"prompt_template_ms{end}"]) / (bare + e[f"prompt_exact_ms{end}"])
+        print(f"  {turns} turns, medians of {repeats}, {at}: bare gateway {bare:.2f} ms/req; above "
+              f"it template +{template - bare:.2f}, exact +{exact - bare:.2f} ms/req; template / "
+              f"exact at most {ceiling:.2f}x with a shared path as cheap as the bare one's "
+              f"(measured {template / exact:.2f}x)", flush=True)
 
 
 def main(argv=None) -> list[dict[str, dict]]:
