@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tracetrain.gateway.prompt_cache import PromptEncoder, cut_tokens
+from tracetrain.gateway.prompt_cache import (
+    _PROBES_AFTER,
+    _PROBES_BEFORE,
+    PromptEncoder,
+    _overlapped,
+    cut_tokens,
+)
 from tracetrain.tiny import CHAT_TEMPLATE
 
 FRAGMENTS = [
@@ -235,3 +241,52 @@ def test_splitting_is_refused_where_it_would_not_be_exact(name, make, expect):
     for text in ["<s1>\nhello<s2> world", "hi<s2>there<s1>  a b", "<s1><s2>hello world"]:
         for _ in range(2):
             assert enc.encode(text) == tok.encode(text, add_special_tokens=False), (name, text)
+
+
+def _overlaps_pairwise(contents: list[str]) -> set[str]:
+    """The definition, pair by pair: s is overlapped when another content holds it, it holds
+    another, or a proper prefix of one is a suffix of the other."""
+    whole = set(contents)
+    return {
+        s
+        for s in whole
+        if any(
+            s in o or o in s or any(o.endswith(s[:k]) or s.endswith(o[:k]) for k in range(1, len(s)))
+            for o in whole
+            if o != s
+        )
+    }
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(alphabet="<|>ab", max_size=6), max_size=12))
+def test_overlapped_contents_are_those_of_the_pairwise_definition(contents):
+    assert _overlapped(contents) == _overlaps_pairwise(contents)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param("deepseek", marks=pytest.mark.slow), "qwen", "smollm2"]  # ~30 s: 135k encodes
+)
+def test_cut_tokens_of_real_tokenizers_are_checked_one_token_at_a_time_too(name):
+    """cut_tokens checks every candidate's probes in one batch; the same check token by token,
+    with tokenizer.encode (the reference), keeps the same tokens. DeepSeek has 1,283 added tokens,
+    two of them overlapped by others."""
+    import real_tokenizers
+
+    tok = getattr(real_tokenizers, name)()
+    added = tok.backend_tokenizer.get_added_tokens_decoder()
+    contents = [t.content for t in added.values()]
+    overlapped = _overlapped(contents)  # as the pairwise definition (the property test above)
+
+    def truth(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    expect = {
+        t.content: tid
+        for tid, t in added.items()
+        if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+        and t.content and contents.count(t.content) == 1 and t.content not in overlapped
+        and all(truth(a + t.content + b) == truth(a) + [tid] + truth(b)
+                for a in _PROBES_BEFORE for b in _PROBES_AFTER)
+    }
+    assert cut_tokens(tok) == expect and len(expect) > 0

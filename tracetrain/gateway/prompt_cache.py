@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +48,42 @@ def _truth(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _truths(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """[_truth(tokenizer, t) for t in texts], in one batch call of the tokenizer."""
+    batch = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                      return_token_type_ids=False)
+    return [list(ids) for ids in batch["input_ids"]]
+
+
+def _substrings(s: str) -> set[str]:
+    return {""} | {s[i:j] for i in range(len(s)) for j in range(i + 1, len(s) + 1)}
+
+
+def _overlapped(contents: list[str]) -> set[str]:
+    """The contents that another content overlaps: one holds the other, or a proper prefix of one
+    is a suffix of the other. From counts, over the distinct contents, of the contents holding
+    each string, starting with it and ending with it (a linear pass), not by comparing pairs:
+    added tokens number in the thousands (DeepSeek: 1,283)."""
+    whole = set(contents)
+    holders: Counter[str] = Counter()
+    prefixes: Counter[str] = Counter()
+    suffixes: Counter[str] = Counter()
+    for c in whole:
+        holders.update(_substrings(c))
+        prefixes.update(c[:k] for k in range(1, len(c) + 1))
+        suffixes.update(c[-k:] for k in range(1, len(c) + 1))
+    out = set()
+    for s in whole:  # each count below includes s's own: another overlaps s when one is higher
+        if (
+            holders[s] > 1  # another holds s
+            or any(part in whole for part in _substrings(s) if part != s)  # s holds another
+            or any(suffixes[s[:k]] > s.endswith(s[:k]) for k in range(1, len(s)))  # ends in s
+            or any(prefixes[s[-k:]] > s.startswith(s[-k:]) for k in range(1, len(s)))  # s ends in
+        ):
+            out.add(s)
+    return out
+
+
 def cut_tokens(tokenizer: Any) -> dict[str, int]:
     """{text: id} of the special tokens at which prompts can be split exactly ({} if none)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -58,34 +94,35 @@ def cut_tokens(tokenizer: Any) -> dict[str, int]:
     ):
         return {}
     added = backend.get_added_tokens_decoder()  # {id: AddedToken}
-    contents = [t.content for t in added.values()]
+    counts = Counter(t.content for t in added.values())
+    overlapped = _overlapped(list(counts))
+    candidates = [
+        (tid, tok.content)
+        for tid, tok in added.items()
+        if tok.special and not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized)
+        and tok.content and counts[tok.content] == 1 and tok.content not in overlapped
+    ]
+    pairs = [(a, b) for a in _PROBES_BEFORE for b in _PROBES_AFTER]
+    try:
+        before = dict(zip(_PROBES_BEFORE, _truths(tokenizer, _PROBES_BEFORE), strict=True))
+        after = dict(zip(_PROBES_AFTER, _truths(tokenizer, _PROBES_AFTER), strict=True))
+    except Exception:  # a tokenizer that cannot encode a probe is not one to be clever with
+        return {}
+    try:  # every candidate's probes in one call
+        whole = _truths(tokenizer, [a + s + b for _, s in candidates for a, b in pairs])
+    except Exception:  # one candidate's probe cannot be encoded: find whose, one at a time
+        whole = None
     cuts: dict[str, int] = {}
-    for tid, tok in added.items():
-        s = tok.content
-        if not tok.special or tok.lstrip or tok.rstrip or tok.single_word or tok.normalized:
-            continue
-        if not s or contents.count(s) != 1:
-            continue
-        overlaps = any(
-            other != s
-            and (
-                s in other
-                or other in s
-                or any(other.endswith(s[:k]) or s.endswith(other[:k]) for k in range(1, len(s)))
-            )
-            for other in contents
-        )
-        if overlaps:
-            continue
-        try:
-            exact = all(
-                _truth(tokenizer, a + s + b) == _truth(tokenizer, a) + [tid] + _truth(tokenizer, b)
-                for a in _PROBES_BEFORE
-                for b in _PROBES_AFTER
-            )
-        except Exception:  # a tokenizer that cannot encode a probe is not one to be clever with
-            exact = False
-        if exact:
+    for n, (tid, s) in enumerate(candidates):
+        if whole is not None:
+            probed = whole[n * len(pairs) : (n + 1) * len(pairs)]
+        else:
+            try:
+                probed = _truths(tokenizer, [a + s + b for a, b in pairs])
+            except Exception:  # not one to be clever with
+                continue
+        if all(got == before[a] + [tid] + after[b] for got, (a, b)
+               in zip(probed, pairs, strict=True)):
             cuts[s] = tid
     return cuts
 
