@@ -228,14 +228,79 @@ def test_policy_loss_picks_the_blocked_path_on_cpu_from_loss_min_tokens(monkeypa
             torch.testing.assert_close(metrics[k], plain[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_blocked_policy_loss_equals_the_plain_one_on_bench_sized_rows():
-    """Rows of 2048 tokens in the default blocks (several, the last one short), per-token advantages
-    with IS weights, and per-row advantages: as the trainer and bench/bench_loss.py use it."""
-    case = {"clip": (0.2, 0.28), "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.01, "entropy_coef": 0.01}
+BENCH_CASE = {"clip": (0.2, 0.28), "dual_clip": 3.0, "kl": "k3", "kl_coef": 0.01, "entropy_coef": 0.01}
+
+
+def bench_sized(adv_per_row: bool, isw: bool) -> dict:
+    """133 rows of 2048 tokens, ~245k trained (several default blocks, the last one short)."""
     rows = 2 * loss_cpu.BLOCK // 2048 + 5
+    return make({**BENCH_CASE, "rows": rows, "width": 2048, "seed": 5, "p": 0.9,
+                 "mode": "rollout-mean", "rollout_of_row": [i // 3 for i in range(rows)],
+                 "full_weights": False, "adv_per_row": adv_per_row, "spread": 0.3,
+                 "is_weights": isw, "entropy": True})
+
+
+# The bound the mass checks rely on: w[i,t] = m[i,t] s_i with s_i = 1 / (R T_r) rounded once
+# (relative error <= u = 2^-24 ~ 6e-8, the same sign for all tokens of a rollout), so the exact sum
+# of the fp32 weights is 1 within u; each path then sums them with torch's cascade sum (error a few
+# u at any length: 0.7-1.5e-7 measured from 2^12 to 2^24 terms), blocks added in fp64. 1e-6 is
+# ~16 u: it does not depend on the token count, and a sequential fp32 accumulation over 245k
+# tokens (MKL's matrix-vector product on its generic path: 2.4e-5 off) fails it.
+MASS_TOL = 1e-6
+
+
+def test_blocked_policy_loss_equals_the_plain_one_on_bench_sized_rows():
+    """Per-token advantages with IS weights, and per-row advantages: as the trainer and
+    bench/bench_loss.py use it. Both masses are 1 within MASS_TOL."""
     for adv_per_row, isw in ((True, False), (False, True)):
-        x = make({**case, "rows": rows, "width": 2048, "seed": 5, "p": 0.9, "mode": "rollout-mean",
-                  "rollout_of_row": [i // 3 for i in range(rows)], "full_weights": False,
-                  "adv_per_row": adv_per_row, "spread": 0.3, "is_weights": isw, "entropy": True})
-        assert_same(run(loss.policy_loss_sums, x, case),
-                    run(loss_cpu.policy_loss_sums, x, case, chunk_tokens=loss_cpu.BLOCK))
+        x = bench_sized(adv_per_row, isw)
+        plain = run(loss.policy_loss_sums, x, BENCH_CASE)
+        fast = run(loss_cpu.policy_loss_sums, x, BENCH_CASE, chunk_tokens=loss_cpu.BLOCK)
+        assert_same(plain, fast)
+        for sums in (plain[1], fast[1]):
+            assert abs(float(sums["mass"]) - 1.0) <= MASS_TOL, float(sums["mass"])
+
+
+_MASS_SCRIPT = """
+import json, torch, test_loss_cpu as t
+from tracetrain import loss, loss_cpu
+x = t.bench_sized(True, False)
+out = {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+for name, fn in (("plain", loss.policy_loss_sums), ("fast", loss_cpu.policy_loss_sums)):
+    value, sums = fn(x["logprobs"], x["old_logprobs"], x["advantages"], x["weights"], clip_low=0.2,
+                     clip_high=0.28, dual_clip=3.0, is_weights=None, ref_logprobs=x["ref_logprobs"],
+                     kl_estimator="k3", kl_coef=0.01, entropy=x["entropy"], entropy_coef=0.01)
+    out[name] = {"loss": float(value), **{k: float(v) for k, v in sums.items()}}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability,threads,mkl_cbwr", [
+    ("default", 1, "COMPATIBLE"), ("avx2", 2, "COMPATIBLE"), ("avx512", 2, "COMPATIBLE"),
+    ("avx512", 1, None),
+])
+def test_blocked_policy_loss_mass_is_one_under_each_cpu_kernel(capability, threads, mkl_cbwr):
+    """The bench-sized mass under each of torch's CPU kernels, with 1 and 2 threads, and with MKL
+    on its generic code path (MKL_CBWR=COMPATIBLE: the path an AMD CPU gets, whatever CPU runs
+    this): 1 within MASS_TOL on both paths, and the two paths' sums agree."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(threads)}
+    env.pop("MKL_CBWR", None)
+    if mkl_cbwr:
+        env["MKL_CBWR"] = mkl_cbwr
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", _MASS_SCRIPT], cwd=here, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["threads"] == threads
+    for name in ("plain", "fast"):
+        assert abs(out[name]["mass"] - 1.0) <= MASS_TOL, (name, out)
+    for k in ("loss", "pg", "kl_ref", "entropy", "approx_kl", "clip"):
+        assert out["fast"][k] == pytest.approx(out["plain"][k], rel=1e-5, abs=2e-6), (k, out)
