@@ -371,8 +371,10 @@ def test_a_version_2_file_is_migrated_and_its_turns_read_as_before(tmp_path):
     with SQLiteStore(path) as s:
         run(s.add_turn("old", [5, 6, 7, 8, 9, 10], [11], None, 0, "stop", ("exact", None, 5), 0))
         assert [t.prompt_ids for t in s.get_turns("old")] == [[5, 6, 7], [5, 6, 7, 8, 9, 10]]
+        # turns from before roles (schema 4) are the default role's, with no turn reward
+        assert [(t.role, t.reward) for t in s.get_turns("old")] == [("policy", None)] * 2
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     conn.close()
 
 
@@ -451,3 +453,53 @@ def test_wal_is_checkpointed_in_the_background(tmp_path):
         wal = path.with_name(path.name + "-wal").stat().st_size
         assert store.get_rollout("w").n_turns == 2000
         assert wal < 32_000_000, wal  # restarted after checkpoints (~8-10 MB measured), not all ~50 MB
+
+
+# --- roles and turn rewards --------------------------------------------------------------------
+
+
+def test_roles_and_turn_rewards_round_trip_and_survive_reopen(tmp_path):
+    path = tmp_path / "roles.db"
+    with SQLiteStore(path) as s:
+        run(s.create_rollouts([new("a", group_id="G")]))
+        run(s.add_turn("a", [1, 2], [3], [-0.5], 0, "stop", role="solver"))
+        run(s.add_turn("a", [1, 2, 3, 4], [5], [-0.25], 0, "stop", role="checker"))
+        run(s.add_turn("a", [1, 2, 3, 4, 5, 6], [7], [-0.125], 0, "stop"))  # no role named
+        first = run(s.add_turn_reward("a", 0.5, turn=0, name="parsed"))
+        run(s.add_turn_reward("a", -0.25, turn=0))
+        latest = run(s.add_turn_reward("a", 2.0, name="tests_passed"))  # the latest turn: 2
+        assert (first.turn, first.name, latest.turn) == (0, "parsed", 2)
+        run(s.add_event("a", "reward", None, reward=1.0))
+        run(s.set_state("a", "succeeded"))
+    with SQLiteStore(path) as s:  # durable: read back from the file
+        turns = s.get_turns("a")
+        assert [t.role for t in turns] == ["solver", "checker", "policy"]
+        assert [t.reward for t in turns] == [0.25, None, 2.0]
+        assert [(r.name, r.reward) for r in turns[0].rewards] == [("parsed", 0.5), (None, -0.25)]
+        assert [(r.turn, r.reward) for r in s.get_turn_rewards("a")] == [(0, 0.5), (0, -0.25), (2, 2.0)]
+        (r,) = s.load_rollouts(rollout_ids=["a"])
+        assert [(t.role, t.reward) for t in r.turns] == [("solver", 0.25), ("checker", None),
+                                                         ("policy", 2.0)]
+        assert r.reward == 1.0  # the final reward stays the rollout's
+
+
+def test_turn_rewards_for_a_missing_turn_or_an_ended_rollout_are_refused(store):
+    from tracetrain.store import UnknownTurn
+
+    run(store.create_rollouts([new("a")]))
+    with pytest.raises(UnknownTurn, match="no turn yet"):
+        run(store.add_turn_reward("a", 1.0))
+    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    for bad in (1, -1, 7):
+        with pytest.raises(UnknownTurn, match=f"no turn {bad}: its turns are 0..0"):
+            run(store.add_turn_reward("a", 1.0, turn=bad))
+    with pytest.raises(UnknownRollout):
+        run(store.add_turn_reward("ghost", 1.0))
+    run(store.set_state("a", "succeeded"))
+    with pytest.raises(RolloutEnded, match="no more turn rewards"):
+        run(store.add_turn_reward("a", 1.0, turn=0))
+    assert store.get_turn_rewards("a") == []  # nothing recorded from a refused write
+    run(store.delete_rollout("a"))
+    run(store.create_rollouts([new("a")]))
+    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    assert store.get_turns("a")[0].reward is None  # deleted with its rollout

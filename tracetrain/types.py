@@ -12,6 +12,7 @@ A turn's values are kept exactly as given: a list stays the caller's list, an ar
 from __future__ import annotations
 
 import math
+import re
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -150,12 +151,31 @@ def _check_logprob_array(lp: array, where: str) -> None:
         raise TraceError(f"{where}response_logprobs[{j}] is {float(v[j])!r}; {why}")
 
 
+# A role's name: what a harness sends as the request's `model` ("solver", "gpt-4o-mini",
+# "Qwen/Qwen2.5-7B-Instruct"), or names in the path. Letters, digits and _ . : / -, from a letter or
+# digit, at most 100: any model name a framework sends by default, and nothing that is markup.
+ROLE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,99}")
+DEFAULT_ROLE = "policy"  # the role of a call that names none (the runner's client["model"])
+
+
+def check_role(role: object, where: str = "") -> str:
+    """`role` itself if it is a role name (ROLE_PATTERN), else TraceError naming it."""
+    if not isinstance(role, str) or not ROLE_PATTERN.fullmatch(role):
+        raise TraceError(
+            f"{where}role {role!r} is not a role name: letters, digits and _ . : / - (starting "
+            "with a letter or digit), at most 100 characters"
+        )
+    return role
+
+
 @dataclass
 class Turn:
     """One model call: the prompt ids the policy saw, the response ids it produced.
 
     `response_logprobs[j]` is the sampling log-probability of `response_ids[j]`; None when the
     engine did not return them. `model_version` is the policy version that produced the response.
+    `role` names the agent of the program that made the call (DEFAULT_ROLE when it named none);
+    `reward` is the sum of the rewards given to this turn while the rollout ran (None: none).
     Ids are lists or integer `array.array`s, logprobs lists or 'f'/'d' arrays (module docstring).
     """
 
@@ -163,6 +183,8 @@ class Turn:
     response_ids: list[int] | array
     response_logprobs: list[float] | array | None = None
     model_version: int | None = None
+    role: str = DEFAULT_ROLE
+    reward: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -171,6 +193,9 @@ class Turn:
         where = _where(rollout_id, turn_index)
         _check_ids(self.prompt_ids, "prompt_ids", where, allow_empty=False)
         check_generation(self.response_ids, self.response_logprobs, self.model_version, where)
+        check_role(self.role, where)
+        if self.reward is not None:
+            _check_finite(self.reward, "reward", where)
 
 
 def check_generation(

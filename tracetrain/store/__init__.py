@@ -31,7 +31,8 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
 - Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1.
 
 A rollout's reward is its `reward_override` when the trainer set one, else the value of its last
-`reward` event, else None.
+`reward` event, else None. Rewards given to turns while a rollout runs (`add_turn_reward`) are
+kept per turn, beside it; a turn's reward is their sum. Each turn records its role.
 
 Modules: `records` (errors, records, BLOB encoding), `schema` (tables and migrations), `base` (the
 `Store` contract), `writes` (the write operations), `group_commit`, `sqlite` (`SQLiteStore`).
@@ -48,7 +49,9 @@ from tracetrain.store.records import (
     RolloutRecord,
     StoreError,
     TurnRecord,
+    TurnReward,
     UnknownRollout,
+    UnknownTurn,
     blob_to_float_array,
     blob_to_floats,
     blob_to_id_array,
@@ -62,6 +65,6 @@ from tracetrain.store.sqlite import SQLiteStore
 __all__ = [
     "MIGRATIONS", "SCHEMA_VERSION", "EventRecord", "IllegalTransition", "NewRollout",
     "RolloutConflict", "RolloutEnded", "RolloutHead", "RolloutRecord", "SQLiteStore", "Store",
-    "StoreError", "TurnRecord", "UnknownRollout", "blob_to_float_array", "blob_to_floats",
+    "StoreError", "TurnRecord", "TurnReward", "UnknownRollout", "UnknownTurn", "blob_to_float_array", "blob_to_floats",
     "blob_to_id_array", "blob_to_ids", "floats_to_blob", "ids_to_blob", "migrate",
 ]

@@ -12,9 +12,10 @@ from tracetrain.store.records import (
     RolloutHead,
     RolloutRecord,
     TurnRecord,
+    TurnReward,
     UnknownRollout,
 )
-from tracetrain.types import TERMINAL_STATES, Rollout, RolloutState, Turn
+from tracetrain.types import DEFAULT_ROLE, TERMINAL_STATES, Rollout, RolloutState, Turn
 
 
 class Store(ABC):
@@ -53,12 +54,22 @@ class Store(ABC):
         finish_reason: str | None,
         context: tuple[str | None, str | None, int] = (None, None, 0),
         prompt_from: int | None = None,
+        role: str = DEFAULT_ROLE,
     ) -> int:
         """Append a turn and return its index (0, 1, ...). A queued rollout becomes running;
         RolloutEnded if it is terminal. `context`: how its prompt was built, (context, reason,
         reused_tokens) as in TurnRecord. `prompt_from`: an earlier turn of the rollout whose prompt
         + response ids are prompt_ids[:reused_tokens] (an exact context); the store may keep only
-        the ids after them. Reads return the whole prompt either way."""
+        the ids after them. Reads return the whole prompt either way. `role`: the agent that made
+        the call (checked by the caller: types.check_role)."""
+
+    @abstractmethod
+    async def add_turn_reward(
+        self, rollout_id: str, reward: float, turn: int | None = None, name: str | None = None
+    ) -> TurnReward:
+        """Give turn `turn` (None: the latest) of a rollout that has not ended a reward (finite,
+        checked by the caller); UnknownTurn if it has no such turn, RolloutEnded if it ended.
+        A turn may get several; its reward is their sum (TurnRecord.reward)."""
 
     @abstractmethod
     async def add_event(
@@ -94,6 +105,10 @@ class Store(ABC):
 
     @abstractmethod
     def get_turns(self, rollout_id: str) -> list[TurnRecord]: ...
+
+    @abstractmethod
+    def get_turn_rewards(self, rollout_id: str) -> list[TurnReward]:
+        """A rollout's turn rewards, by turn, in the order they were given."""
 
     @abstractmethod
     def turn_contexts(self, rollout_ids: Iterable[str]) -> list[tuple[str | None, str | None, int]]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.types import RolloutState, Turn
+from tracetrain.types import DEFAULT_ROLE, RolloutState, Turn
 
 # --------------------------------------------------------------------------------------- errors
 
@@ -32,6 +32,10 @@ class RolloutEnded(StoreError):
 
 class RolloutConflict(StoreError):
     """Create with an existing id but a different group, task or engine (409)."""
+
+
+class UnknownTurn(StoreError):
+    """A turn reward for a turn the rollout does not have (422, naming the field `turn`)."""
 
 
 # -------------------------------------------------------------------------------------- records
@@ -89,9 +93,29 @@ class TurnRecord:
     context: str | None = None  # how the prompt was built: exact | rendered (None: a raw prompt)
     context_reason: str | None = None  # why it was rendered in full (gateway/context.py REASONS)
     reused_tokens: int = 0  # prompt ids taken as they were from the earlier turn
+    role: str = DEFAULT_ROLE  # the agent of the program that made the call
+    rewards: tuple[TurnReward, ...] = ()  # given to this turn while the rollout ran, in order
+
+    @property
+    def reward(self) -> float | None:
+        """The sum of the turn's rewards; None when it was given none."""
+        return sum(r.reward for r in self.rewards) if self.rewards else None
 
     def to_turn(self) -> Turn:
-        return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version)
+        return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version,
+                    self.role, self.reward)
+
+
+@dataclass(frozen=True)
+class TurnReward:
+    """A reward an agent gave to one turn while its rollout ran (`name`: what it is for)."""
+
+    reward_id: int
+    rollout_id: str
+    turn: int
+    reward: float
+    name: str | None
+    created_at: float
 
 
 @dataclass(frozen=True)

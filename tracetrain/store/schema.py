@@ -72,6 +72,19 @@ MIGRATIONS: list[str] = [
         -- k: the prompt is turn k's prompt and response ids (reused_tokens of them), then prompt_ids
     ALTER TABLE turns ADD COLUMN prompt_len INTEGER;    -- the whole prompt's length (NULL before 3)
     """,
+    # 3 -> 4: roles, and rewards given to turns while a rollout runs
+    """
+    ALTER TABLE turns ADD COLUMN role TEXT;             -- the agent that made the call; NULL: 'policy'
+    CREATE TABLE turn_rewards (
+        reward_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id TEXT NOT NULL REFERENCES rollouts (rollout_id) ON DELETE CASCADE,
+        turn INTEGER NOT NULL,              -- the turn's idx (checked to exist when written)
+        name TEXT,
+        reward REAL NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX turn_rewards_by_rollout ON turn_rewards (rollout_id, turn, reward_id);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -18,6 +18,7 @@ from tracetrain.store.records import (
     RolloutHead,
     StoreError,
     TurnRecord,
+    TurnReward,
     blob_to_float_array,
     blob_to_floats,
     blob_to_id_array,
@@ -27,6 +28,7 @@ from tracetrain.store.schema import _ROLLOUT_COLUMNS, _connect, _rollout, migrat
 from tracetrain.store.writes import (
     _op_add_event,
     _op_add_turn,
+    _op_add_turn_reward,
     _op_create,
     _op_delete,
     _op_put_engine,
@@ -35,7 +37,7 @@ from tracetrain.store.writes import (
     _op_set_state,
     _op_start,
 )
-from tracetrain.types import RolloutState, Turn
+from tracetrain.types import DEFAULT_ROLE, RolloutState, Turn
 
 
 class SQLiteStore(Store):
@@ -123,6 +125,7 @@ class SQLiteStore(Store):
         finish_reason,
         context=(None, None, 0),
         prompt_from=None,
+        role=DEFAULT_ROLE,
     ):
         try:
             index = await self._write(
@@ -135,6 +138,7 @@ class SQLiteStore(Store):
                 finish_reason,
                 context,
                 prompt_from,
+                role,
             )
         except StoreError:
             self._forget(rollout_id)
@@ -146,6 +150,9 @@ class SQLiteStore(Store):
         if (kind == "reward") != (reward is not None):
             raise ValueError("an event carries a reward exactly when its kind is 'reward'")
         return await self._write(_op_add_event, rollout_id, kind, payload, reward, allow_ended)
+
+    async def add_turn_reward(self, rollout_id, reward, turn=None, name=None):
+        return await self._write(_op_add_turn_reward, rollout_id, reward, turn, name)
 
     async def set_reward_override(self, rollout_id, reward):
         return await self._write(_op_set_override, rollout_id, reward)
@@ -224,13 +231,15 @@ class SQLiteStore(Store):
 
     def _turn_rows(self, rollout_id: str) -> list[tuple]:
         """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at,
-        context, context_reason, reused_tokens), the ids as stored BLOBs; a prompt kept as what
-        it adds to turn k (prompt_from = k) is joined back: prompt(k) + response(k) + its ids."""
+        context, context_reason, reused_tokens, role), the ids as stored BLOBs; a prompt kept as
+        what it adds to turn k (prompt_from = k) is joined back: prompt(k) + response(k) + its
+        ids."""
         rows = (
             self._reader()
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
-                " created_at, context, context_reason, reused_tokens, prompt_from"
+                " created_at, context, context_reason, reused_tokens,"
+                f" COALESCE(role, '{DEFAULT_ROLE}'), prompt_from"
                 " FROM turns WHERE rollout_id = ? ORDER BY idx",
                 (rollout_id,),
             )
@@ -247,6 +256,7 @@ class SQLiteStore(Store):
         return out
 
     def get_turns(self, rollout_id):
+        rewards = self._rewards_by_turn(rollout_id)
         return [
             TurnRecord(
                 idx,
@@ -257,9 +267,28 @@ class SQLiteStore(Store):
                 fr,
                 ts,
                 *how,
+                tuple(rewards.get(idx, ())),
             )
             for idx, p, r, lp, mv, fr, ts, *how in self._turn_rows(rollout_id)
         ]
+
+    def get_turn_rewards(self, rollout_id):
+        rows = (
+            self._reader()
+            .execute(
+                "SELECT reward_id, rollout_id, turn, reward, name, created_at FROM turn_rewards"
+                " WHERE rollout_id = ? ORDER BY turn, reward_id",
+                (rollout_id,),
+            )
+            .fetchall()
+        )
+        return [TurnReward(*row) for row in rows]
+
+    def _rewards_by_turn(self, rollout_id: str) -> dict[int, list[TurnReward]]:
+        out: dict[int, list[TurnReward]] = {}
+        for r in self.get_turn_rewards(rollout_id):
+            out.setdefault(r.turn, []).append(r)
+        return out
 
     def turn_contexts(self, rollout_ids):
         conn, out = self._reader(), []
@@ -273,10 +302,12 @@ class SQLiteStore(Store):
     def training_turns(self, rollout_id):
         """Turns with ids as int32 arrays and logprobs as float32 arrays: the stored bytes, copied
         once, never turned into Python numbers (aggregate reads them as memory)."""
+        rewards = self._rewards_by_turn(rollout_id)
         return [
             Turn(blob_to_id_array(p), blob_to_id_array(r),
-                 None if lp is None else blob_to_float_array(lp), mv)
-            for _, p, r, lp, mv, *_ in self._turn_rows(rollout_id)
+                 None if lp is None else blob_to_float_array(lp), mv, role,
+                 sum(x.reward for x in rewards[idx]) if idx in rewards else None)
+            for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role in self._turn_rows(rollout_id)
         ]
 
     def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):

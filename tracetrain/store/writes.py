@@ -1,6 +1,6 @@
 """The write operations, each run by the group commit inside its transaction (first argument:
 the write connection): rollouts (create, rekey, state, start, reward override, delete), turns,
-events, engines."""
+turn rewards, events, engines."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from tracetrain.store.records import (
     RolloutConflict,
     RolloutEnded,
     RolloutRecord,
+    TurnReward,
     UnknownRollout,
+    UnknownTurn,
     floats_to_blob,
     ids_to_blob,
 )
 from tracetrain.store.schema import _ROLLOUT_COLUMNS, _rollout
-from tracetrain.types import LEGAL_TRANSITIONS, TERMINAL_STATES, RolloutState
+from tracetrain.types import DEFAULT_ROLE, LEGAL_TRANSITIONS, TERMINAL_STATES, RolloutState
 
 
 def _now() -> float:
@@ -111,7 +113,7 @@ def _op_start(conn, rollout_id: str) -> RolloutRecord:
 
 def _op_add_turn(
     conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
-    context, prompt_from=None,
+    context, prompt_from=None, role=None,
 ) -> int:
     """A turn; with `prompt_from` = k only the prompt ids after turn k's prompt + response ids
     (context[2] of them) are stored, once that length is checked against turn k."""
@@ -142,7 +144,7 @@ def _op_add_turn(
     conn.execute(
         "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
         " finish_reason, created_at, context, context_reason, reused_tokens, prompt_from,"
-        " prompt_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " prompt_len, role) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             rollout_id,
             index,
@@ -155,6 +157,7 @@ def _op_add_turn(
             *context,
             prompt_from,
             len(prompt_ids),
+            None if role == DEFAULT_ROLE else role,
         ),
     )
     if state == RolloutState.running:  # state is indexed: leave it, and its index page, alone
@@ -192,6 +195,27 @@ def _op_add_event(conn, rollout_id, kind, payload, reward, allow_ended) -> Event
             (reward, now, rollout_id),
         )
     return EventRecord(cur.lastrowid, rollout_id, kind, payload, reward, now)
+
+
+def _op_add_turn_reward(conn, rollout_id, reward, turn, name) -> TurnReward:
+    """A reward for turn `turn` of a running rollout (None: its latest turn)."""
+    r = _get(conn, rollout_id)
+    _check_open(r, "turn rewards")
+    if r.n_turns == 0:
+        raise UnknownTurn(f"rollout {rollout_id!r} has no turn yet to give a reward to")
+    if turn is None:
+        turn = r.n_turns - 1
+    elif not 0 <= turn < r.n_turns:
+        raise UnknownTurn(
+            f"rollout {rollout_id!r} has no turn {turn}: its turns are 0..{r.n_turns - 1}"
+        )
+    now = _now()
+    cur = conn.execute(
+        "INSERT INTO turn_rewards (rollout_id, turn, name, reward, created_at)"
+        " VALUES (?, ?, ?, ?, ?)",
+        (rollout_id, turn, name, reward, now),
+    )
+    return TurnReward(cur.lastrowid, rollout_id, turn, reward, name, now)
 
 
 def _op_set_override(conn, rollout_id: str, reward: float | None) -> RolloutRecord:
