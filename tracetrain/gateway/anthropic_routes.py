@@ -52,6 +52,7 @@ from tracetrain.gateway.turn import (
     decoding_for,
     json_response,
     parse_body,
+    role_of,
     rollout_of,
     turn_meta,
 )
@@ -241,11 +242,13 @@ async def live_events(
     yield event({"type": "message_stop"})
 
 
-async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
+                        role: str | None = None) -> Response:
     """Anthropic Messages: one turn of the rollout."""
     rollout = rollout_of(gw, authorization, rollout_id)
     body: MessagesIn = parse_body(MessagesIn, raw)
-    slot = gw.slot_for(rollout)
+    role = role_of(role, body.model)
+    slot = gw.slot_for(rollout, role)
     tok = slot.engine.tokenizer
     tools = chat_tools(body)
     how = decoding_for(gw, slot, tools, body.tool_choice)
@@ -262,7 +265,8 @@ async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: byt
 
     def answer(deltas: TextDeltas | None = None):
         return chat_answer(
-            gw, rollout, slot, conversation(body), tools, sampling, body.max_tokens, how, deltas
+            gw, rollout, slot, conversation(body), tools, sampling, body.max_tokens, how, deltas,
+            role,
         )
 
     def done(a: ChatAnswer) -> dict[str, Any]:
@@ -302,6 +306,7 @@ async def messages(request: Request) -> Response:
             request.path_params["rollout_id"],
             authorization_of(request.headers.get("authorization"), request.headers.get("x-api-key")),
             await request.body(),
+            request.path_params.get("role"),
         )
     except Exception as exc:
         return anthropic_error(await errors.handle(request, exc))

@@ -57,6 +57,9 @@ class Gateway:
     forced_tool_choice: str = "refuse"  # a forced call it cannot enforce: refuse (400) | as_auto
     slots: dict[str, EngineSlot] = field(default_factory=dict)
     owned: list[Engine] = field(default_factory=list)  # engines this app built, closed on shutdown
+    # role -> the engine (slot name) that serves its calls, whatever the rollout's engine (a role
+    # that does not train, served by a frozen copy of the policy or an upstream model)
+    role_engines: dict[str, str] = field(default_factory=dict)
 
     def add_engine(self, name: str, engine: Engine, *, spec: dict | None = None) -> EngineSlot:
         missing = [
@@ -82,8 +85,10 @@ class Gateway:
             except Exception as e:
                 log.warning("engine %r not warmed: %s: %s", slot.name, type(e).__name__, e)
 
-    def slot_for(self, rollout: RolloutHead) -> EngineSlot:
-        name = rollout.engine or self.default_engine
+    def slot_for(self, rollout: RolloutHead, role: str | None = None) -> EngineSlot:
+        """The engine of a call: its role's (role_engines), else the rollout's, else the default."""
+        name = self.role_engines.get(role) if role is not None else None
+        name = name or rollout.engine or self.default_engine
         slot = self.slots.get(name)
         if slot is None:
             raise EngineError(

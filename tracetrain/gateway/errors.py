@@ -21,6 +21,7 @@ from tracetrain.store import (
     RolloutEnded,
     StoreError,
     UnknownRollout,
+    UnknownTurn,
 )
 
 log = logging.getLogger("tracetrain.gateway")
@@ -80,6 +81,8 @@ async def _validation(request: Request, exc: RequestValidationError) -> JSONResp
 async def _store(request: Request, exc: StoreError) -> JSONResponse:
     if isinstance(exc, UnknownRollout):
         return error_response(404, str(exc))
+    if isinstance(exc, UnknownTurn):
+        return error_response(422, str(exc), param="turn")
     if isinstance(exc, IllegalTransition | RolloutEnded | RolloutConflict):
         return error_response(409, str(exc))
     log.error("store failure: %s", exc)

@@ -1,7 +1,7 @@
 """The model routes answered straight from ASGI, before FastAPI's middleware stack and router.
 
-    POST /rollouts/{rollout_id}/v1/chat/completions | /v1/completions | /v1/responses
-         | /v1/messages
+    POST /rollouts/{rollout_id}[/roles/{role}]/v1/chat/completions | /v1/completions
+         | /v1/responses | /v1/messages
       -> size limit (limits.declared_error, limits.read_body) -> openai_routes.chat_turn,
          completion_turn, responses_routes.responses_turn or anthropic_routes.messages_turn ->
          the answer; an exception -> errors.handle, as the FastAPI routes do (in Anthropic's
@@ -23,8 +23,10 @@ from starlette.types import Receive, Scope, Send
 
 from tracetrain.gateway import anthropic_routes, errors, limits, openai_routes, responses_routes
 
-# What is served here, before the middleware stack: path -> (rollout id, route)
-HOT_PATH = re.compile(r"/rollouts/([^/]+)/v1/(chat/completions|completions|responses|messages)")
+# What is served here, before the middleware stack: path -> (rollout id, role or None, route)
+HOT_PATH = re.compile(
+    r"/rollouts/([^/]+)(?:/roles/([^/]+))?/v1/(chat/completions|completions|responses|messages)"
+)
 TURNS = {
     **openai_routes.TURNS,
     "responses": responses_routes.responses_turn,
@@ -36,7 +38,7 @@ log = logging.getLogger("tracetrain.gateway")
 
 async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send) -> None:
     """Answer one model call; `match` is HOT_PATH's match of the path."""
-    anthropic = match[2] == "messages"
+    anthropic = match[3] == "messages"
     try:
         headers = scope["headers"]
         refused = limits.declared_error(headers, gw.max_body_bytes)
@@ -51,7 +53,7 @@ async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send)
         if anthropic:  # the anthropic SDK sends its key as x-api-key
             authorization = anthropic_routes.authorization_of(authorization, x_api_key)
         raw = await limits.read_body(receive, gw.max_body_bytes)
-        response = await TURNS[match[2]](gw, match[1], authorization, raw)
+        response = await TURNS[match[3]](gw, match[1], authorization, raw, match[2])
     except ClientDisconnect:
         return
     except Exception as exc:

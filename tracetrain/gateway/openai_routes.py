@@ -47,10 +47,12 @@ from tracetrain.gateway.turn import (
     json_response,
     parse_body,
     parse_json_body,
+    role_of,
     rollout_of,
     turn_meta,
 )
 from tracetrain.store import RolloutHead
+from tracetrain.types import ROLE_PATTERN
 
 router = APIRouter(tags=["openai"])
 
@@ -71,17 +73,19 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
     ]
 
 
-async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
+                    role: str | None = None) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
     rollout = rollout_of(gw, authorization, rollout_id)
     body, data = parse_json_body(ChatCompletionIn, raw)
-    slot = gw.slot_for(rollout)
+    role = role_of(role, body.model)
+    slot = gw.slot_for(rollout, role)
     max_tokens = render.chat_max_tokens(body)
     messages, tools = render.chat_messages(body, data)
     how = decoding_for(gw, slot, tools, body.tool_choice, getattr(body, "response_format", None))
 
     def answer(deltas: TextDeltas | None = None):
-        return chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, how, deltas)
+        return chat_answer(gw, rollout, slot, messages, tools, body, max_tokens, how, deltas, role)
 
     chunk = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -150,11 +154,13 @@ async def _chat_chunks(
     yield b"data: [DONE]\n\n"
 
 
-async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
+                          role: str | None = None) -> Response:
     """OpenAI text completion: one turn of the rollout."""
     rollout = rollout_of(gw, authorization, rollout_id)
     body: CompletionIn = parse_body(CompletionIn, raw)
-    slot = gw.slot_for(rollout)
+    role = role_of(role, body.model)
+    slot = gw.slot_for(rollout, role)
     tok = slot.engine.tokenizer
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
     base = {
@@ -168,7 +174,8 @@ async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: b
         if deltas is not None:
             deltas.start(tok, params, (), None, len(prompt_ids))
         on_tokens = None if deltas is None else deltas.add
-        return await generate_turn(gw, rollout, slot, prompt_ids, params, on_tokens=on_tokens)
+        return await generate_turn(gw, rollout, slot, prompt_ids, params, on_tokens=on_tokens,
+                                   role=role)
 
     if not body.stream:
         gen, index = await answer()
@@ -239,8 +246,12 @@ completions = endpoint(completion_turn)
 
 
 @router.get("/rollouts/{rollout_id}/v1/models", summary="OpenAI model list (the rollout's engine)")
-async def models(request: Request, rollout: RolloutHead = Depends(rollout_access)) -> dict:
-    slot = request.app.state.gateway.slot_for(rollout)
+@router.get("/rollouts/{rollout_id}/roles/{role}/v1/models",
+            summary="OpenAI model list (the engine that serves the role)")
+async def models(
+    request: Request, rollout: RolloutHead = Depends(rollout_access), role: str | None = None
+) -> dict:
+    slot = request.app.state.gateway.slot_for(rollout, role_of(role, None))
     card = {"id": slot.name, "object": "model", "created": 0, "owned_by": "tracetrain"}
     return {"object": "list", "data": [card]}
 
@@ -250,13 +261,17 @@ async def models(request: Request, rollout: RolloutHead = Depends(rollout_access
 SCHEMAS: dict[str, Any] = {}  # request body schemas, merged into the OpenAPI components
 
 
-def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+def _openapi_body(model: type[BaseModel], role: bool = False) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     SCHEMAS.update(schema.pop("$defs", {}))
     SCHEMAS[model.__name__] = schema
     rid = {"type": "string", "minLength": 1, "maxLength": 200, "pattern": ID_PATTERN}
+    params = [{"name": "rollout_id", "in": "path", "required": True, "schema": rid}]
+    if role:  # a role's base URL: the role named in the path, whatever `model` the body sends
+        role_schema = {"type": "string", "maxLength": 100, "pattern": f"^{ROLE_PATTERN.pattern}$"}
+        params.append({"name": "role", "in": "path", "required": True, "schema": role_schema})
     return {
-        "parameters": [{"name": "rollout_id", "in": "path", "required": True, "schema": rid}],
+        "parameters": params,
         "requestBody": {
             "required": True,
             "content": {
@@ -274,17 +289,19 @@ TURNS = {"chat/completions": chat_turn, "completions": completion_turn}  # hot.p
 
 
 def install(app: FastAPI, routes: list = HOT_ROUTES) -> None:
-    """Register and document the model routes (hot.py answers them first)."""
+    """Register and document the model routes (hot.py answers them first), each also under a
+    role's base URL: /rollouts/{rollout_id}/roles/{role}/v1/..."""
     for path, serve, model in routes:
-        app.add_api_route(
-            path,
-            serve,
-            methods=["POST"],
-            tags=["openai"],
-            summary=serve.__doc__.strip().split(":")[0],
-            dependencies=[Security(keys._bearer)],
-            openapi_extra=_openapi_body(model),
-        )
+        for role in (False, True):
+            app.add_api_route(
+                path.replace("/v1/", "/roles/{role}/v1/", 1) if role else path,
+                serve,
+                methods=["POST"],
+                tags=["openai"],
+                summary=serve.__doc__.strip().split(":")[0],
+                dependencies=[Security(keys._bearer)],
+                openapi_extra=_openapi_body(model, role),
+            )
     app.include_router(router)
     openapi = app.openapi
 

@@ -56,6 +56,7 @@ from tracetrain.gateway.turn import (
     endpoint,
     json_response,
     parse_body,
+    role_of,
     rollout_of,
     turn_meta,
 )
@@ -290,11 +291,13 @@ async def live_events(
     yield event({"type": "response.completed", "response": response})
 
 
-async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes) -> Response:
+async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
+                         role: str | None = None) -> Response:
     """OpenAI Responses API: one turn of the rollout."""
     rollout = rollout_of(gw, authorization, rollout_id)
     body: ResponsesIn = parse_body(ResponsesIn, raw)
-    slot = gw.slot_for(rollout)
+    role = role_of(role, body.model)
+    slot = gw.slot_for(rollout, role)
     tools = chat_tools(body)
     how = decoding_for(gw, slot, tools, body.tool_choice, text_format(body), "text.format")
     kept = _kept(gw)
@@ -308,7 +311,7 @@ async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: by
     async def answer(deltas: TextDeltas | None = None) -> ChatAnswer:
         a = await chat_answer(
             gw, rollout, slot, system + history, tools, sampling, body.max_output_tokens, how,
-            deltas,
+            deltas, role,
         )
         kept.keep(ids[0], rollout_id, [*history, a.message])
         return a

@@ -41,6 +41,8 @@ from tracetrain.gateway.schemas import (
     RolloutPageOut,
     State,
     TurnOut,
+    TurnRewardIn,
+    TurnRewardOut,
 )
 from tracetrain.store import (
     EventRecord,
@@ -156,7 +158,9 @@ async def get_rollout(rollout_id: RolloutIdPath, request: Request, turns: bool =
     out["turns"] = None
     if turns:  # may be large: read off the event loop
         records = await asyncio.to_thread(store.get_turns, rollout_id)
-        out["turns"] = [TurnOut(**t.__dict__) for t in records]
+        out["turns"] = [
+            TurnOut(**{**t.__dict__, "rewards": [r.__dict__ for r in t.rewards]}) for t in records
+        ]
     return out
 
 
@@ -231,6 +235,20 @@ async def post_reward(
         rollout.rollout_id, "reward", body.info, reward=body.reward, allow_ended=who.admin
     )
     return event_out(e)
+
+
+@router.post("/rollouts/{rollout_id}/turn-rewards", response_model=TurnRewardOut)
+async def post_turn_reward(
+    body: TurnRewardIn,
+    request: Request,
+    rollout: RolloutHead = Depends(rollout_access),
+):
+    """Give a turn a reward while the rollout runs (`turn`: its index, the latest by default;
+    `name`: what it is for). The rollout's own reward stays the one POSTed to /rewards. 422 for a
+    turn the rollout does not have, 409 once the rollout has ended."""
+    store = request.app.state.gateway.store
+    r = await store.add_turn_reward(rollout.rollout_id, body.reward, body.turn, body.name)
+    return TurnRewardOut(**r.__dict__)
 
 
 @router.post("/rollouts/{rollout_id}/events", response_model=EventOut)

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, NotRequired
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, JsonValue, Tag
 from typing_extensions import TypedDict
 
+from tracetrain.types import ROLE_PATTERN
+
 State = Literal["queued", "running", "succeeded", "failed", "timed_out"]
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 Id = Annotated[str, Field(min_length=1, max_length=200, pattern=ID_PATTERN)]
@@ -62,6 +64,25 @@ class CreateRolloutsOut(BaseModel):
     rollouts: list[CreatedRolloutOut]
 
 
+# A turn reward's name: what it is for ("tests_passed", "tool_error"); a role name's characters.
+RewardName = Annotated[str, Field(pattern=f"^{ROLE_PATTERN.pattern}$", max_length=100)]
+
+
+class TurnRewardIn(Strict):
+    reward: float = Field(description="finite")
+    turn: int | None = Field(None, ge=0, description="the turn's index; null: the latest turn")
+    name: RewardName | None = Field(None, description="what it is for, e.g. tests_passed")
+
+
+class TurnRewardOut(BaseModel):
+    reward_id: int
+    rollout_id: str
+    turn: int
+    reward: float
+    name: str | None
+    created_at: float
+
+
 class TurnOut(BaseModel):
     index: int
     prompt_ids: list[int]
@@ -79,6 +100,9 @@ class TurnOut(BaseModel):
         "no_match, template_prefix"
     )
     reused_tokens: int = Field(description="prompt ids taken as they were from the earlier turn")
+    role: str = Field(description="the agent that made the call: the role's base URL, else the "
+                      "request's `model`, else 'policy'")
+    rewards: list[TurnRewardOut] = Field(description="rewards given to this turn, in order")
 
 
 class RolloutDetailOut(RolloutOut):

@@ -41,7 +41,14 @@ from tracetrain.gateway.schemas import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import TextDeltas
 from tracetrain.store import RolloutEnded, RolloutHead
-from tracetrain.types import TERMINAL_STATES, RolloutState, TraceError, check_generation
+from tracetrain.types import (
+    DEFAULT_ROLE,
+    TERMINAL_STATES,
+    RolloutState,
+    TraceError,
+    check_generation,
+    check_role,
+)
 
 _ID = re.compile(ID_PATTERN)
 
@@ -54,6 +61,19 @@ def rollout_of(gw, authorization: str | None, rid: str) -> RolloutHead:
             422, f"rollout_id {rid[:50]!r} is not a valid id ({ID_PATTERN})", "rollout_id"
         )
     return keys.rollout_for(gw, who, rid)
+
+
+def role_of(path_role: str | None, model: str | None) -> str:
+    """The role that makes a call: the path's `/roles/{role}/` when the harness used a role's base
+    URL, else the request's `model`, else DEFAULT_ROLE. 422 naming the field if it is not a role
+    name (types.ROLE_PATTERN)."""
+    role, field = (path_role, "role") if path_role is not None else (model, "model")
+    if role is None or role == "":
+        return DEFAULT_ROLE
+    try:
+        return check_role(role)
+    except TraceError as e:
+        raise ApiError(422, f"{field}: {e}", field) from None
 
 
 def parse_body(model: type[BaseModel], raw: bytes):
@@ -86,10 +106,12 @@ async def generate_turn(
     context: tuple[str | None, str | None, int] = (None, None, 0),
     on_tokens: OnTokens | None = None,
     prompt_from: int | None = None,
+    role: str = DEFAULT_ROLE,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
     was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it;
-    `prompt_from`: the earlier turn an exact prompt continues (Store.add_turn)."""
+    `prompt_from`: the earlier turn an exact prompt continues (Store.add_turn); `role`: the agent
+    that made the call (role_of), recorded with the turn."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -124,6 +146,7 @@ async def generate_turn(
             gen.finish_reason,
             context,
             prompt_from,
+            role,
         )
     return gen, index
 
@@ -187,6 +210,7 @@ async def chat_answer(
     max_tokens: int | None,
     decoding: render.Decoding = render.Decoding(),
     deltas: TextDeltas | None = None,
+    role: str = DEFAULT_ROLE,
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
@@ -218,7 +242,7 @@ async def chat_answer(
         deltas.start(tok, params, markers, safe, len(prompt_ids))
         on_tokens = deltas.add
     gen, index = await generate_turn(
-        gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn
+        gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn, role
     )
 
     text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())
@@ -255,6 +279,7 @@ def endpoint(turn):
             request.path_params["rollout_id"],
             request.headers.get("authorization"),
             await request.body(),
+            request.path_params.get("role"),
         )
 
     serve.__doc__ = turn.__doc__

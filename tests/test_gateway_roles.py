@@ -1,0 +1,156 @@
+"""Roles and turn rewards at the gateway: each call records the role that made it (the request's
+`model`, or a role's base URL), rewards are given to turns while the rollout runs, and bad input is
+refused with a 4xx in the API's shape naming the field, recording nothing."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import anthropic
+import httpx
+import openai
+import pytest
+from gateway_fixtures import FakeEngine, gateway, live_gateway  # noqa: F401
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def turns_of(gw, rid: str) -> list[dict]:
+    return gw.admin.get(f"/rollouts/{rid}", params={"turns": "true"}).json()["turns"]
+
+
+def root(r: dict) -> str:
+    return r["base_url"].removesuffix("/v1")
+
+
+def test_each_api_records_the_role_its_request_names(gateway):  # noqa: F811
+    (r,) = gateway.create(1)
+    rid, key = r["rollout_id"], r["api_key"]
+    oa = openai.OpenAI(base_url=r["base_url"], api_key=key)
+    oa.chat.completions.create(model="solver", messages=CHAT, max_tokens=4)
+    oa.completions.create(model="checker", prompt="hi", max_tokens=4)
+    oa.responses.create(model="planner", input="hi", max_output_tokens=4)
+    an = anthropic.Anthropic(base_url=root(r), api_key=key)
+    an.messages.create(model="claude-3-5-haiku-latest", max_tokens=4, messages=CHAT)
+    # A harness whose model name is fixed names the role in its base URL instead.
+    fixed = openai.OpenAI(base_url=f"{root(r)}/roles/summariser/v1", api_key=key)
+    fixed.chat.completions.create(model="gpt-4o-mini", messages=CHAT, max_tokens=4)
+    assert fixed.models.list().data[0].id == "default"  # the role's engine: the rollout's
+    # No model at all (the raw HTTP API allows it): the default role.
+    httpx.post(f"{r['base_url']}/chat/completions", json={"messages": CHAT, "max_tokens": 4},
+               headers={"Authorization": f"Bearer {key}"}).raise_for_status()
+    roles = [t["role"] for t in turns_of(gateway, rid)]
+    assert roles == ["solver", "checker", "planner", "claude-3-5-haiku-latest", "summariser",
+                     "policy"]
+    assert [t.role for t in gateway.store.get_turns(rid)] == roles
+
+
+@pytest.mark.parametrize("where", ["model", "path"])
+@pytest.mark.parametrize("bad", ["two words", "<script>", "a" * 101, "-lead", "x\ny"])
+def test_a_role_that_is_not_a_role_name_is_refused_naming_the_field(gateway, where, bad):  # noqa: F811
+    (r,) = gateway.create(1)
+    key = r["api_key"]
+    if where == "model":
+        url, body = f"{r['base_url']}/chat/completions", {"model": bad, "messages": CHAT}
+    else:
+        url = f"{root(r)}/roles/{quote(bad, safe='')}/v1/chat/completions"
+        body = {"model": "fine", "messages": CHAT}
+    resp = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 422, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == ("model" if where == "model" else "role")
+    assert "not a role name" in err["message"]
+    assert gateway.store.get_turns(r["rollout_id"]) == []  # nothing recorded
+    assert gateway.engine.calls == []  # and nothing generated
+
+
+def test_anthropic_errors_keep_anthropics_shape_for_a_bad_role(gateway):  # noqa: F811
+    (r,) = gateway.create(1)
+    an = anthropic.Anthropic(base_url=root(r), api_key=r["api_key"], max_retries=0)
+    with pytest.raises(anthropic.UnprocessableEntityError) as e:
+        an.messages.create(model="no spaces allowed", max_tokens=4, messages=CHAT)
+    assert e.value.body["type"] == "error" and "not a role name" in e.value.body["error"]["message"]
+
+
+def test_turn_rewards_go_to_the_latest_or_named_turn_and_stay_beside_the_final_reward(gateway):  # noqa: F811,E501
+    (r,) = gateway.create(1)
+    rid, key = r["rollout_id"], r["api_key"]
+    agent = httpx.Client(base_url=root(r), headers={"Authorization": f"Bearer {key}"})
+    oa = openai.OpenAI(base_url=r["base_url"], api_key=key)
+    oa.chat.completions.create(model="solver", messages=CHAT, max_tokens=4)
+    got = agent.post("/turn-rewards", json={"reward": 0.5, "name": "parsed"})
+    assert got.status_code == 200 and got.json()["turn"] == 0 and got.json()["name"] == "parsed"
+    oa.chat.completions.create(model="checker", messages=CHAT, max_tokens=4)
+    assert agent.post("/turn-rewards", json={"reward": -1}).json()["turn"] == 1  # an int is fine
+    assert agent.post("/turn-rewards", json={"reward": 0.25, "turn": 0}).json()["turn"] == 0
+    agent.post("/rewards", json={"reward": 1.0}).raise_for_status()
+    turns = turns_of(gateway, rid)
+    assert [[(x["name"], x["reward"]) for x in t["rewards"]] for t in turns] == [
+        [("parsed", 0.5), (None, 0.25)], [(None, -1.0)]]
+    rec = gateway.admin.get(f"/rollouts/{rid}").json()
+    assert rec["reward"] == 1.0  # the final reward is the rollout's
+    gateway.admin.patch(f"/rollouts/{rid}", json={"state": "succeeded"}).raise_for_status()
+    (loaded,) = gateway.store.load_rollouts(rollout_ids=[rid])
+    assert [(t.role, t.reward) for t in loaded.turns] == [("solver", 0.75), ("checker", -1.0)]
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"reward": 1.0, "turn": 5}, 422, "turn"),  # no such turn
+    ({"reward": 1.0, "turn": -1}, 422, "turn"),
+    ({"reward": "1.0"}, 422, "reward"),  # a string is not coerced
+    ({"reward": True}, 422, "reward"),
+    ({"reward": 1.0, "name": "has space"}, 422, "name"),
+    ({"reward": 1.0, "name": "<b>"}, 422, "name"),
+    ({"reward": 1.0, "extra": 1}, 422, "extra"),
+    ({}, 422, "reward"),
+])
+def test_bad_turn_rewards_are_refused_naming_the_field(gateway, body, status, param):  # noqa: F811
+    (r,) = gateway.create(1)
+    agent = httpx.Client(base_url=root(r), headers={"Authorization": f"Bearer {r['api_key']}"})
+    openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"]).chat.completions.create(
+        model="solver", messages=CHAT, max_tokens=4)
+    resp = agent.post("/turn-rewards", json=body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert gateway.store.get_turn_rewards(r["rollout_id"]) == []
+
+
+def test_non_finite_turn_rewards_no_turn_yet_and_ended_rollouts_are_refused(gateway):  # noqa: F811
+    (r,) = gateway.create(1)
+    rid = r["rollout_id"]
+    agent = httpx.Client(base_url=root(r), headers={"Authorization": f"Bearer {r['api_key']}",
+                                                    "Content-Type": "application/json"})
+    first = agent.post("/turn-rewards", json={"reward": 1.0})
+    assert first.status_code == 422 and first.json()["error"]["param"] == "turn"
+    assert "no turn yet" in first.json()["error"]["message"]
+    openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"]).chat.completions.create(
+        model="solver", messages=CHAT, max_tokens=4)
+    for raw in (b'{"reward": NaN}', b'{"reward": Infinity}', b'{"reward": -Infinity}'):
+        resp = agent.post("/turn-rewards", content=raw)
+        assert resp.status_code == 422 and resp.json()["error"]["param"] == "reward", resp.text
+    other = gateway.create(1)[0]  # another rollout's key cannot reward this one
+    stranger = httpx.post(f"{root(r)}/turn-rewards", json={"reward": 1.0},
+                          headers={"Authorization": f"Bearer {other['api_key']}"})
+    assert stranger.status_code in (401, 403, 404)
+    gateway.admin.patch(f"/rollouts/{rid}", json={"state": "succeeded"}).raise_for_status()
+    late = agent.post("/turn-rewards", json={"reward": 1.0})
+    assert late.status_code == 409 and "ended" in late.json()["error"]["message"]
+    admin_late = gateway.admin.post(f"/rollouts/{rid}/turn-rewards", json={"reward": 1.0})
+    assert admin_late.status_code == 409
+    assert gateway.store.get_turn_rewards(rid) == []
+
+
+def test_a_role_can_be_served_by_its_own_engine(tmp_path):
+    """Gateway.role_engines: a role's calls go to its engine whatever the rollout's engine."""
+    main, frozen = FakeEngine(reply=lambda k, p: "main"), FakeEngine(reply=lambda k, p: "frozen")
+    with live_gateway(tmp_path, main) as gw:
+        gw.app.state.gateway.add_engine("frozen", frozen)
+        gw.app.state.gateway.role_engines["checker"] = "frozen"
+        (r,) = gw.create(1)
+        oa = openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"])
+        a = oa.chat.completions.create(model="solver", messages=CHAT, max_tokens=8)
+        b = oa.chat.completions.create(model="checker", messages=CHAT, max_tokens=8)
+        assert (a.choices[0].message.content, b.choices[0].message.content) == ("main", "frozen")
+        assert len(main.calls) == len(frozen.calls) == 1
+        assert [t.role for t in gw.store.get_turns(r["rollout_id"])] == ["solver", "checker"]
+        gw.admin.close()
