@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import groupby
@@ -64,18 +64,14 @@ from tracetrain.batch import TrainingBatch
 from tracetrain.drift import (
     DRIFT_KINDS,
     DriftBreak,
-    break_position,
-    classify_break,
-    classify_position,
-    snippet,
 )
+from tracetrain.row_plan import Limits, Planned, Row, plan_rollouts
 from tracetrain.types import (
     LOGPROB_TOLERANCE,
     Rollout,
     RolloutState,
     TraceError,
     check_rollouts,
-    joined,
     values_of,
 )
 
@@ -85,28 +81,6 @@ LENGTH_SPLIT = "length_split"
 CHUNK_TOKENS = 1 << 18  # chain tokens read at a time: bounds the temporary int64 buffer (~2 MiB)
 
 
-@dataclass(slots=True)
-class _Row:
-    """One row: chain coords [lo, lo + n_prompt) are its prompt; the next n_region, its region."""
-
-    chain: int  # index into the rollout's chains
-    lo: int  # left-truncated prompt tokens
-    n_prompt: int
-    n_region: int
-    n_trained: int
-    keep: int  # kept response tokens of the row's first turn
-    turns: list[int]
-
-
-@dataclass
-class _Plan:
-    """Rows of one rollout, its chains (turn indices of each), and its prefix breaks."""
-
-    chains: list[list[int]] = field(default_factory=list)
-    rows: list[_Row] = field(default_factory=list)
-    breaks: list[tuple[int, str, int, int, str]] = field(default_factory=list)
-
-
 @dataclass
 class _Chunk:
     """Chains read into one int64 buffer, and the rows to copy out of it."""
@@ -114,129 +88,6 @@ class _Chunk:
     n_tokens: int = 0
     pieces: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # (at, ri, k, ids)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (to, at, n) per row
-
-
-class _Drop(Exception):
-    """This rollout leaves the batch for `cause`."""
-
-    def __init__(self, cause: str):
-        self.cause = cause
-
-
-@dataclass
-class _Counts:
-    truncated_prompt_tokens: int = 0
-    truncated_response_tokens: int = 0
-    truncated_rows: int = 0
-    length_splits: int = 0
-    length_split_recomputed: int = 0
-
-
-@dataclass
-class _Limits:
-    max_prompt: int
-    max_response: int
-    overlong: str
-
-
-def _extends(prev, prompt: Sequence[int]) -> bool:
-    """Whether `prompt` starts with prev.prompt_ids + prev.response_ids (C-speed slice compares:
-    lists look at object identity first, arrays compare their memory)."""
-    pp, pr = prev.prompt_ids, prev.response_ids
-    lp, lr = len(pp), len(pr)
-    if len(prompt) < lp + lr:
-        return False
-    if not isinstance(prompt, array) == isinstance(pp, array) == isinstance(pr, array):
-        prompt, pp, pr = list(prompt), list(pp), list(pr)  # a list never equals an array
-    return prompt[lp : lp + lr] == pr and prompt[:lp] == pp
-
-
-def _start_row(r: Rollout, k: int, chain: int, lim: _Limits, counts: _Counts) -> _Row:
-    """A row that starts at turn k, with the overlong policy applied to its prompt and response."""
-    t = r.turns[k]
-    n_p, n_r = len(t.prompt_ids), len(t.response_ids)
-    cut, keep = 0, n_r
-    if n_p > lim.max_prompt or n_r > lim.max_response:
-        field_, n, limit = (
-            ("prompt", n_p, lim.max_prompt)
-            if n_p > lim.max_prompt
-            else ("response", n_r, lim.max_response)
-        )
-        if lim.overlong == "drop_rollout":
-            raise _Drop(f"overlong_{field_}")
-        if lim.overlong == "error":
-            raise TraceError(
-                f"rollout {r.rollout_id!r}, turn {k}: {field_}_ids has {n} tokens, over "
-                f"max_{field_}_length={limit} (overlong='error')"
-            )
-        cut, keep = max(0, n_p - lim.max_prompt), min(n_r, lim.max_response)
-        counts.truncated_prompt_tokens += cut
-        counts.truncated_response_tokens += n_r - keep
-        counts.truncated_rows += 1
-    return _Row(chain, cut, n_p - cut, keep, keep, keep, [k])
-
-
-def plan_rollout(
-    r: Rollout,
-    level: str,
-    lim: _Limits,
-    counts: _Counts,
-    tokenizer: Any = None,
-    want_records: bool = False,
-) -> _Plan:
-    """Chains, rows and breaks of one rollout (Python per turn; no token is copied)."""
-    turns = r.turns
-    plan = _Plan()
-    carried: list[tuple[int, int]] = []  # response spans inherited by the chain's first prompt
-    n_context = 0  # len(prompt + response) of the previous turn
-    for k, t in enumerate(turns):
-        p = t.prompt_ids
-        if k > 0 and _extends(turns[k - 1], p):
-            plan.chains[-1].append(k)
-            row = plan.rows[-1]
-            grow = len(p) - n_context + len(t.response_ids)  # observation + response
-            n_context = len(p) + len(t.response_ids)
-            if level == "trajectory" and row.n_region + grow <= lim.max_response:
-                row.n_region += grow
-                row.n_trained += len(t.response_ids)
-                row.turns.append(k)
-                continue
-            row = _start_row(r, k, len(plan.chains) - 1, lim, counts)
-            if level == "trajectory":
-                counts.length_splits += 1
-                counts.length_split_recomputed += row.n_prompt
-            plan.rows.append(row)
-            continue
-        # A new chain: turn 0, or the prefix broke (classified at the trajectory level).
-        brk = None
-        if k > 0 and level == "trajectory":
-            prev = turns[k - 1]
-            spans = carried + [
-                (len(turns[j].prompt_ids), len(turns[j].prompt_ids) + len(turns[j].response_ids))
-                for j in plan.chains[-1]
-            ]
-            context = None
-            if tokenizer is None:  # from the ids alone; the context list is not built
-                position = break_position(prev.prompt_ids, prev.response_ids, p)
-                kind = classify_position(position, spans)
-            else:
-                context = joined(prev.prompt_ids, prev.response_ids)
-                kind, position = classify_break(context, p, spans, tokenizer)
-            if want_records:
-                context = context if context is not None else joined(prev.prompt_ids, prev.response_ids)
-                brk = (kind, position, snippet(context, p, position, tokenizer))
-            else:
-                brk = (kind, position, "")
-            # Tokens before `position` are the same in the new prompt: their spans carry over.
-            carried = [(a, min(b, position)) for a, b in spans if a < position]
-        plan.chains.append([k])
-        n_context = len(p) + len(t.response_ids)
-        row = _start_row(r, k, len(plan.chains) - 1, lim, counts)
-        plan.rows.append(row)
-        if brk is not None:
-            kind, position, text = brk
-            plan.breaks.append((k, kind, position, row.n_prompt, text))
-    return plan
 
 
 def _check_args(level, max_prompt_length, max_response_length, pad_token_id, overlong):
@@ -251,16 +102,6 @@ def _check_args(level, max_prompt_length, max_response_length, pad_token_id, ove
     ):
         if type(v) is not int or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-
-
-def _check_rollout(r: Rollout) -> None:
-    """O(1) re-checks of a rollout that may have been changed after its validation."""
-    if r.reward is not None and (isinstance(r.reward, bool) or not math.isfinite(r.reward)):
-        raise TraceError(f"rollout {r.rollout_id!r}: reward is {r.reward!r}; it must be finite")
-    for k, t in enumerate(r.turns):
-        lp = t.response_logprobs
-        if not t.prompt_ids or (lp is not None and len(lp) != len(t.response_ids)):
-            t.validate(r.rollout_id, k)  # raises the precise TraceError
 
 
 def _find_bad_input(rollouts: Sequence[Rollout]) -> None:
@@ -311,8 +152,12 @@ def aggregate(
     overlong: str = "drop_rollout",
     pad_to_limits: bool = False,
     return_breaks: bool = False,
+    train_roles: Collection[str] | None = None,
 ):
     """Build the rows of `rollouts` (never modified) and count what happened.
+
+    Only the turns of `train_roles` (None: every role) make rows, each role's turns chaining by
+    their own prefix (roles.role_orders); a rollout whose trained roles made no call has no row.
 
     P, R (prompt/response widths) are the batch maxima, or the limits with pad_to_limits=True.
     position_ids are 0 on the left padding and keep counting over the right padding.
@@ -337,8 +182,8 @@ def aggregate(
     if not isinstance(rollouts, Sequence):
         raise TypeError(f"rollouts must be a sequence of Rollout, got {type(rollouts).__name__}")
     check_rollouts(rollouts)
-    lim = _Limits(max_prompt_length, max_response_length, overlong)
-    planned = plan_rollouts(rollouts, level, lim, tokenizer, return_breaks)
+    lim = Limits(max_prompt_length, max_response_length, overlong)
+    planned = plan_rollouts(rollouts, level, lim, tokenizer, return_breaks, train_roles)
     rows = [row for plan in planned.plans for row in plan.rows]
     if pad_to_limits:
         P, R = max_prompt_length, max_response_length
@@ -353,62 +198,15 @@ def aggregate(
     return batch, metrics
 
 
-@dataclass
-class _Planned:
-    """The plans of the rollouts kept (rollout indices in batch order) and what was dropped."""
-
-    kept: list[int] = field(default_factory=list)
-    rollouts: list[Rollout] = field(default_factory=list)  # rollouts[kept[j]]
-    plans: list[_Plan] = field(default_factory=list)
-    breaks: list[tuple] = field(default_factory=list)  # DriftBreak fields
-    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("no_turns", "overlong_prompt", "overlong_response", "no_trained_tokens"), 0))
-    n_zero_rows: int = 0
-    counts: _Counts = field(default_factory=_Counts)
-
-    @property
-    def rows_per_rollout(self) -> list[int]:
-        return [len(plan.rows) for plan in self.plans]
-
-
-def plan_rollouts(rollouts: Sequence[Rollout], level: str, lim: _Limits, tokenizer,
-                  return_breaks: bool) -> _Planned:
-    """Step 1: plan every rollout (chains, rows, breaks); drop rollouts with no turns, over the
-    limits (drop_rollout) or with no trained token, and rows with no trained token."""
-    out = _Planned()
-    for ri, r in enumerate(rollouts):
-        _check_rollout(r)
-        if not r.turns:
-            out.dropped["no_turns"] += 1
-            continue
-        before = _Counts(**vars(out.counts))
-        try:
-            plan = plan_rollout(r, level, lim, out.counts, tokenizer, return_breaks)
-        except _Drop as drop:
-            out.dropped[drop.cause] += 1
-            out.counts = before  # a dropped rollout leaves no trace in the counts
-            continue
-        rows = [row for row in plan.rows if row.n_trained > 0]
-        out.n_zero_rows += len(plan.rows) - len(rows)
-        if not rows:
-            out.dropped["no_trained_tokens"] += 1
-            continue
-        plan.rows = rows
-        out.kept.append(ri)
-        out.rollouts.append(r)
-        out.plans.append(plan)
-        out.breaks.extend((r.rollout_id, *b) for b in plan.breaks)
-    return out
-
-
 class _Filled(NamedTuple):
     input_ids: np.ndarray  # [rows, P + R]
     response_mask: np.ndarray  # [rows, R]
     rollout_logprobs: np.ndarray | None  # [rows, R]; None when a kept turn lacks logprobs
     row_version: list[int]
+    turn_spans: list[list[tuple[int, int, int]]]  # per row: (turn, first column in R, tokens)
 
 
-def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
+def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, R: int,
               pad_token_id: int) -> _Filled:
     """Steps 2 and 3: allocate the outputs (numpy: huge pages for large blocks, fewer page
     faults), then write the rows chain by chain (Python per chain, row and turn; numpy copies; no
@@ -426,6 +224,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
     )
     kept_rollouts = planned.rollouts
     row_version: list[int] = []
+    turn_spans: list[list[tuple[int, int, int]]] = []
     have_logprobs = True
     chunk, i = _Chunk(), 0
     try:
@@ -444,12 +243,14 @@ def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
                     )
                     to, n = i * R, row.keep  # where the turn's response lies in the region
                     end = oldest = None  # end of the previous context; oldest model version
+                    spans = []
                     for j in row.turns:
                         t = turns[j]
                         if end is not None:
                             to += len(t.prompt_ids) - end  # observation tokens
                             n = len(t.response_ids)
                         mask_flat[to : to + n] = True
+                        spans.append((j, to - i * R, n))
                         lps = t.response_logprobs
                         if lps is None:
                             have_logprobs = False
@@ -467,6 +268,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
                         elif oldest is None or v < oldest:
                             oldest = v
                     row_version.append(oldest)
+                    turn_spans.append(spans)
                     i += 1
                 if chunk.n_tokens >= CHUNK_TOKENS:
                     _copy_rows(chunk, ids_flat, rollouts, kept_rollouts)
@@ -478,7 +280,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: _Planned, P: int, R: int,
         if not np.isfinite(rollout_logprobs).all() or rollout_logprobs.max() > LOGPROB_TOLERANCE:
             _find_bad_input(kept_rollouts)
     return _Filled(input_ids, response_mask, rollout_logprobs if have_logprobs else None,
-                   row_version)
+                   row_version, turn_spans)
 
 
 def positions_and_attention(n_prompt: torch.Tensor, n_region: torch.Tensor, P: int, W: int):
@@ -496,7 +298,7 @@ def positions_and_attention(n_prompt: torch.Tensor, n_region: torch.Tensor, P: i
     return position_ids, attention_mask
 
 
-def _batch(planned: _Planned, rows: list[_Row], filled: _Filled, P: int) -> TrainingBatch:
+def _batch(planned: Planned, rows: list[Row], filled: _Filled, P: int) -> TrainingBatch:
     kept_rollouts = planned.rollouts
     position_ids, attention_mask = positions_and_attention(
         torch.tensor([row.n_prompt for row in rows], dtype=torch.int64),
@@ -524,10 +326,11 @@ def _batch(planned: _Planned, rows: list[_Row], filled: _Filled, P: int) -> Trai
         ),
         rollout_states=[RolloutState(r.state).value for r in kept_rollouts],
         model_version=torch.tensor(filled.row_version, dtype=torch.int64),
+        turn_spans=filled.turn_spans,
     )
 
 
-def _metrics(level: str, rollouts: Sequence[Rollout], planned: _Planned, rows: list[_Row],
+def _metrics(level: str, rollouts: Sequence[Rollout], planned: Planned, rows: list[Row],
              width: int) -> dict[str, float]:
     """Step 5: the counts `aggregate` returns (its docstring lists the keys)."""
     rows_per_rollout = planned.rows_per_rollout

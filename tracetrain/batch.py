@@ -35,6 +35,9 @@ class TrainingBatch:
     rewards: torch.Tensor  # [n_rollouts] float32, NaN where the rollout has no reward
     rollout_states: list[str] = field(default_factory=list)  # [n_rollouts] RolloutState values
     model_version: torch.Tensor | None = None  # [rows] int64, oldest model_version in the row; -1 if unknown
+    # [rows] each row's trained turns: (turn index in its rollout, first column in the response
+    # block, response tokens there); None when unknown (a batch not built by aggregate)
+    turn_spans: list[list[tuple[int, int, int]]] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -82,4 +85,5 @@ class TrainingBatch:
             rewards=self.rewards[kept],
             rollout_states=[self.rollout_states[k] for k in kept_list] if self.rollout_states else [],
             model_version=None if self.model_version is None else self.model_version[index],
+            turn_spans=None if self.turn_spans is None else [self.turn_spans[i] for i in idx],
         )
