@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracetrain.integrations.verl.config import VerlConfig
+from tracetrain.types import TraceError, check_role
 
 
 class ConfigError(ValueError):
@@ -149,12 +150,40 @@ class AggregateConfig(_Section):
     `max_response_length`."""
 
 
-class AdvantageConfig(_Section):
-    """One advantage per rollout, from its reward and its group's (tracetrain/advantage.py)."""
+class RolesConfig(_Section):
+    """The agents of a program: each call's role is the request's `model` or a role's base URL
+    (tracetrain/roles.py, docs/agents.md)."""
 
-    estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++"] = "grpo"
-    """`grpo`: (r - group mean) / (group std + eps); `dr-grpo`: r - group mean; `rloo`: r - mean of
-    the group's others; `reinforce++`: r - group mean, over the batch std of those + eps."""
+    train: list[str] | None = None
+    """The roles whose calls are trained; null: every role. A role left out is still served,
+    recorded and counted, and contributes no trained token."""
+
+    @field_validator("train")
+    @classmethod
+    def _role_names(cls, v: list[str] | None) -> list[str] | None:
+        for role in v or ():
+            try:
+                check_role(role)
+            except TraceError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+
+class AdvantageConfig(_Section):
+    """The advantage each trained token carries: its rollout's (tracetrain/advantage.py) or its
+    turn's (tracetrain/credit.py)."""
+
+    estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++", "return-to-go", "gigpo"] = "grpo"
+    """Per rollout, from its final reward: `grpo`: (r - group mean) / (group std + eps);
+    `dr-grpo`: r - group mean; `rloo`: r - mean of the group's others; `reinforce++`: r - group
+    mean, over the batch std of those + eps. Per turn, with turn rewards: `return-to-go`: the
+    turn's discounted turn rewards from it on plus the final reward, normalised in its group;
+    `gigpo`: grpo on the episode's return plus `step_weight` times the turn's discounted turn
+    rewards normalised among the group's turns from the same prompt."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of later turn rewards per turn (`return-to-go`, `gigpo`)."""
+    step_weight: float = Field(1.0, ge=0)
+    """Weight of the step-level advantage in `gigpo`."""
     failed_rollouts: Literal["exclude", "zero_reward"] = "exclude"
     """Failed and timed-out rollouts: `exclude` them before grouping (no advantage, no effect on
     their group's mean), or train them with reward 0 (`zero_reward`)."""
@@ -397,6 +426,7 @@ class TrainConfig(_Section):
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
+    roles: RolesConfig = Field(default_factory=RolesConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.batch import TrainingBatch
 from tracetrain.config import TrainConfig
+from tracetrain.credit import batch_credit
 from tracetrain.gateway.context import context_metrics
+from tracetrain.roles import role_metrics
 from tracetrain.runner import run_rollouts
 from tracetrain.types import Rollout
 
@@ -87,7 +88,9 @@ def drop_stale(
 
 class Rows(NamedTuple):
     batch: TrainingBatch
-    advantages: Any  # one per rollout (advantage.batch_advantages); None when there is no row
+    # [n_rollouts] one per rollout, or [rows, R] one per token of a turn-level estimator
+    # (credit.batch_credit); None when there is no row
+    advantages: Any
     metrics: dict[str, Any]
 
 
@@ -97,17 +100,17 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
     dropped, aggregated into rows, and given their advantages.
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
-    n_stale_rollouts, aggregate/*, context/* (how the prompts were built), advantage/*,
-    time/rows_s."""
+    n_stale_rollouts, aggregate/*, context/* (how the prompts were built), roles/* and
+    turn_rewards/* (roles.role_metrics), advantage/*, time/rows_s."""
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
     rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
                                    cfg.trainer.max_staleness)
-    ac = cfg.aggregate
+    ac, train_roles = cfg.aggregate, cfg.roles.train
     batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                            max_response_length=ac.max_response_length,
                            pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
-                           overlong=ac.overlong)
+                           overlong=ac.overlong, train_roles=train_roles)
     states = [r.state for r in results]
     rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
     metrics: dict[str, Any] = {
@@ -117,12 +120,14 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
         "n_stale_rollouts": n_stale,
         **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
         **context_metrics(store.turn_contexts(ids)),
+        **role_metrics(rollouts, train_roles),
     }
     adv = None
     if batch.n_rows:
         ad = cfg.advantage
-        batch, adv, adv_metrics = batch_advantages(batch, estimator=ad.estimator, eps=ad.eps,
-                                                   failed_rollouts=ad.failed_rollouts)
+        batch, adv, adv_metrics = batch_credit(
+            batch, rollouts, estimator=ad.estimator, train_roles=train_roles, gamma=ad.gamma,
+            step_weight=ad.step_weight, eps=ad.eps, failed_rollouts=ad.failed_rollouts)
         metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
     metrics["time/rows_s"] = time.perf_counter() - t0
     return Rows(batch, adv, metrics)

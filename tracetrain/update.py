@@ -74,7 +74,8 @@ def ppo_update(
     dev = next(model.parameters()).device  # the step's tensors go there (planning stays on the CPU)
     ids_all, att_all, pos_all, mask_all = (t.to(dev) for t in (
         batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
-    adv_rows = advantages[batch.rollout_index].to(dev)
+    # [rows] one per row from one per rollout, or [rows, R] per token (turn-level credit)
+    adv_rows = (advantages if advantages.dim() == 2 else advantages[batch.rollout_index]).to(dev)
     R = batch.response_length
     old_all = batch.rollout_logprobs
     if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference

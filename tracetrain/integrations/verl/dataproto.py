@@ -9,12 +9,14 @@ Keys written:
     old_log_probs        [N, R] the ratio's denominator (the rollout's logprobs unless given)
     rollout_log_probs    [N, R] the engine's logprobs, when the batch has them
     ref_log_prob         [N, R] when given (KL term)
-    advantages           [N, R] the row's rollout advantage on every column (the loss weights it)
+    advantages           [N, R] the row's rollout advantage on every column, or each token's own
+                         (turn-level credit: meta_info token_advantages); the loss weights it
     rollout_is_weights   [N, R] tracetrain's token weights w (loss.TOKEN_WEIGHTS; see loss.py)
     row_index            [N] the row in the TrainingBatch, -1 on padding rows
     turn_index, reward, model_version   [N] per row (reward: the rollout's, NaN if none)
     non-tensor: uid (group id, as verl's GRPO uses it), rollout_id, rollout_state
-    meta_info: temperature, mini_batch_size (rows of one verl mini-batch, all dp ranks)
+    meta_info: temperature, mini_batch_size (rows of one verl mini-batch, all dp ranks),
+               token_advantages (whether advantages were given per token)
 
 Layout. verl's actor update (0.9.1) chunks the N rows into dp_size equal contiguous parts, one per
 rank, then each rank cuts its part into mini-batches of m = mini_batch_size / dp_size rows, in
@@ -100,18 +102,22 @@ def to_dataproto(
 ) -> DataProto:
     """The DataProto of one step (see the module docstring for keys and layout).
 
-    advantages [n_rollouts]: one per rollout (`advantage.batch_advantages`). The token weights of
-    each mini-batch follow `mode` / `norm_length`, computed on the whole mini-batch before verl
-    splits it. old_log_probs [rows, R] default to the batch's rollout logprobs.
+    advantages [n_rollouts]: one per rollout (`advantage.batch_advantages`), or [rows, R]: one
+    per token (turn-level credit, `credit.batch_credit`). The token weights of each mini-batch
+    follow `mode` / `norm_length`, computed on the whole mini-batch before verl splits it.
+    old_log_probs [rows, R] default to the batch's rollout logprobs.
     """
     n, R, P = batch.n_rows, batch.response_length, batch.prompt_length
     if n == 0:
         raise ValueError("the batch has no rows")
-    if not isinstance(advantages, torch.Tensor) or advantages.shape != (batch.n_rollouts,):
+    shapes = ((batch.n_rollouts,), (n, R))
+    if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in shapes:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
         raise ValueError(
-            f"advantages must have shape ({batch.n_rollouts},) (one per rollout), got {got}"
+            f"advantages must have shape ({batch.n_rollouts},) (one per rollout) or ({n}, {R}) "
+            f"(one per token), got {got}"
         )
+    per_token = advantages.dim() == 2
     if P < 1 or bool((batch.attention_mask[:, :P].sum(1) == 0).any()):
         k = int((batch.attention_mask[:, :P].sum(1) == 0).nonzero()[0]) if P else 0
         raise ValueError(f"row {k} has no prompt token; verl needs at least one per row")
@@ -150,7 +156,8 @@ def to_dataproto(
     pad_att = torch.zeros(P + R, dtype=batch.attention_mask.dtype)
     pad_att[P - 1] = 1  # one prompt token, so verl finds a prompt in every row
     input_ids = _take(batch.input_ids, order, pad_ids)
-    row_adv = advantages.float()[batch.rollout_index]
+    token_adv = (advantages.float() if per_token
+                 else advantages.float()[batch.rollout_index][:, None].expand(n, R))
     tensors = {
         "input_ids": input_ids,
         "attention_mask": _take(batch.attention_mask, order, pad_att),
@@ -159,7 +166,7 @@ def to_dataproto(
         "responses": input_ids[:, P:],
         "response_mask": _take(mask.long(), order, 0),
         "old_log_probs": _take(old.float(), order, 0.0),
-        "advantages": _take(row_adv[:, None].expand(n, R), order, 0.0),
+        "advantages": _take(token_adv, order, 0.0),
         TOKEN_WEIGHTS: _take(weights, order, 0.0),
         "row_index": order.clone(),
         "turn_index": _take(batch.turn_index, order, -1),
@@ -181,13 +188,15 @@ def to_dataproto(
         "rollout_id": column(batch.rollout_ids),
         "rollout_state": column([states[r] for r in batch.rollout_index.tolist()]),
     }
-    meta = {"temperature": float(temperature), "mini_batch_size": layout.mini_batch_size}
+    meta = {"temperature": float(temperature), "mini_batch_size": layout.mini_batch_size,
+            "token_advantages": per_token}
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta)
 
 
 def from_dataproto(proto: DataProto) -> tuple[TrainingBatch, torch.Tensor, torch.Tensor]:
-    """(batch, advantages [n_rollouts], token weights [rows, R]) back from `to_dataproto`'s output:
-    padding rows dropped, rows in their TrainingBatch order."""
+    """(batch, advantages, token weights [rows, R]) back from `to_dataproto`'s output: padding
+    rows dropped, rows in their TrainingBatch order; advantages as they were given: [n_rollouts],
+    or [rows, R] when per token."""
     t = proto.batch
     for key in ("input_ids", "response_mask", "row_index", "advantages", TOKEN_WEIGHTS):
         if key not in t.keys():
@@ -231,5 +240,8 @@ def from_dataproto(proto: DataProto) -> tuple[TrainingBatch, torch.Tensor, torch
         rollout_states=states if any(states) else [],
         model_version=sel["model_version"] if "model_version" in t.keys() else None,
     )
-    advantages = sel["advantages"][first, 0] if R else torch.zeros(len(rollouts))
+    if proto.meta_info.get("token_advantages"):
+        advantages = sel["advantages"]
+    else:
+        advantages = sel["advantages"][first, 0] if R else torch.zeros(len(rollouts))
     return batch, advantages, sel[TOKEN_WEIGHTS]
