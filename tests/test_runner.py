@@ -236,8 +236,8 @@ def test_drain_waits_for_a_request_past_its_timeout(tmp_path):
 
 def test_held_engine_in_process_waits_for_the_request_in_flight(caplog):
     """The trainer's own gateway: the slot is held directly (no HTTP), with the same guarantee."""
+    from tracetrain.engines.held import held_engine
     from tracetrain.gateway.slots import EngineSlot
-    from tracetrain.trainer import held_engine
 
     async def main():
         slot = EngineSlot("default", FakeEngine())
@@ -258,3 +258,50 @@ def test_held_engine_in_process_waits_for_the_request_in_flight(caplog):
     (in_flight, paused, waited), after = asyncio.run(main())
     assert (in_flight, paused, after) == (0, True, False) and waited > 1.0
     assert "still in flight" in caplog.text
+
+
+async def two_roles(task, client):
+    """A solver and a checker (the model's name is the role); rewards along the way returned with
+    the final reward, or posted by the agent itself while it runs."""
+    ai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
+                     http_client=client["http_client"])
+    msgs = [{"role": "user", "content": "2+2?"}]
+    await ai.chat.completions.create(model="solver", messages=msgs, max_tokens=8)
+    if task.get("post"):  # as it runs: the latest turn (the solver's)
+        r = await client["http_client"].post(
+            f"{client['rollout_url']}/turn-rewards", json={"reward": 0.5, "name": "parsed"},
+            headers={"Authorization": f"Bearer {client['api_key']}"})
+        r.raise_for_status()
+    await ai.chat.completions.create(model="checker", messages=msgs, max_tokens=8)
+    given = {0: float("nan")} if task.get("nan") else task["turn_rewards"]
+    return {"reward": 1.0, "turn_rewards": given}
+
+
+def test_a_two_role_agent_returns_rewards_along_the_way(tmp_path):
+    specs = [
+        {"rollout_id": "ok", "task": {"post": True, "turn_rewards": {1: -1.0}}},
+        {"rollout_id": "named", "task": {"turn_rewards": [{"turn": 0, "reward": 2.0, "name": "x"}]}},
+        {"rollout_id": "no-turn", "task": {"turn_rewards": {5: 1.0}}},
+        {"rollout_id": "not-int", "task": {"turn_rewards": {"0": 1.0}}},
+        {"rollout_id": "nan", "task": {"nan": True}},  # (a task's JSON cannot hold NaN)
+    ]
+    with live_gateway(tmp_path) as gw:
+
+        async def main():
+            client = GatewayClient(gw.url, gw.admin_key)
+            try:
+                return await run_rollouts(client, specs, two_roles, concurrency=4, timeout_s=30)
+            finally:
+                await client.aclose()
+
+        res = {r.rollout_id: r for r in asyncio.run(main())}
+        assert (res["ok"].state, res["ok"].reward) == ("succeeded", 1.0)
+        turns = gw.store.get_turns("ok")
+        assert [(t.role, t.reward) for t in turns] == [("solver", 0.5), ("checker", -1.0)]
+        assert turns[0].rewards[0].name == "parsed"
+        named = gw.store.get_turns("named")
+        assert [(r.name, r.reward) for r in named[0].rewards] == [("x", 2.0)]
+        for rid, why in (("no-turn", "no turn 5"), ("not-int", "not a turn index"),
+                         ("nan", "turn reward")):
+            assert res[rid].state == "failed" and why in res[rid].error, (rid, res[rid].error)
+            assert res[rid].reward is None

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tracetrain.engines.local import LocalEngine
+from tracetrain.threads import run_with_threads
 from tracetrain.tiny import build_model, build_tokenizer
-from tracetrain.trainer import run_with_threads
 
 # The OpenMP runtime torch runs on (the CPU wheel bundles it). Its thread count is a per-thread
 # setting: `torch.get_num_threads()` reads a process-wide value and can say 1 in a thread whose

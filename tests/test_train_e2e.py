@@ -92,7 +92,7 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
 
     assert main(["inspect", str(run), "--rollout", ids_of_step(run, 1)[0]]) == 0
     shown = capsys.readouterr().out
-    assert "turn 0 (model_version 1)" in shown and "advantage" in shown and "loss mass" in shown
+    assert "turn 0 [policy] (model_version 1)" in shown and "advantage" in shown and "loss mass" in shown
     assert "prompt rendered in full (first_turn)" in shown  # how the turn's prompt was built
     # The mass of the mini-batch the rollout was trained in (the run trains 2 per step): 1/R of
     # that mini-batch in rollout-mean.

@@ -157,16 +157,46 @@ class RolesConfig(_Section):
     train: list[str] | None = None
     """The roles whose calls are trained; null: every role. A role left out is still served,
     recorded and counted, and contributes no trained token."""
+    serve: dict[str, str] = Field(default_factory=dict)
+    """Which engine answers a role's calls (a role not named here: the policy's): `policy`;
+    `frozen`, a copy of the policy as it was when training started (engine.kind local), never
+    updated; or the name of an engine registered with the gateway (e.g. an upstream server). A
+    role served by another engine must not train: name the roles that train in `train`."""
 
     @field_validator("train")
     @classmethod
     def _role_names(cls, v: list[str] | None) -> list[str] | None:
         for role in v or ():
-            try:
-                check_role(role)
-            except TraceError as e:
-                raise ValueError(str(e)) from None
+            _check_role_name(role)
         return v
+
+    @field_validator("serve")
+    @classmethod
+    def _served_roles(cls, v: dict[str, str]) -> dict[str, str]:
+        for role, engine in v.items():
+            _check_role_name(role)
+            if not engine:
+                raise ValueError(f"role {role!r}: the engine name is empty")
+        return v
+
+    @model_validator(mode="after")
+    def _served_elsewhere_do_not_train(self) -> RolesConfig:
+        elsewhere = sorted(r for r, e in self.serve.items() if e != "policy")
+        if elsewhere and self.train is None:
+            raise ValueError(f"roles.serve gives {elsewhere} another engine than the policy: name "
+                             "the roles that train in roles.train (it is every role by default)")
+        both = sorted(set(elsewhere) & set(self.train or ()))
+        if both:
+            raise ValueError(f"roles {both} are in roles.train but served by another engine than "
+                             "the policy (roles.serve): their tokens would not be the policy's")
+        return self
+
+
+def _check_role_name(role: str) -> None:
+    try:
+        check_role(role)
+    except TraceError as e:
+        raise ValueError(str(e)) from None
 
 
 class AdvantageConfig(_Section):
@@ -458,6 +488,10 @@ class TrainConfig(_Section):
         if self.engine.sleep_level and self.trainer.overlap_collect:
             raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
                              "trainer.overlap_collect collects beside it")
+        frozen = sorted(r for r, e in self.roles.serve.items() if e == "frozen")
+        if frozen and (self.engine.kind != "local" or self.backend != "embedded"):
+            raise ValueError(f"roles.serve: 'frozen' ({frozen}) is a copy of the policy in a local "
+                             "engine: for engine.kind local on the embedded backend")
         return self
 
     @model_validator(mode="after")

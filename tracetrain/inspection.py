@@ -1,7 +1,9 @@
 """`tracetrain inspect`: one rollout from a run, down the path of the data.
 
-Shows its turns (decoded, and how each prompt was built: exact or rendered), the rows it became (trained tokens marked), the drift breaks that cut
-it (with decoded snippets), its advantage within its group, and its loss weight: the share of the
+Shows its turns (decoded, the role that made each and whether it trains, the rewards given to it,
+and how each prompt was built: exact or rendered), the rows it became (trained tokens marked), the
+drift breaks that cut it (with decoded snippets), its advantage within its group (per turn with a
+turn-level estimator), and its loss weight: the share of the
 mass of the optimizer update it was trained in (its step's rows planned into mini-batches as the
 trainer plans them, from the run's own config: optim.mini_batches, micro_batch_tokens, loss.mode).
 """
@@ -11,11 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tracetrain.advantage import batch_advantages
 from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
+from tracetrain.credit import batch_credit
 from tracetrain.loss import rollout_mass
 from tracetrain.minibatch import plan_step
+from tracetrain.roles import trains
 from tracetrain.store import SQLiteStore
 
 
@@ -63,20 +66,26 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         prefix = _step_prefix(rec.group_id)
         step_ids = [r.rollout_id for r in done if _step_prefix(r.group_id) == prefix]
         rollouts = store.load_rollouts(rollout_ids=step_ids)
-        how = [(t.context, t.context_reason, t.reused_tokens) for t in store.get_turns(rollout_id)]
+        records = store.get_turns(rollout_id)
+        how = [(t.context, t.context_reason, t.reused_tokens) for t in records]
     finally:
         store.close()
     tok = _tokenizer(cfg)
     ac = cfg.aggregate if cfg is not None else None
+    train_roles = cfg.roles.train if cfg is not None else None
     mine = next(r for r in rollouts if r.rollout_id == rollout_id)
     out(f"rollout {rollout_id}  group {mine.group_id}  state {mine.state.value}  reward {mine.reward}")
     for k, t in enumerate(mine.turns):
         context, reason, reused = how[k]
         built = {"exact": f"exact: {reused} ids of the turn before + the new messages",
                  "rendered": f"rendered in full ({reason})"}.get(context, "a raw prompt")
-        out(f"  turn {k} (model_version {t.model_version}): prompt {len(t.prompt_ids)} tokens, "
-            f"response {len(t.response_ids)} tokens; prompt {built}")
+        role = t.role if trains(t.role, train_roles) else f"{t.role}, not trained"
+        out(f"  turn {k} [{role}] (model_version {t.model_version}): prompt {len(t.prompt_ids)} "
+            f"tokens, response {len(t.response_ids)} tokens; prompt {built}")
         out(f"    response: {_text(tok, t.response_ids)!r}")
+        if records[k].rewards:
+            given = ", ".join(f"{x.name + ' ' if x.name else ''}{x.reward:+g}" for x in records[k].rewards)
+            out(f"    turn rewards: {given}")
     batch, agg, breaks = aggregate(
         rollouts,
         level=ac.level if ac else "trajectory",
@@ -86,6 +95,7 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         tokenizer=tok,
         overlong=ac.overlong if ac else "drop_rollout",
         return_breaks=True,
+        train_roles=train_roles,
     )
     shown: dict = {"rollout_id": rollout_id, "rows": 0, "breaks": [], "advantage": None, "loss_mass": None}
     mine_breaks = [b for b in breaks if b.rollout_id == rollout_id]
@@ -97,8 +107,10 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         out("  not in the training batch (dropped or excluded; see the metrics)")
         return shown
     est = cfg.advantage if cfg is not None else None
-    kept, adv, _ = batch_advantages(batch, estimator=est.estimator if est else "grpo",
-                                    failed_rollouts=est.failed_rollouts if est else "exclude")
+    kept, adv, _ = batch_credit(
+        batch, rollouts, estimator=est.estimator if est else "grpo", train_roles=train_roles,
+        gamma=est.gamma if est else 1.0, step_weight=est.step_weight if est else 1.0,
+        failed_rollouts=est.failed_rollouts if est else "exclude")
     if rollout_id not in kept.rollouts:
         out("  excluded from training (failed or timed out)")
         return shown
@@ -125,10 +137,18 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         out(f"  row {i} (from turn {int(kept.turn_index[i])}): {len(ids)} tokens, prompt {n_prompt}, "
             f"trained {len(trained)}")
         out(f"    trained text: {_text(tok, trained)!r}")
-    out(f"  advantage {float(adv[k]):+.4f} ({est.estimator if est else 'grpo'} within its group)")
+    name = est.estimator if est else "grpo"
+    if adv.dim() == 2:  # per turn: each turn's tokens carry its own
+        advantage = {t: float(adv[i, start]) for i in rows.tolist()
+                     for t, start, _ in kept.turn_spans[i]}
+        per_turn = ", ".join(f"turn {t} {a:+.4f}" for t, a in sorted(advantage.items()))
+        out(f"  advantage per turn ({name} within its group): {per_turn}")
+    else:
+        advantage = float(adv[k])
+        out(f"  advantage {advantage:+.4f} ({name} within its group)")
     out(f"  loss mass {mass:.4f} of 1 in mini-batch {j + 1} of {len(plan)}: {mb.n_rollouts} of its "
         f"step's {kept.n_rollouts} rollouts (mode {mode})")
-    shown.update(rows=len(rows), advantage=float(adv[k]), loss_mass=mass, mini_batch=j,
+    shown.update(rows=len(rows), advantage=advantage, loss_mass=mass, mini_batch=j,
                  n_mini_batches=len(plan), n_rollouts_in_mini_batch=mb.n_rollouts,
                  n_rollouts_in_step=kept.n_rollouts, metrics=json.loads(json.dumps(agg, default=str)))
     return shown

@@ -32,6 +32,11 @@ def role_orders(turns: Sequence[Turn], train_roles: Collection[str] | None) -> l
     return list(orders.values())
 
 
+def role_engines(serve: dict[str, str], policy: str = "default") -> dict[str, str]:
+    """roles.serve as the gateway's role -> engine slot map (`policy` is the policy's slot)."""
+    return {role: policy if engine == "policy" else engine for role, engine in serve.items()}
+
+
 def role_metrics(rollouts: Sequence[Rollout], train_roles: Collection[str] | None) -> dict[str, float]:
     """Per role: roles/<role>/turns, roles/<role>/response_tokens, roles/<role>/trained (1 or 0);
     turn rewards: turn_rewards/count, turn_rewards/mean (0 when there are none), and per role

@@ -1,12 +1,16 @@
 """The runner: launch one agent per rollout against the gateway, with bounded concurrency.
 
 An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
-(`client` = {"base_url", "api_key", "model", "rollout_id", "temperature", "max_tokens", "seed",
-"http_client"}; `http_client` is an HTTP client for the openai SDK shared by the call's agents, not to be
-closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't call its `close()`; `seed`,
-when the caller gives one, is made distinct per rollout, see `rollout_seed`) or a
-command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and TRACETRAIN_* variables
-and reports its reward through the gateway (POST $TRACETRAIN_ROLLOUT_URL/rewards).
+(or {"reward": ..., "turn_rewards": {turn index: reward}}: rewards along the way, `call_agent`)
+(`client` = {"base_url", "api_key", "model", "rollout_id", "rollout_url", "temperature",
+"max_tokens", "seed", "http_client"}; `http_client` is an HTTP client for the openai SDK shared by
+the call's agents, not to be closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't
+call its `close()`; `seed`, when the caller gives one, is made distinct per rollout, see
+`rollout_seed`) or a command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and
+TRACETRAIN_* variables and reports its reward through the gateway (POST
+$TRACETRAIN_ROLLOUT_URL/rewards; rewards along the way: POST $TRACETRAIN_ROLLOUT_URL/turn-rewards).
+An agent of several roles names each role as its calls' `model`, or calls a role's base URL,
+`{rollout_url}/roles/{role}/v1`.
 
 State of each rollout (set through the gateway's admin API):
     running from the agent's first model call; succeeded when it returns or exits 0; failed on an exception or a
@@ -244,10 +248,45 @@ def agent_client(created: dict, client_extra: dict, position: int) -> dict:
     }
 
 
+def returned_turn_rewards(value: Any) -> list[dict]:
+    """The turn rewards an agent returned, as POST /turn-rewards bodies: {turn: reward} or a list
+    of {"turn", "reward", "name"?}; ValueError naming what is wrong (the gateway checks the rest:
+    finite numbers, turns that exist, names)."""
+    if isinstance(value, dict):
+        items = [{"turn": k, "reward": v} for k, v in value.items()]
+    elif isinstance(value, list) and all(isinstance(x, dict) for x in value):
+        items = [dict(x) for x in value]
+    else:
+        raise ValueError("turn_rewards must be {turn index: reward} or a list of "
+                         f"{{'turn', 'reward', 'name'}}, got {type(value).__name__}")
+    for item in items:
+        if type(item.get("turn")) is not int:
+            raise ValueError(f"turn_rewards: turn {item.get('turn')!r} is not a turn index (int)")
+    return items
+
+
+async def _post_turn_rewards(client: dict, items: list[dict]) -> None:
+    """Give the returned turn rewards through the gateway, as the agent itself could have."""
+    http = client.get("http_client")
+    own = http is None
+    http = httpx.AsyncClient() if own else http
+    try:
+        for item in items:
+            r = await http.post(f"{client['rollout_url']}/turn-rewards", json=item,
+                                headers={"Authorization": f"Bearer {client['api_key']}"})
+            if r.status_code >= 400:
+                raise ValueError(f"turn reward {item} refused ({r.status_code}): {r.text[:500]}")
+    finally:
+        if own:
+            await http.aclose()
+
+
 async def call_agent(agent: AgentFn, task: Any, client: dict,
                      timeout_s: float) -> tuple[str, float | None, str | None]:
     """Run one agent under its timeout -> (state, reward, error): succeeded with its returned
-    reward (a finite float, or None), timed_out, or failed with the traceback kept."""
+    reward (a finite float, or None), timed_out, or failed with the traceback kept. An agent may
+    return {"reward": ..., "turn_rewards": ...} (see `returned_turn_rewards`): its turn rewards
+    are then given through the gateway before the rollout ends."""
     state, reward, error = "succeeded", None, None
     try:
         reward = await asyncio.wait_for(agent(task, client), timeout_s)
@@ -255,6 +294,15 @@ async def call_agent(agent: AgentFn, task: Any, client: dict,
         state, error = "timed_out", f"agent did not finish within {timeout_s} s"
     except Exception as e:  # the agent's failure, kept with its traceback
         state, error = "failed", "".join(traceback.format_exception(e))[-8000:]
+    if state == "succeeded" and isinstance(reward, dict):
+        returned, reward = reward, reward.get("reward")
+        try:
+            unknown = set(returned) - {"reward", "turn_rewards"}
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)} (reward, turn_rewards)")
+            await _post_turn_rewards(client, returned_turn_rewards(returned.get("turn_rewards", {})))
+        except (ValueError, httpx.HTTPError) as e:
+            state, error = "failed", f"agent returned unusable turn rewards: {e}"
     if state == "succeeded" and reward is not None:
         try:
             reward = float(reward)

@@ -14,7 +14,7 @@ and checkpoint manager). What every backend logs of a step comes from `rows` and
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 from tracetrain.aggregate import aggregate
@@ -22,7 +22,7 @@ from tracetrain.batch import TrainingBatch
 from tracetrain.config import TrainConfig
 from tracetrain.credit import batch_credit
 from tracetrain.gateway.context import context_metrics
-from tracetrain.roles import role_metrics
+from tracetrain.roles import role_metrics, trains
 from tracetrain.runner import run_rollouts
 from tracetrain.types import Rollout
 
@@ -73,12 +73,16 @@ async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temper
 
 
 def drop_stale(
-    rollouts: list[Rollout], current_version: int, max_staleness: int
+    rollouts: list[Rollout], current_version: int, max_staleness: int,
+    train_roles: Collection[str] | None = None,
 ) -> tuple[list[Rollout], int]:
-    """Drop rollouts with a turn made by a model more than max_staleness versions old (counted)."""
+    """Drop rollouts with a trained turn made by a model more than max_staleness versions old
+    (counted). The turns of roles that do not train (e.g. served by a frozen copy, whose version
+    never moves) do not count."""
     keep, n_stale = [], 0
     for r in rollouts:
-        versions = [t.model_version for t in r.turns if t.model_version is not None]
+        versions = [t.model_version for t in r.turns
+                    if t.model_version is not None and trains(t.role, train_roles)]
         if versions and current_version - min(versions) > max_staleness:
             n_stale += 1
         else:
@@ -105,7 +109,7 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
     rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
-                                   cfg.trainer.max_staleness)
+                                   cfg.trainer.max_staleness, cfg.roles.train)
     ac, train_roles = cfg.aggregate, cfg.roles.train
     batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                            max_response_length=ac.max_response_length,

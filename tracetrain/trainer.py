@@ -40,37 +40,25 @@ from typing import Any
 
 import torch
 
-from tracetrain import lora
+from tracetrain import checkpoint, lora
 from tracetrain.agent_workers import AgentRef, AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, wrap
+from tracetrain.engines.held import held_engine
 from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import faster_precision
 from tracetrain.optim import adamw
+from tracetrain.roles import role_engines
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client
 from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
 from tracetrain.tasks import load_task, resolve_agent
+from tracetrain.threads import run_with_threads
 from tracetrain.update import lr_factor, ppo_update
 
 log = logging.getLogger("tracetrain.trainer")
-
-
-def run_with_threads(threads: int, fn, /, *args, **kwargs):
-    """fn(*args, **kwargs) with torch's intra-op threads set to `threads` (0: as they are).
-
-    torch's thread count is per OS thread (OpenMP), so it is set here, in the thread that runs
-    `fn` -- a count set in the event loop's thread does not reach the threads that run the model."""
-    if not threads:
-        return fn(*args, **kwargs)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(before)
 
 
 # engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
@@ -139,6 +127,7 @@ class Trainer:
                                 total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
         )
         self.ref_model = None
+        self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
         self.http_client = None
         self.engine_slot: EngineSlot | None = None  # the in-process gateway's slot of the engine
         self.workers = None
@@ -172,52 +161,13 @@ class Trainer:
         return self.run_dir / "checkpoint.pt"
 
     def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
-        """Everything a resumed run needs to continue identically. overlap_collect: also the weights
-        the next step's rollouts come from (the engine's: the policy before the last update) and,
-        when that collect has already run, its results (the rollouts themselves are in the store).
-        Then run_dir/policy, the policy as a Hugging Face directory."""
-        path = self.checkpoint_path()
-        tmp = path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": self.step,
-                "version": self.version,
-                "model": lora.weights(self.model),  # the adapter alone under LoRA
-                "engine": None if self.engine_model is None else self.next_weights or {
-                    "model": lora.weights(self.engine_model), "version": self.engine_version},
-                "next_collected": next_collected,
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "ref_model": None if self.ref_model is None else self.ref_model.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                "history": self.history,
-                "precision": self.cfg.trainer.precision,  # what "auto" chose, kept on resume
-            },
-            tmp,
-        )
-        tmp.replace(path)  # atomic: a crash leaves the previous checkpoint whole
+        """checkpoint.save: everything a resumed run needs; then run_dir/policy."""
+        path = checkpoint.save(self, self.checkpoint_path(), next_collected)
         self.write_policy()
         return path
 
     def load_checkpoint(self) -> None:
-        ck = torch.load(self.checkpoint_path(), weights_only=False)
-        lora.load_weights(self.model, ck["model"])
-        self.optimizer.load_state_dict(ck["optimizer"])
-        self.scheduler.load_state_dict(ck["scheduler"])
-        if ck["ref_model"] is not None:
-            self.ref_model = copy.deepcopy(self.model)
-            self.ref_model.load_state_dict(ck["ref_model"])
-        torch.set_rng_state(ck["rng"]["torch"])
-        random.setstate(ck["rng"]["python"])
-        self.step = ck["step"]
-        self.version = ck.get("version", ck["step"])
-        self.history = ck["history"]
-        if ck.get("engine") is not None:  # the weights the next step's rollouts come from
-            self.engine_model = copy.deepcopy(self.model)
-            lora.load_weights(self.engine_model, ck["engine"]["model"])
-            self.engine_version = ck["engine"]["version"]
-        self.next_collected = ck.get("next_collected")
-        self.resumed_precision = ck.get("precision")
+        checkpoint.restore(self, self.checkpoint_path())
 
     # -- one step ------------------------------------------------------------------------
     async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
@@ -386,6 +336,18 @@ class Trainer:
                                   self.tokenizer, version=self.engine_version if own else self.version,
                                   run_dir=self.run_dir, threads=self.threads, log=self.log)
 
+    async def start_role_engines(self) -> dict:
+        """The engines of roles.serve's "frozen" roles: a local engine on a copy of the policy as
+        training starts (after the warm start; a resumed run's from its checkpoint), given no
+        new weights ever."""
+        if "frozen" not in self.cfg.roles.serve.values():
+            return {}
+        if self.frozen_model is None:
+            self.frozen_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
+                                             run_dir=self.run_dir, threads=self.threads,
+                                             log=self.log)}
+
     async def resolve_precision(self) -> TrainConfig:
         """The config with trainer.precision "auto" resolved: the checkpoint's choice when resuming,
         else rank 0's measurement (logprobs.faster_precision, on the update's threads), the same on
@@ -469,13 +431,15 @@ class Trainer:
             self.engine_model = copy.deepcopy(self.model).eval()
             self.engine_version = self.version
         engine = await self.start_engine()
+        engines = {"default": engine, **await self.start_role_engines()}
         if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
-        app = create_app(self.store, {"default": engine}, admin_key=admin_key,
+        app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
                          **app_options(cfg.gateway, sock.getsockname()[1]))
+        app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
         self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
         try:
             async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
@@ -491,34 +455,14 @@ class Trainer:
         finally:
             if self.workers is not None:
                 self.workers.close()
-            await engine.aclose()
+            for e in engines.values():
+                await e.aclose()
             self.store.close()
             if self.update_executor is not None:
                 self.update_executor.shutdown(wait=False)
                 self.update_executor = None
         self.save_checkpoint()
         return self.history
-
-
-@contextlib.asynccontextmanager
-async def held_engine(gateway: GatewayClient, slot: EngineSlot | None = None, name: str = "default",
-                      drain_timeout_s: float = 60.0):
-    """The engine with new requests held and none in flight (drain), resumed on exit: the window
-    in which its weights may change. `slot`: the engine's slot when the gateway runs in this
-    event loop (the trainer's own), held directly instead of through the admin routes."""
-    if slot is None:
-        await gateway.drain(name, drain_timeout_s)
-    else:
-        while not await slot.drain(drain_timeout_s):
-            log.warning("engine %r: %d requests still in flight after %g s; waiting on",
-                        slot.name, slot.in_flight, drain_timeout_s)
-    try:
-        yield
-    finally:
-        if slot is None:
-            await gateway.engine(name, "resume")
-        else:
-            slot.resume()
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
