@@ -118,3 +118,74 @@ def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int 
                 break
             history.append((guess, reply))
     return out[:n]
+
+
+# --- Two roles and rewards along the way: a guesser that trains, a checker that does not. -------
+# Each guess goes to a checker first (a second role of the same program: its calls name the model
+# "checker"; examples/guess/checker.yaml serves it with a frozen copy of the warm-started policy).
+# A guess the checker rejects is sent back ("{g} is out") and costs the turn. Each guess also gets
+# a turn reward as it is made: +STEP if it lies in the range the feedback so far leaves open, -STEP
+# if the feedback already ruled it out (or it is not a number). The final reward is the game's.
+CHECK = "Is the guess from {lo} to {hi}?"
+STEP = 0.2
+
+
+def check_prompt(lo: int, hi: int, guess: str) -> list[dict]:
+    return [{"role": "system", "content": CHECK.format(lo=lo, hi=hi)},
+            {"role": "user", "content": guess.strip() or "?"}]
+
+
+def in_range(guess: str, lo: int, hi: int) -> bool:
+    text = guess.strip()
+    return text.isdigit() and lo <= int(text) <= hi
+
+
+async def checked_agent(task: dict, client: dict) -> dict:
+    """The guesser (model "guesser") and the checker (model "checker"); returns the game's reward
+    and the guesser's turn rewards ({turn index: reward}, the gateway's index of each call)."""
+    openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
+                         http_client=client.get("http_client"))
+    sampling = {"temperature": client.get("temperature", 1.0),
+                "max_tokens": client.get("max_tokens", 4)}
+    seed = client.get("seed")
+    lo, hi = 1, task["high"]
+    history: list[tuple[str, str]] = []
+    turn_rewards: dict[int, float] = {}
+    for turn in range(task["max_turns"]):
+        out = await openai.chat.completions.create(
+            model="guesser", messages=chat_prompt(task["high"], history),
+            seed=None if seed is None else seed + 2 * turn, **sampling)
+        text = out.choices[0].message.content or ""
+        turn_rewards[out.model_extra["tracetrain"]["turn_index"]] = (
+            STEP if in_range(text, lo, hi) else -STEP)
+        check = await openai.chat.completions.create(
+            model="checker", messages=check_prompt(lo, hi, text),
+            seed=None if seed is None else seed + 2 * turn + 1, **sampling)
+        if (check.choices[0].message.content or "").strip() == "no":
+            history.append((text, f"{text.strip()} is out"))
+            continue
+        reply, reward = feedback(text, task["target"])
+        if reward is not None:
+            return {"reward": reward, "turn_rewards": turn_rewards}
+        guess = int(text.strip())
+        lo, hi = (guess + 1, hi) if reply == "higher" else (lo, guess - 1)
+        history.append((text, reply))
+    return {"reward": 0.0, "turn_rewards": turn_rewards}
+
+
+def checked_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3,
+                        **_: Any) -> list[list[dict]]:
+    """Both roles' formats: random guessers' games (as warm_start_transcripts) and the checker
+    answering yes / no correctly for ranges the games reach."""
+    rng = random.Random(seed)
+    games = warm_start_transcripts(n - n // 2, seed=seed, high=high, max_turns=max_turns)
+    checks = []
+    for _ in range(n // 2):
+        lo = rng.randint(1, high)
+        hi = rng.randint(lo, high)
+        guess = str(rng.randint(1, high))
+        answer = "yes" if in_range(guess, lo, hi) else "no"
+        checks.append(check_prompt(lo, hi, guess) + [{"role": "assistant", "content": answer}])
+    mixed = games + checks
+    rng.shuffle(mixed)
+    return mixed
