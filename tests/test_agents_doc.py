@@ -63,3 +63,10 @@ def test_each_worked_agent_runs_and_scores(tmp_path, title):
     assert (result.state, result.reward) == ("succeeded", 1.0), result.error
     assert len(turns) == 2 and engine.script == type(engine.script)()  # both answers were asked for
     assert [t.response_ids for t in turns] == [g.response_ids for _, g in engine.calls]
+    roles = re.search(r"^# roles: (.+)$", EXAMPLES[title], re.MULTILINE)
+    if roles:  # a block of "Several roles": each call's role as the block says, a turn reward
+        assert [t.role for t in turns] == [x.strip() for x in roles[1].split(",")]
+        gives = "turn_rewards" in EXAMPLES[title] or "/turn-rewards" in EXAMPLES[title]
+        assert [t.reward for t in turns] == ([0.1, None] if gives else [None, None])
+    else:
+        assert {t.role for t in turns} == {"policy"}  # client["model"]
