@@ -100,6 +100,16 @@ def valid_request(op, rid: str) -> dict:
         "POST /rollouts/{rollout_id}/v1/responses": {"body": {"input": "hi", "max_output_tokens": 2}},
         "POST /rollouts/{rollout_id}/v1/messages": {"body": {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}},
         "GET /rollouts/{rollout_id}/v1/models": {},
+        "POST /rollouts/{rollout_id}/turn-rewards": {"body": {"reward": 0.5, "name": "fuzz"}},
+        **{f"{m} /rollouts/{{rollout_id}}/roles/{{role}}/v1/{route}": {
+            **v, "path_parameters": {"role": "checker"}}
+           for (m, route), v in {
+               ("POST", "chat/completions"): {"body": chat},
+               ("POST", "completions"): {"body": {"prompt": [5, 6, 7], "max_tokens": 2}},
+               ("POST", "responses"): {"body": {"input": "hi", "max_output_tokens": 2}},
+               ("POST", "messages"): {"body": {"max_tokens": 2, "model": "m",
+                                               "messages": [{"role": "user", "content": "hi"}]}},
+               ("GET", "models"): {}}.items()},
         "GET /engines": {},
         "POST /engines": {"body": {"name": "fuzz-engine", "base_url": "http://127.0.0.1:9", "model": "m"}},
         "POST /engines/{name}/pause": {"path_parameters": {"name": "default"}},
@@ -111,13 +121,15 @@ def valid_request(op, rid: str) -> dict:
 
 def explicit_case(op, rid: str):
     request = valid_request(op, rid)
-    params = request.get("path_parameters") or ({"rollout_id": rid} if "{rollout_id}" in op.path else None)
+    params = {**({"rollout_id": rid} if "{rollout_id}" in op.path else {}),
+              **request.get("path_parameters", {})} or None
     kwargs = {"body": request["body"], "media_type": "application/json"} if "body" in request else {}
     return op.Case(path_parameters=params, query=request.get("query"), **kwargs)
 
 
 def agent_route(method: str, path: str) -> bool:
-    return method.upper() == "POST" and ("/v1/" in path or path.endswith(("/rewards", "/events")))
+    return method.upper() == "POST" and (
+        "/v1/" in path or path.endswith(("/rewards", "/turn-rewards", "/events")))
 
 
 @pytest.mark.slow
@@ -125,6 +137,10 @@ def agent_route(method: str, path: str) -> bool:
 def test_no_5xx_from_any_request(live, op):
     url = live
     keys = real_rollouts(url)
+    if op.path.endswith("/turn-rewards"):  # a turn to give rewards to
+        for rid, key in keys.items():
+            httpx.post(f"{url}/rollouts/{rid}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60).raise_for_status()
     statuses = set()
 
     explicit = explicit_case(op, next(iter(keys)))
