@@ -12,13 +12,15 @@ interleaved run by run; min is the least disturbed run, which matters on a share
   fused             (logprobs * advantages * mask).sum().backward(), with loss / fused
   ... (row adv)     the same two with advantages given per row ([N], broadcast) instead of [N, 2048]
   --compare FILE    another loss.py (e.g. the commit before a change), timed in the same runs:
-                    its row_scales and both losses, and this tree's time over its (new/old)
+                    its row_scales and both losses, and this tree's time over its (new/old); a
+                    file named loss_cpu*.py: this tree's loss.py on that loss_cpu
 
 Goals (issues 3 and 18): row_scales >= 3x faster than AL at every size; loss within 3x of fused.
 
     .venv/bin/python bench/bench_loss.py [--sizes 1024 4096 16384] [--repeat 5] [--threads N]
                                          [--stat min|median] [--no-peer] [--compare FILE]
     git show HEAD~1:tracetrain/loss.py > /tmp/loss_old.py   # then --compare /tmp/loss_old.py
+    git show HEAD~1:tracetrain/loss_cpu.py > /tmp/loss_cpu_old.py  # the CPU paths alone
 """
 
 from __future__ import annotations
@@ -89,11 +91,21 @@ def time_all(fns: dict, repeat: int) -> dict:
 
 
 def load_loss(path: str):
-    """A loss.py file as a module of its own (to time it next to tracetrain.loss)."""
-    spec = importlib.util.spec_from_file_location("loss_compared", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A loss.py file as a module of its own (to time it next to tracetrain.loss); a loss_cpu.py
+    file: this tree's loss.py on that loss_cpu (the CPU paths of another commit)."""
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    if Path(path).name.startswith("loss_cpu"):
+        import tracetrain.loss
+
+        module = load("loss_compared", tracetrain.loss.__file__)
+        module.loss_cpu = load("loss_cpu_compared", path)
+        return module
+    return load("loss_compared", path)
 
 
 def peer_main(n: int, repeat: int, threads: int | None) -> None:
@@ -179,7 +191,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--stat", choices=sorted(STAT), default="min")
     p.add_argument("--no-peer", action="store_true")
-    p.add_argument("--compare", default=None, help="another loss.py to time side by side")
+    p.add_argument("--compare", default=None,
+                   help="another loss.py (or loss_cpu.py) to time side by side")
     p.add_argument("--peer", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     global stat, STAT_NAME
