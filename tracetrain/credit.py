@@ -37,7 +37,6 @@ tokens share that; only the advantage a token carries varies by turn (`token_adv
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection, Sequence
 
@@ -167,7 +166,7 @@ def _step_level(rollouts, trained, x, adv, gamma, step_weight, eps):
         s_vals.append(returns_to_go(x[i], gamma))
         for j, k in enumerate(trained[i]):
             ids = np.asarray(r.turns[k].prompt_ids, dtype=np.int64)
-            steps.setdefault((r.group_id, hashlib.sha1(ids.tobytes()).digest()), []).append((i, j))
+            steps.setdefault((r.group_id, ids.tobytes()), []).append((i, j))  # exact ids
     out = [a.copy() for a in adv]
     n_groups = 0
     for members in steps.values():
