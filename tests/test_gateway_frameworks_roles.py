@@ -6,6 +6,8 @@ test_gateway_roles.py.)"""
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 
 import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
@@ -117,3 +119,55 @@ def test_pydantic_ai_two_agents_on_two_model_names(gw):
     edited = editor.run_sync(f"Edit: {draft}").output
     assert (draft, edited) == ("A draft.", "An edit.")
     assert [t.role for t in gw.store.get_turns(r["rollout_id"])] == ["writer", "editor"]
+
+
+def test_smolagents_two_agents_on_two_model_ids(tmp_path):
+    """Two ToolCallingAgents on their own model ids (a gateway that serves their forced tool
+    choice as auto, as docs/agents.md says)."""
+    from smolagents import OpenAIServerModel, ToolCallingAgent
+
+    with live_gateway(tmp_path, ScriptedEngine(), forced_tool_choice="as_auto") as gw:
+        gw.engine.max_context = 32768  # its system prompt lists every tool and rule
+        (r,) = gw.create(1)
+
+        def agent(model_id: str) -> ToolCallingAgent:
+            model = OpenAIServerModel(model_id=model_id, api_base=r["base_url"], api_key=r["api_key"])
+            return ToolCallingAgent(tools=[], model=model, verbosity_level=0)
+
+        gw.engine.say(hermes_call("final_answer", {"answer": "a draft"}))
+        gw.engine.say(hermes_call("final_answer", {"answer": "an edit"}))
+        draft = agent("writer").run("Write one line.")
+        edited = agent("editor").run(f"Edit: {draft}")
+        assert (str(draft), str(edited)) == ("a draft", "an edit")
+        assert [t.role for t in gw.store.get_turns(r["rollout_id"])] == ["writer", "editor"]
+        gw.admin.close()
+
+
+AUTOGEN_PYTHON = Path(__file__).resolve().parents[1] / ".venv-autogen" / "bin" / "python"
+
+
+def test_autogen_two_assistant_agents_as_a_command_agent(gw):
+    if not AUTOGEN_PYTHON.exists():
+        why = "no .venv-autogen (bash scripts/install-autogen.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(why + ": CI installs it", pytrace=False)
+        pytest.skip(why)
+    from tracetrain.runner import GatewayClient, load_agent, run_rollouts
+
+    gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
+    gw.engine.say("yes")
+    agent = load_agent(f"{AUTOGEN_PYTHON} {Path(__file__).with_name('autogen_roles_agent.py')}")
+
+    async def main():
+        client = GatewayClient(gw.url, gw.admin_key)
+        try:
+            return await run_rollouts(client, [{"rollout_id": "ag2", "task": {"question": "6*7?"}}],
+                                      agent, concurrency=1, timeout_s=120,
+                                      client_extra={"model": "policy"})
+        finally:
+            await client.aclose()
+
+    (result,) = asyncio.run(main())
+    assert (result.state, result.reward) == ("succeeded", 1.0), result.error
+    turns = gw.store.get_turns("ag2")
+    assert [(t.role, t.reward) for t in turns] == [("solver", 0.5), ("checker", None)]
