@@ -262,3 +262,17 @@ COMMAND_AGENT_SCRIPT = textwrap.dedent(
     r.raise_for_status()
     """
 )
+
+
+def autogen_python():
+    """.venv-autogen's python (scripts/install-autogen.sh: AutoGen's protobuf pin conflicts with
+    Ray's); the test is skipped without it, and fails in CI, which installs it."""
+    from pathlib import Path
+
+    python = Path(__file__).resolve().parents[1] / ".venv-autogen" / "bin" / "python"
+    if not python.exists():
+        why = "no .venv-autogen (bash scripts/install-autogen.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(why + ": CI installs it", pytrace=False)
+        pytest.skip(why)
+    return python

@@ -6,11 +6,10 @@ continues its first exactly (`context: exact`)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
-from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
+from gateway_fixtures import ScriptedEngine, autogen_python, hermes_call, live_gateway
 
 
 @pytest.fixture
@@ -106,25 +105,18 @@ def test_smolagents_tool_calling_agent(tmp_path):
     assert metrics["n_rows"] == 2 and [b.kind for b in breaks] == ["assistant_rewrite"]
 
 
-AUTOGEN_PYTHON = Path(__file__).resolve().parents[1] / ".venv-autogen" / "bin" / "python"
-
-
 def test_autogen_assistant_agent_as_a_command_agent(gw):
     """AutoGen's AssistantAgent at its defaults, in its own venv (scripts/install-autogen.sh: its
     protobuf pin conflicts with Ray's), run by the runner as a command agent: the framework runs
     the tool the model called, the agent posts its reward, and its second question continues the
     first's ids exactly."""
-    if not AUTOGEN_PYTHON.exists():
-        why = "no .venv-autogen (bash scripts/install-autogen.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(why + ": CI installs it", pytrace=False)
-        pytest.skip(why)
+    python = autogen_python()
     from tracetrain.runner import GatewayClient, load_agent, run_rollouts
 
     gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
     gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
     task = {"questions": ["What is 6*7?", "And 2+2?"], "answers": ["42", "4"]}
-    agent = load_agent(f"{AUTOGEN_PYTHON} {Path(__file__).with_name('autogen_agent.py')}")
+    agent = load_agent(f"{python} {Path(__file__).with_name('autogen_agent.py')}")
 
     async def main():
         client = GatewayClient(gw.url, gw.admin_key)

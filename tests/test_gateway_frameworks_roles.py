@@ -6,11 +6,10 @@ test_gateway_roles.py.)"""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
-from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
+from gateway_fixtures import ScriptedEngine, autogen_python, hermes_call, live_gateway
 from openai import AsyncOpenAI
 
 from tracetrain.aggregate import aggregate
@@ -143,20 +142,13 @@ def test_smolagents_two_agents_on_two_model_ids(tmp_path):
         gw.admin.close()
 
 
-AUTOGEN_PYTHON = Path(__file__).resolve().parents[1] / ".venv-autogen" / "bin" / "python"
-
-
 def test_autogen_two_assistant_agents_as_a_command_agent(gw):
-    if not AUTOGEN_PYTHON.exists():
-        why = "no .venv-autogen (bash scripts/install-autogen.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(why + ": CI installs it", pytrace=False)
-        pytest.skip(why)
+    python = autogen_python()
     from tracetrain.runner import GatewayClient, load_agent, run_rollouts
 
     gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
     gw.engine.say("yes")
-    agent = load_agent(f"{AUTOGEN_PYTHON} {Path(__file__).with_name('autogen_roles_agent.py')}")
+    agent = load_agent(f"{python} {Path(__file__).with_name('autogen_roles_agent.py')}")
 
     async def main():
         client = GatewayClient(gw.url, gw.admin_key)
