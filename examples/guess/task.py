@@ -126,13 +126,14 @@ def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int 
 # A guess the checker rejects is sent back ("{g} is out") and costs the turn. Each guess also gets
 # a turn reward as it is made: +STEP if it lies in the range the feedback so far leaves open, -STEP
 # if the feedback already ruled it out (or it is not a number). The final reward is the game's.
-CHECK = "Is the guess from {lo} to {hi}?"
+CHECK = "Check."
 STEP = 0.2
 
 
 def check_prompt(lo: int, hi: int, guess: str) -> list[dict]:
-    return [{"role": "system", "content": CHECK.format(lo=lo, hi=hi)},
-            {"role": "user", "content": guess.strip() or "?"}]
+    """The checker's chat: "Check." then "5 in 1-8?" (a format apart from the guesser's)."""
+    return [{"role": "system", "content": CHECK},
+            {"role": "user", "content": f"{guess.strip() or '?'} in {lo}-{hi}?"}]
 
 
 def in_range(guess: str, lo: int, hi: int) -> bool:
@@ -175,15 +176,15 @@ async def checked_agent(task: dict, client: dict) -> dict:
 
 def checked_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3,
                         **_: Any) -> list[list[dict]]:
-    """Both roles' formats: random guessers' games (as warm_start_transcripts) and the checker
-    answering yes / no correctly for ranges the games reach."""
+    """Both roles' formats: random guessers' games (as warm_start_transcripts, two thirds) and
+    the checker answering yes / no correctly (a third; some guesses not numbers)."""
     rng = random.Random(seed)
-    games = warm_start_transcripts(n - n // 2, seed=seed, high=high, max_turns=max_turns)
+    games = warm_start_transcripts(n - n // 3, seed=seed, high=high, max_turns=max_turns)
     checks = []
-    for _ in range(n // 2):
+    for _ in range(n // 3):
         lo = rng.randint(1, high)
         hi = rng.randint(lo, high)
-        guess = str(rng.randint(1, high))
+        guess = str(rng.randint(1, high)) if rng.random() < 0.9 else rng.choice(["x", "?", "12"])
         answer = "yes" if in_range(guess, lo, hi) else "no"
         checks.append(check_prompt(lo, hi, guess) + [{"role": "assistant", "content": answer}])
     mixed = games + checks
