@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_credit.py [--seeds 0 1 2] [--steps 100] [--gain 0.2]
                                            [--arms grpo return-to-go] [--out runs/bench-credit]
+                                           [--set KEY=VALUE ...]   (config overrides, both arms)
 
 The two-role game (a guesser that trains, a checker served by a frozen copy; a turn reward of
 +-0.2 per guess as it is made) trained once per (arm, seed), the arms interleaved seed by seed so
@@ -41,11 +42,11 @@ def cpu() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def run(arm: str, seed: int, steps: int, gain: float, out: Path) -> dict:
+def run(arm: str, seed: int, steps: int, gain: float, out: Path, extra: list[str]) -> dict:
     run_dir = out / f"{arm}-s{seed}"
     cmd = [sys.executable, "-m", "tracetrain", "train", str(CONFIG), f"advantage.estimator={arm}",
            f"trainer.seed={seed}", f"trainer.steps={steps}", f"trainer.target_gain={gain}",
-           f"trainer.run_dir={run_dir}", "trainer.resume=false"]
+           f"trainer.run_dir={run_dir}", "trainer.resume=false", *extra]
     t = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -73,15 +74,17 @@ def main() -> None:
     p.add_argument("--gain", type=float, default=0.2)
     p.add_argument("--arms", nargs="+", default=["grpo", "return-to-go"])
     p.add_argument("--out", default="runs/bench-credit")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides for both arms, e.g. rollout.tasks_per_step=8")
     a = p.parse_args()
     out = ROOT / a.out
     out.mkdir(parents=True, exist_ok=True)
     print(f"{CONFIG.relative_to(ROOT)}, {a.steps} steps, gain +{a.gain} over the untrained reward; "
-          f"{cpu()}")
+          f"{cpu()}" + (f"; overrides {' '.join(a.set)}" if a.set else ""))
     rows = []
     for seed in a.seeds:
         for arm in a.arms:
-            r = run(arm, seed, a.steps, a.gain, out)
+            r = run(arm, seed, a.steps, a.gain, out, a.set)
             rows.append(r)
             print(f"  {arm:13s} seed {seed}: untrained {fmt(r['untrained'], '.3f')}, +{a.gain} at "
                   f"step {fmt(r['gain_step'], 'd')} ({fmt(r['gain_min'], '.1f')} min), last window "
