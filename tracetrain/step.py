@@ -108,9 +108,9 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
     turn_rewards/* (roles.role_metrics), advantage/*, time/rows_s."""
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
-    rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
-                                   cfg.trainer.max_staleness, cfg.roles.train)
     ac, train_roles = cfg.aggregate, cfg.roles.train
+    rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
+                                   cfg.trainer.max_staleness, train_roles)
     batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                            max_response_length=ac.max_response_length,
                            pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,

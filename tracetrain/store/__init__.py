@@ -65,6 +65,7 @@ from tracetrain.store.sqlite import SQLiteStore
 __all__ = [
     "MIGRATIONS", "SCHEMA_VERSION", "EventRecord", "IllegalTransition", "NewRollout",
     "RolloutConflict", "RolloutEnded", "RolloutHead", "RolloutRecord", "SQLiteStore", "Store",
-    "StoreError", "TurnRecord", "TurnReward", "UnknownRollout", "UnknownTurn", "blob_to_float_array", "blob_to_floats",
-    "blob_to_id_array", "blob_to_ids", "floats_to_blob", "ids_to_blob", "migrate",
+    "StoreError", "TurnRecord", "TurnReward", "UnknownRollout", "UnknownTurn",
+    "blob_to_float_array", "blob_to_floats", "blob_to_id_array", "blob_to_ids", "floats_to_blob",
+    "ids_to_blob", "migrate",
 ]

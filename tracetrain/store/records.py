@@ -98,12 +98,16 @@ class TurnRecord:
 
     @property
     def reward(self) -> float | None:
-        """The sum of the turn's rewards; None when it was given none."""
-        return sum(r.reward for r in self.rewards) if self.rewards else None
+        return turn_reward(self.rewards)
 
     def to_turn(self) -> Turn:
         return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version,
                     self.role, self.reward)
+
+
+def turn_reward(rewards: Sequence[TurnReward]) -> float | None:
+    """A turn's reward: the sum of the rewards it was given; None when it was given none."""
+    return sum(r.reward for r in rewards) if rewards else None
 
 
 @dataclass(frozen=True)

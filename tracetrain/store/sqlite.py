@@ -23,6 +23,7 @@ from tracetrain.store.records import (
     blob_to_floats,
     blob_to_id_array,
     blob_to_ids,
+    turn_reward,
 )
 from tracetrain.store.schema import _ROLLOUT_COLUMNS, _connect, _rollout, migrate
 from tracetrain.store.writes import (
@@ -306,7 +307,7 @@ class SQLiteStore(Store):
         return [
             Turn(blob_to_id_array(p), blob_to_id_array(r),
                  None if lp is None else blob_to_float_array(lp), mv, role,
-                 sum(x.reward for x in rewards[idx]) if idx in rewards else None)
+                 turn_reward(rewards.get(idx, ())))
             for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role in self._turn_rows(rollout_id)
         ]
 
