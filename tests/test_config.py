@@ -81,3 +81,24 @@ def test_cli_train_names_the_bad_key(tmp_path):
     assert proc.returncode == 2
     assert "config key 'optim.lrr': unknown key" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("roles, key, says", [
+    ({"train": ["a b"]}, "roles.train", "'a b' is not a role name"),
+    ({"train": ["x"], "serve": {"<b>": "frozen"}}, "roles.serve", "'<b>' is not a role name"),
+    ({"train": ["x"], "serve": {"checker": ""}}, "roles.serve", "engine name is empty"),
+    ({"serve": {"checker": "frozen"}}, "roles", "name the roles that train in roles.train"),
+    ({"train": ["checker"], "serve": {"checker": "frozen"}}, "roles", "would not be the policy's"),
+])
+def test_bad_roles_are_refused_naming_the_key(roles, key, says):
+    with pytest.raises(ConfigError, match=f"config key '{key}'") as e:
+        build_config({"roles": roles})
+    assert says in str(e.value)
+
+
+def test_frozen_roles_need_the_local_engine_on_the_embedded_backend():
+    ok = build_config({"roles": {"train": ["solver"], "serve": {"checker": "frozen", "judge": "policy"}}})
+    assert ok.roles.serve == {"checker": "frozen", "judge": "policy"}
+    with pytest.raises(ConfigError, match="for engine.kind local"):
+        build_config({"roles": {"train": ["solver"], "serve": {"checker": "frozen"}},
+                      "engine": {"kind": "vllm", "base_url": "http://127.0.0.1:9"}})

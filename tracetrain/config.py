@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tracetrain.integrations.verl.config import VerlConfig
-from tracetrain.types import TraceError, check_role
+from tracetrain.types import check_role
 
 
 class ConfigError(ValueError):
@@ -167,14 +167,14 @@ class RolesConfig(_Section):
     @classmethod
     def _role_names(cls, v: list[str] | None) -> list[str] | None:
         for role in v or ():
-            _check_role_name(role)
+            check_role(role)  # (a TraceError is a ValueError: pydantic reports it)
         return v
 
     @field_validator("serve")
     @classmethod
     def _served_roles(cls, v: dict[str, str]) -> dict[str, str]:
         for role, engine in v.items():
-            _check_role_name(role)
+            check_role(role)  # (a TraceError is a ValueError: pydantic reports it)
             if not engine:
                 raise ValueError(f"role {role!r}: the engine name is empty")
         return v
@@ -190,13 +190,6 @@ class RolesConfig(_Section):
             raise ValueError(f"roles {both} are in roles.train but served by another engine than "
                              "the policy (roles.serve): their tokens would not be the policy's")
         return self
-
-
-def _check_role_name(role: str) -> None:
-    try:
-        check_role(role)
-    except TraceError as e:
-        raise ValueError(str(e)) from None
 
 
 class AdvantageConfig(_Section):
