@@ -269,7 +269,21 @@ class OptimConfig(_Section):
     """Passes over a step's rollouts."""
     micro_batch_tokens: int = Field(65536, gt=0)
     """Token budget of one micro-batch (gradients accumulate over a mini-batch's micro-batches;
-    backend `verl`: per GPU)."""
+    backend `verl`: per GPU). With `pack_rows` the tokens counted are the ones computed (a
+    shared prefix once) and the budget is also capped by `pack_tokens`."""
+    pack_rows: bool = True
+    """Embedded backend: each micro-batch's rows go into one sequence, without padding, attention
+    never crossing rows (tracetrain/packing.py); false: the rows padded to a rectangle."""
+    share_prefixes: bool = True
+    """With `pack_rows`: tokens that rows share from their start (the step's system prompt, a
+    group's question, a rollout's earlier turns) are computed once in the forward and backward;
+    the loss and gradients are the same up to float reassociation."""
+    pack_tokens: int | None = Field(None, gt=0)
+    """With `pack_rows`: the most tokens one packed micro-batch computes. Its attention mask is
+    dense on the CPU (cost N^2), so packs are kept short; null: 4 x the model's hidden size."""
+    logprob_chunk: int = Field(512, ge=0)
+    """Embedded backend: response positions per lm_head chunk when computing logprobs (the logits
+    held at once are [chunk, vocab], recomputed in the backward); 0: all at once."""
 
 
 class TrainerConfig(_Section):

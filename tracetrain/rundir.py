@@ -68,6 +68,10 @@ def format_step(m: dict) -> str:
     if m.get("loss/n_rollouts"):
         parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
                      f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
+    if m.get("loss/tokens_padded"):  # the forward's tokens against a padded batch's
+        parts.append(f"computed {m['loss/tokens_computed'] / m['loss/tokens_padded']:.2f} of padded")
+    if "memory/peak_rss_gb" in m:
+        parts.append(f"peak {m['memory/peak_rss_gb']:.1f} GB")
     if "engine/logprob_gap_max" in m:  # engine vs trainer logprobs, same weights
         parts.append(f"gap {m['engine/logprob_gap_max']:.0e}")
     if "eval/reward_mean" in m:

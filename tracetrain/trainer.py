@@ -49,6 +49,7 @@ from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.logprobs import faster_precision
+from tracetrain.memory import peak_rss_gb, reset_peak
 from tracetrain.optim import adamw
 from tracetrain.roles import role_engines
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
@@ -239,6 +240,8 @@ class Trainer:
         metrics["rollout_model_version"] = collected.engine_version
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics.update(throughput(len(results), batch, collected.seconds, time.perf_counter() - t1))
+        metrics["memory/peak_rss_gb"] = peak_rss_gb()  # since the last step's line
+        reset_peak()
         self.step += 1
         return metrics
 

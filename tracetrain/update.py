@@ -19,9 +19,9 @@ import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.distributed import DataParallel, sum_over_ranks
-from tracetrain.logprobs import response_logprobs
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
+from tracetrain.packing import default_pack_tokens, row_costs, row_logprobs
 
 
 def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
@@ -35,6 +35,7 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
 
 
 ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
+TOKEN_METRICS = ("tokens_computed", "tokens_padded")  # per micro-batch, summed over ranks
 
 
 @dataclass
@@ -70,49 +71,60 @@ def ppo_update(
     mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's)."""
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
-    precision = cfg.trainer.precision
+    precision, temperature = cfg.trainer.precision, cfg.rollout.temperature
     dev = next(model.parameters()).device  # the step's tensors go there (planning stays on the CPU)
     ids_all, att_all, pos_all, mask_all = (t.to(dev) for t in (
         batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
     # [rows] one per row from one per rollout, or [rows, R] per token (turn-level credit)
     adv_rows = (advantages if advantages.dim() == 2 else advantages[batch.rollout_index]).to(dev)
     R = batch.response_length
+    pack, share = oc.pack_rows, oc.pack_rows and oc.share_prefixes
+    budget = oc.micro_batch_tokens
+    if pack:  # a micro-batch is one pack: budget in computed tokens, capped (dense mask, N^2)
+        budget = min(budget, oc.pack_tokens or default_pack_tokens(model))
+    row_cost = (row_costs(batch.input_ids, batch.attention_mask, share=share) if pack
+                else batch.attention_mask.sum(1))
+
+    def plan(world_size: int = dp.world_size, rank: int = dp.rank):
+        return plan_step(batch.response_mask, batch.rollout_index,
+                         n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
+                         micro_batch_tokens=budget, mode=lc.mode, norm_length=lc.norm_length,
+                         row_tokens=row_cost, world_size=world_size, rank=rank)
+
+    def forward(m, rows: torch.Tensor, *, entropy: bool = False, packed=None):
+        """(logprobs, entropy, pack, tokens computed, tokens a padded batch computes) of `rows`."""
+        # Padded: skip the columns that are left padding in every row of this micro-batch.
+        start = 0 if pack else int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
+        rd = rows.to(dev)
+        lp, ent, pk = row_logprobs(
+            m, ids_all[rd, start:], att_all[rd, start:], pos_all[rd, start:], R, mask_all[rd],
+            pack=pack, share=share, chunk=oc.logprob_chunk, temperature=temperature,
+            with_entropy=entropy, precision=precision, packed=packed)
+        real = batch.attention_mask[rows]
+        padded = rows.numel() * int(real.shape[1] - (real.sum(0) > 0).int().argmax())
+        return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
+
     old_all = batch.rollout_logprobs
     if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
+        old_all = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=dev)
         with torch.no_grad():
-            old_all, _ = response_logprobs(model, ids_all, att_all, pos_all, R,
-                                           temperature=cfg.rollout.temperature, precision=precision)
+            for mb in plan(1, 0):
+                for micro in mb.micro_batches:
+                    old_all[micro.rows.to(dev)] = forward(model, micro.rows)[0]
     old_all = old_all.to(dev)
     results = []
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     model.train()
     for _epoch in range(oc.ppo_epochs):
-        plan = plan_step(
-            batch.response_mask,
-            batch.rollout_index,
-            n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
-            micro_batch_tokens=oc.micro_batch_tokens,
-            mode=lc.mode,
-            norm_length=lc.norm_length,
-            row_tokens=batch.attention_mask.sum(1),
-            world_size=dp.world_size,
-            rank=dp.rank,
-        )
-        for mb in plan:
+        for mb in plan():
             optimizer.zero_grad(set_to_none=True)
             total, sums = 0.0, {}
             for j, micro in enumerate(mb.micro_batches):
                 last = j == len(mb.micro_batches) - 1
                 sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
                 with sync:  # the forward too: DDP arms its all-reduce in the forward pass
-                    rows = micro.rows
-                    # Skip the columns that are left padding in every row of this micro-batch.
-                    start = int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
-                    rows_dev = rows.to(dev)
-                    ids = ids_all[rows_dev, start:]
-                    att, pos = att_all[rows_dev, start:], pos_all[rows_dev, start:]
-                    lp, ent = response_logprobs(model, ids, att, pos, R, temperature=cfg.rollout.temperature,
-                                                with_entropy=need_entropy, precision=precision)
+                    rows_dev = micro.rows.to(dev)
+                    lp, ent, pk, computed, padded = forward(model, micro.rows, entropy=need_entropy)
                     if measure_gap and not results:  # no optimizer step yet: the engine's weights
                         d = (lp.detach() - old_all[rows_dev]).abs()[mask_all[rows_dev].bool()]
                         if d.numel():
@@ -121,9 +133,7 @@ def ppo_update(
                     ref = None
                     if ref_model is not None:
                         with torch.no_grad():
-                            ref, _ = response_logprobs(ref_model, ids, att, pos, R,
-                                                       temperature=cfg.rollout.temperature,
-                                                       precision=precision)
+                            ref = forward(ref_model, micro.rows, packed=pk)[0]
                     loss, m = policy_loss(
                         lp, old_all[rows_dev], adv_rows[rows_dev],
                         RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
@@ -133,17 +143,20 @@ def ppo_update(
                     )
                     loss.backward()
                 total += float(loss.detach())
-                # pg_loss and weight_mass add up over micro-batches; the rest are weighted means
-                # within the micro-batch, so they add up weighted by its mass.
+                m = {**m, "tokens_computed": computed, "tokens_padded": padded}
+                # pg_loss, weight_mass and token counts add up over micro-batches; the rest are
+                # weighted means within the micro-batch, so they add up weighted by its mass.
                 mass = float(m["weight_mass"])
                 for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + (float(v) if k in ADDITIVE_METRICS else float(v) * mass)
+                    plain = k in ADDITIVE_METRICS or k in TOKEN_METRICS
+                    sums[k] = sums.get(k, 0.0) + (float(v) if plain else float(v) * mass)
             if dp.enabled:  # each rank's losses carry a factor W (minibatch.py): sum, then / W
                 keys = sorted(sums)
                 summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
                 total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
             mass, W = sums.get("weight_mass", 0.0), dp.world_size
-            means = {k: (v / W if k in ADDITIVE_METRICS else v / mass if mass else 0.0) for k, v in sums.items()}
+            means = {k: (v if k in TOKEN_METRICS else v / W if k in ADDITIVE_METRICS
+                         else v / mass if mass else 0.0) for k, v in sums.items()}
             # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
             per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
                                        mb.row_scales)
