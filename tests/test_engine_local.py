@@ -105,6 +105,42 @@ def test_shared_prefix_is_computed_once_and_changes_nothing(model, tok):
     assert [g.response_ids for g in gens] == [g.response_ids for g in alone]
 
 
+def test_prefix_cache_reuses_a_prefix_across_batches_and_changes_nothing(model, tok):
+    """Batches of one step arrive apart (the agents' later turns): the engine keeps the KV of the
+    last prefix it prefilled and computes only the rest. Seeded sampling gives the same ids and
+    (within the kernels' reassociation, LOGPROB_ATOL) the same logprobs as without the cache;
+    new weights drop it."""
+    system = [{"role": "system", "content": "You are playing a game. Reply with the number only."}]
+    prompts = [tok.apply_chat_template(system + [{"role": "user", "content": f"Guess up to {n}."}],
+                                       add_generation_prompt=True)["input_ids"] for n in (8, 16, 100, 7)]
+    batches = [prompts[:2], prompts[2:3], prompts[3:] * 2, prompts[:1]]
+    params = SamplingParams(max_tokens=6, seed=5)
+    cached, plain = LocalEngine(model, tok), LocalEngine(model, tok, prefix_cache=False)
+    for batch in batches:
+        a, b = cached.generate_batch(batch, params), plain.generate_batch(batch, params)
+        assert [g.response_ids for g in a] == [g.response_ids for g in b]
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(torch.tensor(x.response_logprobs), torch.tensor(y.response_logprobs),
+                                       atol=LOGPROB_ATOL, rtol=0)
+    # the system prompt's tokens were computed once: every later batch reused them
+    common = len(_common(prompts))
+    assert common >= 8
+    assert cached.stats["prefix_cache_tokens"] >= common * (len(batches) - 1)
+    assert cached.stats["prefill_tokens"] < plain.stats["prefill_tokens"]
+    assert plain.stats["prefix_cache_tokens"] == 0
+    cached.update_weights(None, 1)  # new weights: the kept KV is not theirs
+    before = cached.stats["prefix_cache_tokens"]
+    cached.generate_batch(prompts[:1], params)
+    assert cached.stats["prefix_cache_tokens"] == before
+
+
+def _common(prompts):
+    k = 0
+    while all(len(p) > k and p[k] == prompts[0][k] for p in prompts):
+        k += 1
+    return prompts[0][:k]
+
+
 def test_greedy_equals_transformers_generate(model, tok, prompts):
     eng = LocalEngine(model, tok)
     params = SamplingParams(max_tokens=10, temperature=0.0)

@@ -63,8 +63,8 @@ log = logging.getLogger("tracetrain.trainer")
 
 
 # engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
-ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "attempts", "retries",
-               "failures")
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "prefix_cache_tokens",
+               "attempts", "retries", "failures")
 
 
 @dataclass

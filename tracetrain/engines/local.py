@@ -25,12 +25,15 @@ completes one of the request's stop strings (finish "stop") or at max_tokens
 ("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
 
 Prefill computes the prompts' common prefix once (a group's samples share their whole first
-prompt; agents of one task share the system and task messages) and each row's rest after it.
+prompt; agents of one task share the system and task messages) and each row's rest after it; the
+KV of the last such prefix is kept for the next batch of the same model version, which computes
+only what it does not share with it (the step's system prompt is prefilled once, not per batch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -151,6 +154,7 @@ class LocalEngine:
         model_version: int = 0,
         seed: int | None = None,
         threads: int = 0,
+        prefix_cache: bool = True,
     ):
         if (
             isinstance(max_batch_size, bool)
@@ -190,6 +194,9 @@ class LocalEngine:
             if tokenizer.pad_token_id is not None
             else min(self.stop_ids, default=0)
         )
+        self.prefix_cache = prefix_cache
+        # the last shared prefix prefilled: (its ids, the model version, its KV cache for one row)
+        self._prefix: tuple[list[int], int, Any] | None = None
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
         # torch's thread count is per OS thread: the decode thread sets its own (0: this thread's)
@@ -204,6 +211,7 @@ class LocalEngine:
             "requests": 0,
             "forward_calls": 0,
             "prefill_tokens": 0,
+            "prefix_cache_tokens": 0,
             "tokens": 0,
             "max_batch": 0,
         }
@@ -352,18 +360,32 @@ class LocalEngine:
             [common prefix, L tokens (computed once, repeated per row)] [pad ... pad | suffix_b]
 
         with positions 0..L-1 then L, L+1, ... over each row's own suffix (every row keeps at
-        least one suffix token). Returns (next-token logits [B, V], cache, attention mask,
-        position of the next token [B])."""
+        least one suffix token). With `prefix_cache`, the KV of the last prefix prefilled is kept
+        (for the same model version): a later batch whose prefix starts with c >= 8 of its ids
+        (the step's system prompt, a group's question) computes only the rest. A lone prompt's
+        prefix is all but its last token. Returns (next-token logits [B, V], cache, attention
+        mask, position of the next token [B])."""
         dev, B = self.device, len(prompts)
-        L = _common_prefix_len(prompts) if B > 1 else 0
+        L = _common_prefix_len(prompts) if B > 1 else (len(prompts[0]) if self.prefix_cache else 0)
         L = min(L, min(len(p) for p in prompts) - 1)
-        cache = None
+        cache, reused = None, 0
         if L >= MIN_SHARED_PREFIX:
-            prefix = torch.tensor([prompts[0][:L]], device=dev)
-            _, cache = self._forward(
-                prefix, torch.ones_like(prefix), torch.arange(L, device=dev)[None], None
-            )
+            head = prompts[0][:L]
+            if self.prefix_cache and self._prefix is not None and self._prefix[1] == self.model_version:
+                reused = _common_prefix_len([self._prefix[0][:L], head])
+                if reused >= MIN_SHARED_PREFIX:
+                    cache = copy.deepcopy(self._prefix[2])
+                    cache.crop(reused)
+                else:
+                    reused = 0
+            if L > reused:
+                prefix = torch.tensor([head[reused:]], device=dev)
+                _, cache = self._forward(prefix, torch.ones((1, L), dtype=torch.long, device=dev),
+                                         torch.arange(reused, L, device=dev)[None], cache)
+            if self.prefix_cache:
+                self._prefix = (head, self.model_version, copy.deepcopy(cache))
             cache.batch_repeat_interleave(B)
+            self.stats["prefix_cache_tokens"] += reused
         else:
             L = 0
         S = max(len(p) - L for p in prompts)
@@ -377,7 +399,7 @@ class LocalEngine:
         position = L + (mask[:, L:].cumsum(-1) - 1).clamp_(min=0)
         ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
         logits, cache = self._forward(ids, mask, position, cache)
-        self.stats["prefill_tokens"] += L + B * S
+        self.stats["prefill_tokens"] += L - reused + B * S
         return logits, cache, mask, position[:, -1] + 1
 
     @torch.inference_mode()
@@ -443,6 +465,7 @@ class LocalEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with self._lock:
+            self._prefix = None  # its KV came from the old weights
             if state_dict is not None:
                 with torch.no_grad():
                     self.model.load_state_dict(state_dict, strict=True)
