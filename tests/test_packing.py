@@ -239,3 +239,20 @@ def test_split_mass_and_partition_invariance_on_the_packed_path():
             assert res.metrics["rollout_mass_max"] == pytest.approx(1 / batch.n_rollouts)
             assert res.loss == pytest.approx(expected.loss, rel=1e-5, abs=1e-6)
             assert_close_grads(g, g_expected)
+
+
+def test_mini_batches_do_not_depend_on_packing():
+    """Mini-batches are balanced by the rows' real tokens whatever the forward computes, so a run
+    with packing on updates on the same rollouts, in the same order, as one without."""
+    batch = shared_batch(5, [[2, 1, 3], [1, 1], [2, 2]], common=6, question=3)
+    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(1))
+    cfgs = [PLAIN, {"pack_rows": True, "share_prefixes": True, "pack_tokens": 16}]
+    runs = []
+    for optim in cfgs:
+        model = tiny_causal_lm(0)
+        cfg = build_config({"optim": {"lr": 1e-2, "warmup_steps": 0, "mini_batches": 3, **optim}})
+        runs.append(ppo_update(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, adv, cfg))
+    plain, packed = runs
+    assert [r.metrics["n_rollouts"] for r in packed] == [r.metrics["n_rollouts"] for r in plain]
+    assert [r.loss for r in packed] == pytest.approx([r.loss for r in plain], rel=1e-5, abs=1e-6)
+    assert sum(r.metrics["tokens_computed"] for r in packed) < sum(r.metrics["tokens_computed"] for r in plain)

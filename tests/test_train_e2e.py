@@ -68,6 +68,11 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
         assert m["context/rendered/no_match"] == m["context/rendered/template_prefix"] == 0
         assert m["aggregate/breaks/total"] == 0
         assert 0.0 <= m["reward_mean"] <= 1.0
+        # The update computed the rollouts' shared prompt once (packed rows, shared prefixes):
+        # fewer tokens than the rows hold; the step's peak memory is reported.
+        real = m["aggregate/tokens/non_pad"] / 2  # per update: the run trains 2 mini-batches
+        assert 0 < m["loss/tokens_computed"] < real <= m["loss/tokens_padded"]
+        assert 0.1 < m["memory/peak_rss_gb"] < 24
     assert [m["model_version"] for m in rows] == [1, 2]  # one bump per step
     assert "eval/reward_mean" in rows[1]
     # the untrained policy's eval, before step 0, is in step 0's metrics and the summary

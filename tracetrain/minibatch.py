@@ -20,7 +20,7 @@ mini-batch (ranks may have different numbers of micro-batches).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,7 @@ def plan_step(
     norm_length: float | None = None,
     groups: Sequence[str] | torch.Tensor | None = None,
     row_tokens: torch.Tensor | None = None,
+    micro_costs: Callable[[torch.Tensor], Sequence[int]] | None = None,
     world_size: int = 1,
     rank: int = 0,
 ) -> list[MiniBatch]:
@@ -100,6 +101,10 @@ def plan_step(
     - groups [rows] (optional): keep whole groups in one mini-batch (the group of each row).
     - row_tokens [rows] (optional): the cost of a row for balancing and for the micro-batch
       budget, e.g. `attention_mask.sum(1)` (what the forward pass costs). Default: trained tokens.
+    - micro_costs (optional): rows (a shard's, in order) -> what each costs in a micro-batch
+      after the row before it (e.g. packing.row_costs: a shared start is computed once); the
+      micro-batch budget counts these. Default: row_tokens. Mini-batches and shards are
+      balanced by row_tokens either way, so they do not depend on it.
     - world_size, rank: this rank's micro-batches; the scales are the same on every rank.
     """
     if not isinstance(n_mini_batches, int) or n_mini_batches < 1:
@@ -171,7 +176,8 @@ def plan_step(
             )
         mb_cost = cost[mb_rows].tolist()
         shard = balanced_bins(mb_cost, world_size)[rank]  # positions within the mini-batch
-        shard_cost = [mb_cost[p] for p in shard]
+        shard_cost = ([int(c) for c in micro_costs(mb_rows[torch.tensor(shard, dtype=torch.int64)])]
+                      if micro_costs is not None and shard else [mb_cost[p] for p in shard])
         micro = []
         for run in micro_batches(shard_cost, micro_batch_tokens):
             pos = torch.tensor([shard[k] for k in run], dtype=torch.int64)

@@ -82,14 +82,16 @@ def ppo_update(
     budget = oc.micro_batch_tokens
     if pack:  # a micro-batch is one pack: budget in computed tokens, capped (dense mask, N^2)
         budget = min(budget, oc.pack_tokens or default_pack_tokens(model))
-    row_cost = (row_costs(batch.input_ids, batch.attention_mask, share=share) if pack
-                else batch.attention_mask.sum(1))
+
+    def pack_costs(rows: torch.Tensor) -> torch.Tensor:  # a micro-batch's rows, in order
+        return row_costs(batch.input_ids[rows], batch.attention_mask[rows], share=share)
 
     def plan(world_size: int = dp.world_size, rank: int = dp.rank):
         return plan_step(batch.response_mask, batch.rollout_index,
                          n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
                          micro_batch_tokens=budget, mode=lc.mode, norm_length=lc.norm_length,
-                         row_tokens=row_cost, world_size=world_size, rank=rank)
+                         row_tokens=batch.attention_mask.sum(1),
+                         micro_costs=pack_costs if pack else None, world_size=world_size, rank=rank)
 
     def forward(m, rows: torch.Tensor, *, entropy: bool = False, packed=None):
         """(logprobs, entropy, pack, tokens computed, tokens a padded batch computes) of `rows`."""
