@@ -256,3 +256,16 @@ def test_mini_batches_do_not_depend_on_packing():
     assert [r.metrics["n_rollouts"] for r in packed] == [r.metrics["n_rollouts"] for r in plain]
     assert [r.loss for r in packed] == pytest.approx([r.loss for r in plain], rel=1e-5, abs=1e-6)
     assert sum(r.metrics["tokens_computed"] for r in packed) < sum(r.metrics["tokens_computed"] for r in plain)
+    # rollout-mean: each rollout weighs 1/R of its update, however many rollouts each update has;
+    # the step line averages the product per update (a mean of 1/R times a mean of R is not 1)
+    from tracetrain.rundir import format_step
+
+    counts = {r.metrics["n_rollouts"] for r in packed}
+    assert len(counts) > 1  # updates of unequal size: the case the product per update is for
+    for r in packed:
+        assert r.metrics["rollout_mass_x_R_min"] == pytest.approx(1.0)
+        assert r.metrics["rollout_mass_x_R_max"] == pytest.approx(1.0)
+    step = {"step": 0, "reward_mean": 0.5, "rollouts_per_s": 1.0, "trained_tokens_per_s": 1.0,
+            "rows_per_rollout": 1.0, "n_failed": 0, "n_timed_out": 0,
+            **{f"loss/{k}": sum(r.metrics[k] for r in packed) / len(packed) for k in packed[0].metrics}}
+    assert "mass/rollout x R 1.000..1.000" in format_step(step)

@@ -65,9 +65,9 @@ def format_step(m: dict) -> str:
     ]
     if "loss" in m:
         parts.append(f"loss {m['loss']:+.4f}")
-    if m.get("loss/n_rollouts"):
-        parts.append(f"mass/rollout x R {m['loss/rollout_mass_min'] * m['loss/n_rollouts']:.3f}"
-                     f"..{m['loss/rollout_mass_max'] * m['loss/n_rollouts']:.3f}")
+    if "loss/rollout_mass_x_R_min" in m:
+        parts.append(f"mass/rollout x R {m['loss/rollout_mass_x_R_min']:.3f}"
+                     f"..{m['loss/rollout_mass_x_R_max']:.3f}")
     if m.get("loss/tokens_padded"):  # the forward's tokens against a padded batch's
         parts.append(f"computed {m['loss/tokens_computed'] / m['loss/tokens_padded']:.2f} of padded")
     if "memory/peak_rss_gb" in m:

@@ -165,6 +165,9 @@ def ppo_update(
             means["rollout_mass_min"] = float(per_rollout.min())
             means["rollout_mass_max"] = float(per_rollout.max())
             means["n_rollouts"] = float(per_rollout.numel())
+            # x R within this update (a mean of products over updates, not of the two factors)
+            means["rollout_mass_x_R_min"] = float(per_rollout.min()) * per_rollout.numel()
+            means["rollout_mass_x_R_max"] = float(per_rollout.max()) * per_rollout.numel()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
             optimizer.step()
             if scheduler is not None:
