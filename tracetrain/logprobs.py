@@ -57,11 +57,18 @@ def response_logprobs(
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     **keep)
     # The logit at position j predicts token j+1: the response columns are predicted by [-R-1, -1).
-    logits = out.logits[:, -R - 1 : -1, :].float()
+    return logprobs_from_logits(out.logits[:, -R - 1 : -1, :].float(), input_ids[:, -R:],
+                                temperature, with_entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [..., V] (fp32), target [...] -> (logprob [...], entropy [...] or None), with
+    z = logits / T (the formulas of the module docstring)."""
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
-    target = input_ids[:, -R:]
     logprobs = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:

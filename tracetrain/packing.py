@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tracetrain.logprobs import autocast
+from tracetrain.logprobs import autocast, logprobs_from_logits
 
 
 @dataclass
@@ -99,12 +99,18 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: b
     )
 
 
+def base_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside DDP (`.module`) and peft (`get_base_model()`) wrappers."""
+    lm = getattr(model, "module", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
 def split_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder, lm_head) of a transformers causal LM (also under peft's PeftModel): the decoder
     maps ids to the final normed hidden states, lm_head those to logits. ValueError when the model
     does not split that way or scales its logits (softcapping, logit_scale), which the chunked
     head would miss."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_lm(model)
     cfg = getattr(lm, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(cfg, attr, None) not in (None, 1, 1.0):
@@ -126,19 +132,8 @@ def attention_mask_4d(allowed: torch.Tensor, attn_implementation: str | None, dt
 
 
 def _head_logprobs(h, weight, bias, target, temperature: float, with_entropy: bool):
-    return _logprobs_of(torch.nn.functional.linear(h, weight, bias).float(), target, temperature,
-                        with_entropy)
-
-
-def _logprobs_of(z, target, temperature: float, with_entropy: bool):
-    """logits z [M, V] (fp32), target [M] -> (logprob [M], entropy [M] or None) at temperature."""
-    if temperature > 0 and temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(-1, target.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return lp, None
-    return lp, lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logprobs_from_logits(torch.nn.functional.linear(h, weight, bias).float(), target,
+                                temperature, with_entropy)
 
 
 def chunked_logprobs(
@@ -212,9 +207,7 @@ def row_logprobs(
         ids, pos = input_ids, position_ids
     pred = pred.to(dev)
     wrapped = hasattr(model, "module")
-    lm = model.module if wrapped else model
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    impl = getattr(getattr(base_lm(model), "config", None), "_attn_implementation", None)
     with autocast(precision, dev):
         mask = attention_mask_4d(packed.allowed.to(dev), impl, torch.float32) if pack else attention_mask
         if wrapped:
@@ -226,7 +219,7 @@ def row_logprobs(
             else:
                 z = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                           logits_to_keep=pred).logits[0]
-            lp, ent = _logprobs_of(z.float(), target, temperature, with_entropy)
+            lp, ent = logprobs_from_logits(z.float(), target, temperature, with_entropy)
         else:
             decoder, head = split_lm(model)
             hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos,
@@ -265,7 +258,5 @@ def row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: b
 def default_pack_tokens(model: torch.nn.Module) -> int:
     """4 x the model's hidden size d (2304 for SmolLM2-135M): per token and layer a pack's dense
     attention costs 2*N*d multiply-adds against ~12*d^2 for the matmuls, 2/3 of them at N = 4d."""
-    lm = getattr(model, "module", model)
-    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    hidden = getattr(getattr(lm, "config", None), "hidden_size", None)
+    hidden = getattr(getattr(base_lm(model), "config", None), "hidden_size", None)
     return 4 * int(hidden) if hidden else 4096

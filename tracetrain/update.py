@@ -95,15 +95,17 @@ def ppo_update(
 
     def forward(m, rows: torch.Tensor, *, entropy: bool = False, packed=None):
         """(logprobs, entropy, pack, tokens computed, tokens a padded batch computes) of `rows`."""
-        # Padded: skip the columns that are left padding in every row of this micro-batch.
-        start = 0 if pack else int((batch.attention_mask[rows].sum(0) > 0).int().argmax())
+        # The first column that is not left padding in every row of this micro-batch: the
+        # padded forward starts there (and computes rows x the columns from there on).
+        real = batch.attention_mask[rows]
+        first = int((real.sum(0) > 0).int().argmax())
+        start = 0 if pack else first
         rd = rows.to(dev)
         lp, ent, pk = row_logprobs(
             m, ids_all[rd, start:], att_all[rd, start:], pos_all[rd, start:], R, mask_all[rd],
             pack=pack, share=share, chunk=oc.logprob_chunk, temperature=temperature,
             with_entropy=entropy, precision=precision, packed=packed)
-        real = batch.attention_mask[rows]
-        padded = rows.numel() * int(real.shape[1] - (real.sum(0) > 0).int().argmax())
+        padded = rows.numel() * (real.shape[1] - first)
         return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
 
     old_all = batch.rollout_logprobs
@@ -117,8 +119,9 @@ def ppo_update(
     results = []
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     model.train()
+    mini_batches = plan()  # the same for every epoch: a function of the rows alone
     for _epoch in range(oc.ppo_epochs):
-        for mb in plan():
+        for mb in mini_batches:
             optimizer.zero_grad(set_to_none=True)
             total, sums = 0.0, {}
             for j, micro in enumerate(mb.micro_batches):
