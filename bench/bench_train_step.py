@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -215,23 +216,29 @@ class TRLPeer:
         self.proc, self.stderr_path = proc, stderr_path
 
     @classmethod
-    async def start(cls, model_dir: Path, work: Path, args: argparse.Namespace) -> TRLPeer:
+    async def start(cls, model_dir: Path, work: Path, args: argparse.Namespace, *,
+                    script: str = __file__, extra: tuple[str, ...] = (), name: str = "trl") -> TRLPeer:
+        """`script --trl-worker ...` under the peers interpreter (`extra`: more arguments; `name`:
+        its output folder and stderr file in `work`)."""
         argv = [
             str(PEER_PYTHON),
-            str(Path(__file__).resolve()),
+            str(Path(script).resolve()),
             "--trl-worker",
             "--model-dir",
             str(model_dir),
             "--out-dir",
-            str(work / "trl-out"),
+            str(work / f"{name}-out"),
             "--repeats",
             str(args.repeats),
             "--lr",
             str(args.lr),
             "--seed",
             str(args.seed),
-        ] + ["--threads", str(args.trl_threads)]
-        err = work / "trl.stderr"
+            "--threads",
+            str(args.trl_threads),
+            *extra,
+        ]
+        err = work / f"{name}.stderr"
         err_file = err.open("wb")
         env = {
             **os.environ,
@@ -327,6 +334,45 @@ def time_decoding(engine) -> None:
     engine._run = timed
 
 
+@contextlib.asynccontextmanager
+async def serving(trainer, task, work: Path, *, seed: int):
+    """Trainer.run's set-up without warm start, eval or checkpoints: the store in work/run, a local
+    engine on the engine copy of the weights if the trainer has one (else the policy) that never
+    stops before max_tokens and times its decode loops, the in-process gateway on 127.0.0.1 and
+    the agents' HTTP client kept across steps. Yields (gateway client, engine)."""
+    import secrets
+
+    from tracetrain.engines.local import LocalEngine
+    from tracetrain.gateway.app import create_app
+    from tracetrain.inprocess import serve_in_loop
+    from tracetrain.runner import GatewayClient, agent_http_client
+    from tracetrain.store import SQLiteStore
+    from tracetrain.tasks import resolve_agent
+
+    trainer.nonce = secrets.token_hex(3)
+    trainer.agent = resolve_agent(task, trainer.cfg.agent)
+    trainer.store = SQLiteStore(work / "run" / "traces.db")
+    own = trainer.engine_model is not None
+    engine = LocalEngine(trainer.engine_model if own else trainer.model, trainer.tokenizer,
+                         max_batch_size=4096, model_version=0, seed=seed)
+    engine.stop_ids = frozenset()  # no stop: every sample is exactly max_tokens long
+    time_decoding(engine)
+    admin_key = secrets.token_urlsafe(24)
+    app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
+    trainer.engine_slot = app.state.gateway.slots["default"]  # as Trainer.run: held in-process
+    try:
+        async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
+            trainer.http_client = http
+            gateway = GatewayClient(url, admin_key)
+            try:
+                yield gateway, engine
+            finally:
+                await gateway.aclose()
+    finally:
+        await engine.aclose()
+        trainer.store.close()
+
+
 async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
     """One step: `Trainer.train_step`; with --overlap, one steady-state round of the overlapping
     loop (`Trainer.run_steps`): the engine takes the last update's weights, step k+1's collect
@@ -363,17 +409,9 @@ async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
 async def run_steps(
     args: argparse.Namespace, work: Path
 ) -> tuple[list[dict], list[dict] | str, dict]:
-    import secrets
-
     import torch
 
     from tracetrain import tiny
-    from tracetrain.engines.local import LocalEngine
-    from tracetrain.gateway.app import create_app
-    from tracetrain.inprocess import serve_in_loop
-    from tracetrain.runner import GatewayClient, agent_http_client
-    from tracetrain.store import SQLiteStore
-    from tracetrain.tasks import resolve_agent
     from tracetrain.trainer import Trainer
 
     if args.threads:
@@ -405,68 +443,47 @@ async def run_steps(
         peer = await TRLPeer.start(model_dir, work, args)
         trl_rows = []
 
-    # Trainer.run's set-up, without warm start, eval or checkpoints.
-    trainer.nonce = secrets.token_hex(3)
-    trainer.agent = resolve_agent(task, trainer.cfg.agent)
-    trainer.store = SQLiteStore(work / "run" / "traces.db")
     if args.overlap:  # the engine decodes with its own copy of the weights (as Trainer.run)
         import copy
 
         trainer.engine_model = copy.deepcopy(trainer.model).eval()
-    engine = LocalEngine(
-        trainer.engine_model if args.overlap else trainer.model, trainer.tokenizer,
-        max_batch_size=4096, model_version=0, seed=args.seed,
-    )
-    engine.stop_ids = frozenset()  # no stop: every sample is exactly N_NEW tokens
-    time_decoding(engine)
-    admin_key = secrets.token_urlsafe(24)
-    app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
-    trainer.engine_slot = app.state.gateway.slots["default"]  # as Trainer.run: held in-process
     tt_rows: list[dict] = []
     try:
-        # The agents' HTTP client, kept across steps (as Trainer.run does).
-        async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
-            trainer.http_client = http
-            gateway = GatewayClient(url, admin_key)
-            try:
-                state: dict = {}
-                await tracetrain_step(trainer, gateway, engine, state)  # warm-up
-                if peer is not None:
-                    try:
-                        ready = await peer.read(600)
-                        info["trl_params"], info["trl_threads"] = ready["params"], ready["threads"]
-                        await peer.step()  # warm-up
-                    except (RuntimeError, TimeoutError) as e:
-                        await peer.close()
-                        trl_rows, peer = f"failed: {e}", None
-                for r in range(args.repeats):
-                    # Alternate who goes first (ABBA...), so neither side always runs right
-                    # after the other: a slow patch of the shared machine hits both alike.
-                    order = ("tt", "trl") if r % 2 == 0 else ("trl", "tt")
-                    line, cpu_before = [], cpu_times()
-                    for side in order:
-                        if side == "tt":
-                            tt_rows.append(await tracetrain_step(trainer, gateway, engine, state))
-                            x = tt_rows[-1]
-                            line.append(f"tracetrain {x['step_s']:.3f} s ({x['decode_loops']} decode "
-                                        f"loop{'s' * (x['decode_loops'] > 1)})")
-                        elif peer is not None:
-                            try:
-                                trl_rows.append(await peer.step())
-                                line.append(f"TRL {trl_rows[-1]['step_s']:.3f} s")
-                            except (RuntimeError, TimeoutError) as e:
-                                await peer.close()
-                                trl_rows, peer = f"failed: {e}", None
-                    steal = steal_share(cpu_before, cpu_times())
-                    tt_rows[-1]["steal"] = steal
-                    print(f"  round {r + 1}/{args.repeats}: {', '.join(line)}  "
-                          f"(load average {os.getloadavg()[0]:.1f}, host steal {steal:.0%})",
-                          flush=True)
-            finally:
-                await gateway.aclose()
+        async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
+            state: dict = {}
+            await tracetrain_step(trainer, gateway, engine, state)  # warm-up
+            if peer is not None:
+                try:
+                    ready = await peer.read(600)
+                    info["trl_params"], info["trl_threads"] = ready["params"], ready["threads"]
+                    await peer.step()  # warm-up
+                except (RuntimeError, TimeoutError) as e:
+                    await peer.close()
+                    trl_rows, peer = f"failed: {e}", None
+            for r in range(args.repeats):
+                # Alternate who goes first (ABBA...), so neither side always runs right
+                # after the other: a slow patch of the shared machine hits both alike.
+                order = ("tt", "trl") if r % 2 == 0 else ("trl", "tt")
+                line, cpu_before = [], cpu_times()
+                for side in order:
+                    if side == "tt":
+                        tt_rows.append(await tracetrain_step(trainer, gateway, engine, state))
+                        x = tt_rows[-1]
+                        line.append(f"tracetrain {x['step_s']:.3f} s ({x['decode_loops']} decode "
+                                    f"loop{'s' * (x['decode_loops'] > 1)})")
+                    elif peer is not None:
+                        try:
+                            trl_rows.append(await peer.step())
+                            line.append(f"TRL {trl_rows[-1]['step_s']:.3f} s")
+                        except (RuntimeError, TimeoutError) as e:
+                            await peer.close()
+                            trl_rows, peer = f"failed: {e}", None
+                steal = steal_share(cpu_before, cpu_times())
+                tt_rows[-1]["steal"] = steal
+                print(f"  round {r + 1}/{args.repeats}: {', '.join(line)}  "
+                      f"(load average {os.getloadavg()[0]:.1f}, host steal {steal:.0%})",
+                      flush=True)
     finally:
-        await engine.aclose()
-        trainer.store.close()
         if peer is not None:
             await peer.close()
     info["engine"] = dict(engine.stats)
