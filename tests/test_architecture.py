@@ -84,10 +84,12 @@ def test_no_module_imports_itself_back():
 
 
 @pytest.mark.parametrize("stage", ["tracetrain.aggregate", "tracetrain.advantage",
-                                   "tracetrain.loss", "tracetrain.minibatch"])
+                                   "tracetrain.loss", "tracetrain.minibatch", "tracetrain.explain",
+                                   "tracetrain.viewer.charts", "tracetrain.viewer.tokens"])
 def test_a_pure_stage_reaches_no_io_module(stage):
-    """aggregate, advantage, loss and mini-batches are functions over plain data: nothing they
-    import, however indirectly, is the store, the gateway, the runner, an engine or a trainer."""
+    """aggregate, advantage, loss, mini-batches and what the viewer recomputes from them are
+    functions over plain data: nothing they import, however indirectly, is the store, the
+    gateway, the runner, an engine or a trainer."""
     graph, seen, todo = import_graph(), set(), [stage]
     while todo:
         for m in graph[todo.pop()] - seen:

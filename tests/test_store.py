@@ -373,8 +373,10 @@ def test_a_version_2_file_is_migrated_and_its_turns_read_as_before(tmp_path):
         assert [t.prompt_ids for t in s.get_turns("old")] == [[5, 6, 7], [5, 6, 7, 8, 9, 10]]
         # turns from before roles (schema 4) are the default role's, with no turn reward
         assert [(t.role, t.reward) for t in s.get_turns("old")] == [("policy", None)] * 2
+        # and from before the messages were kept (schema 5): none
+        assert [t.messages for t in s.get_turns("old")] == [None, None]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     conn.close()
 
 

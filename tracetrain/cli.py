@@ -6,6 +6,7 @@ the exit status. A bad config, trace file or option is reported in one line with
     train   : run the main job from a YAML config (+ key=value overrides)
     inspect : one rollout of a run down the path of the data
     serve   : the gateway on its own (see `tracetrain serve --help`)
+    view    : a web page over a run directory: curves, steps, rollouts down to the token
     rows    : build rows from example traces and print rows, metrics and drift breaks
 """
 
@@ -66,6 +67,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_view_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory")
+    p.add_argument("--port", type=int, default=8765, help="port (0: a free one); default 8765")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other host needs a token)")
+    p.add_argument("--token", default=None,
+                   help="a token every request must carry (made for a non-loopback host)")
+
+
+def run_view(args: argparse.Namespace) -> int:
+    from tracetrain.viewer import serve_view
+
+    serve_view(args.run_dir, host=args.host, port=args.port, token=args.token)
+    return 0
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="options of the gateway (--help)")
 
@@ -79,6 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": (add_train_arguments, run_train, "train an agent from a YAML config"),
     "inspect": (add_inspect_arguments, run_inspect, "show one rollout: turns, rows, breaks, advantage, loss mass"),
+    "view": (add_view_arguments, run_view, "a web page over a run: curves, steps, rollouts to the token"),
     "serve": (add_serve_arguments, run_serve, "run the gateway (OpenAI-compatible, records token ids)"),
     "rows": (add_demo_arguments, run_demo, "build rows from example traces and print rows and metrics"),
 }

@@ -13,11 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tracetrain.aggregate import aggregate
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.credit import batch_credit
-from tracetrain.loss import rollout_mass
-from tracetrain.minibatch import plan_step
+from tracetrain.explain import DROPPED, EXCLUDED, explain_step
 from tracetrain.roles import trains
 from tracetrain.store import SQLiteStore
 
@@ -71,7 +68,6 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
     finally:
         store.close()
     tok = _tokenizer(cfg)
-    ac = cfg.aggregate if cfg is not None else None
     train_roles = cfg.roles.train if cfg is not None else None
     mine = next(r for r in rollouts if r.rollout_id == rollout_id)
     out(f"rollout {rollout_id}  group {mine.group_id}  state {mine.state.value}  reward {mine.reward}")
@@ -86,69 +82,35 @@ def inspect_rollout(run: str | Path, rollout_id: str | None = None, *, out=print
         if records[k].rewards:
             given = ", ".join(f"{x.name + ' ' if x.name else ''}{x.reward:+g}" for x in records[k].rewards)
             out(f"    turn rewards: {given}")
-    batch, agg, breaks = aggregate(
-        rollouts,
-        level=ac.level if ac else "trajectory",
-        max_prompt_length=ac.max_prompt_length if ac else 1 << 20,
-        max_response_length=ac.max_response_length if ac else 1 << 20,
-        pad_token_id=(tok.pad_token_id or 0) if tok is not None else 0,
-        tokenizer=tok,
-        overlong=ac.overlong if ac else "drop_rollout",
-        return_breaks=True,
-        train_roles=train_roles,
-    )
+    step = explain_step(rollouts, cfg if cfg is not None else TrainConfig(), tok)
+    e = step.summary[rollout_id]
     shown: dict = {"rollout_id": rollout_id, "rows": 0, "breaks": [], "advantage": None, "loss_mass": None}
-    mine_breaks = [b for b in breaks if b.rollout_id == rollout_id]
-    for b in mine_breaks:
+    for b in e.breaks:
         out(f"  break at turn {b.turn_index}: {b.kind}, position {b.position}, "
             f"{b.recomputed_tokens} tokens recomputed\n    {b.snippet}")
         shown["breaks"].append(b.kind)
-    if rollout_id not in batch.rollouts:
+        shown.setdefault("break_positions", []).append((b.turn_index, b.position))
+    if e.status == DROPPED:
         out("  not in the training batch (dropped or excluded; see the metrics)")
         return shown
-    est = cfg.advantage if cfg is not None else None
-    kept, adv, _ = batch_credit(
-        batch, rollouts, estimator=est.estimator if est else "grpo", train_roles=train_roles,
-        gamma=est.gamma if est else 1.0, step_weight=est.step_weight if est else 1.0,
-        failed_rollouts=est.failed_rollouts if est else "exclude")
-    if rollout_id not in kept.rollouts:
+    if e.status == EXCLUDED:
         out("  excluded from training (failed or timed out)")
         return shown
-    k = kept.rollouts.index(rollout_id)
-    mode = cfg.loss.mode if cfg is not None else "rollout-mean"
-    oc = cfg.optim if cfg is not None else None
-    plan = plan_step(  # as update.ppo_update plans the step (every epoch plans the same)
-        kept.response_mask, kept.rollout_index,
-        n_mini_batches=min(oc.mini_batches, kept.n_rollouts) if oc else 1,
-        micro_batch_tokens=oc.micro_batch_tokens if oc else None, mode=mode,
-        norm_length=cfg.loss.norm_length if cfg is not None else None,
-        row_tokens=kept.attention_mask.sum(1))
-    rows = (kept.rollout_index == k).nonzero().squeeze(1)
-    j, mb = next((j, mb) for j, mb in enumerate(plan) if bool((mb.rows == rows[0]).any()))
-    own = kept.rollout_index[mb.rows] == k  # this rollout's rows within its mini-batch
-    mass = float(rollout_mass(kept.response_mask[mb.rows[own]], kept.rollout_index[mb.rows[own]],
-                              mb.row_scales[own])[0])
-    P = kept.prompt_length
-    for i in rows.tolist():
-        ids = kept.input_ids[i][kept.attention_mask[i].bool()].tolist()
-        n_prompt = int(kept.attention_mask[i, :P].sum())
-        resp = kept.input_ids[i, P:]
-        trained = resp[kept.response_mask[i]].tolist()
-        out(f"  row {i} (from turn {int(kept.turn_index[i])}): {len(ids)} tokens, prompt {n_prompt}, "
-            f"trained {len(trained)}")
+    for row in step.rows(rollout_id):
+        trained = [t for t, kind in zip(row.ids, row.kind, strict=True) if kind == "trained"]
+        out(f"  row {row.index} (from turn {row.first_turn}): {len(row.ids)} tokens, prompt "
+            f"{row.n_prompt}, trained {len(trained)}")
         out(f"    trained text: {_text(tok, trained)!r}")
-    name = est.estimator if est else "grpo"
-    if adv.dim() == 2:  # per turn: each turn's tokens carry its own
-        advantage = {t: float(adv[i, start]) for i in rows.tolist()
-                     for t, start, _ in kept.turn_spans[i]}
-        per_turn = ", ".join(f"turn {t} {a:+.4f}" for t, a in sorted(advantage.items()))
-        out(f"  advantage per turn ({name} within its group): {per_turn}")
+    if isinstance(e.advantage, dict):
+        per_turn = ", ".join(f"turn {t} {a:+.4f}" for t, a in sorted(e.advantage.items()))
+        out(f"  advantage per turn ({step.estimator} within its group): {per_turn}")
     else:
-        advantage = float(adv[k])
-        out(f"  advantage {advantage:+.4f} ({name} within its group)")
-    out(f"  loss mass {mass:.4f} of 1 in mini-batch {j + 1} of {len(plan)}: {mb.n_rollouts} of its "
-        f"step's {kept.n_rollouts} rollouts (mode {mode})")
-    shown.update(rows=len(rows), advantage=advantage, loss_mass=mass, mini_batch=j,
-                 n_mini_batches=len(plan), n_rollouts_in_mini_batch=mb.n_rollouts,
-                 n_rollouts_in_step=kept.n_rollouts, metrics=json.loads(json.dumps(agg, default=str)))
+        out(f"  advantage {e.advantage:+.4f} ({step.estimator} within its group)")
+    j = e.mini_batch
+    out(f"  loss mass {e.mass:.4f} of 1 in mini-batch {j + 1} of {step.n_mini_batches}: "
+        f"{step.mini_batch_rollouts[j]} of its step's {step.n_rollouts} rollouts (mode {step.mode})")
+    shown.update(rows=e.n_rows, advantage=e.advantage, loss_mass=e.mass, mini_batch=j,
+                 n_mini_batches=step.n_mini_batches, n_rollouts_in_mini_batch=step.mini_batch_rollouts[j],
+                 n_rollouts_in_step=step.n_rollouts,
+                 metrics=json.loads(json.dumps(step.metrics, default=str)))
     return shown

@@ -70,6 +70,7 @@ class Built:
     reused_tokens: int  # prompt ids taken as they were from the earlier turn (not rendered)
     ids: array | None = None  # prompt_ids as an int32 array, when built from one
     from_turn: int | None = None  # for EXACT: the index of that earlier turn
+    n_kept: int = 0  # for EXACT: leading messages that were that turn's (its messages + answer)
 
 
 @dataclass(slots=True)
@@ -243,7 +244,7 @@ class ExactContext:
         if suffix is None:
             return Built(full(), RENDERED, TEMPLATE_PREFIX, 0)
         ids = entry.ids + array("i", self.prompts.encode(suffix))
-        return Built(ids.tolist(), EXACT, None, len(entry.ids), ids, entry.turn)
+        return Built(ids.tolist(), EXACT, None, len(entry.ids), ids, entry.turn, entry.n_sent + 1)
 
     def warm(self) -> None:
         """Probe the template's closing with and without tools now, not on a first request."""

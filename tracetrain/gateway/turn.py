@@ -107,11 +107,13 @@ async def generate_turn(
     on_tokens: OnTokens | None = None,
     prompt_from: int | None = None,
     role: str = DEFAULT_ROLE,
+    messages: bytes | None = None,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
     was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it;
     `prompt_from`: the earlier turn an exact prompt continues (Store.add_turn); `role`: the agent
-    that made the call (role_of), recorded with the turn."""
+    that made the call (role_of), recorded with the turn; `messages`: the JSON of the chat
+    messages it was sent after those of `prompt_from` (all of them without it)."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -147,6 +149,7 @@ async def generate_turn(
             context,
             prompt_from,
             role,
+            messages,
         )
     return gen, index
 
@@ -241,8 +244,10 @@ async def chat_answer(
         markers, safe = (parser.markers, parser.safe) if parse else ((), None)
         deltas.start(tok, params, markers, safe, len(prompt_ids))
         on_tokens = deltas.add
+    new = messages[built.n_kept:]  # what this turn was sent beyond the turn it continues
     gen, index = await generate_turn(
-        gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn, role
+        gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn, role,
+        messages_json(new),
     )
 
     text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())

@@ -122,8 +122,10 @@ class Store(ABC):
         group_id: str | None = None,
         after: int = 0,
         limit: int = 100,
+        group_glob: str | None = None,
     ) -> list[RolloutRecord]:
-        """Rollouts with seq > `after`, in insertion order, at most `limit`."""
+        """Rollouts with seq > `after`, in insertion order, at most `limit`; `group_glob`: only
+        groups whose id matches this pattern (SQLite GLOB: `*`, `?`, `[...]`, case-sensitive)."""
 
     @abstractmethod
     def list_events(self, rollout_id: str, kind: str | None = None) -> list[EventRecord]: ...

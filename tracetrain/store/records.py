@@ -18,6 +18,10 @@ class StoreError(Exception):
     """A write the store refused; the message says why. Subclasses map to HTTP statuses."""
 
 
+class StoreNotReady(StoreError):
+    """A store file with nothing in it yet (its writer is creating it)."""
+
+
 class UnknownRollout(StoreError):
     """No rollout with this id (404)."""
 
@@ -95,6 +99,7 @@ class TurnRecord:
     reused_tokens: int = 0  # prompt ids taken as they were from the earlier turn
     role: str = DEFAULT_ROLE  # the agent of the program that made the call
     rewards: tuple[TurnReward, ...] = ()  # given to this turn while the rollout ran, in order
+    messages: str | None = None  # JSON: the chat messages it was sent (schema.py, version 5)
 
     @property
     def reward(self) -> float | None:

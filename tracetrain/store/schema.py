@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from tracetrain.store.records import RolloutRecord, StoreError
+from tracetrain.store.records import RolloutRecord, StoreError, StoreNotReady
 from tracetrain.types import RolloutState
 
 # -------------------------------------------------------------------------------- schema
@@ -85,6 +85,12 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX turn_rewards_by_rollout ON turn_rewards (rollout_id, turn, reward_id);
     """,
+    # 4 -> 5: the messages a chat turn was sent (for the viewer)
+    """
+    ALTER TABLE turns ADD COLUMN messages TEXT;         -- JSON list: the messages after those of
+        -- the turn the prompt continues (prompt_from) and its answer; all of them otherwise;
+        -- NULL: a raw prompt (no messages) or before 5
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -108,6 +114,39 @@ def _connect(path: str, synchronous: str) -> sqlite3.Connection:
     conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
+
+
+def _connect_read_only(path: str) -> sqlite3.Connection:
+    """A connection that cannot write (SQLite's mode=ro): it reads the WAL beside a writer."""
+    from urllib.parse import quote
+
+    return sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, isolation_level=None,
+                           check_same_thread=False, timeout=30.0)
+
+
+READABLE_FROM = 4  # the oldest schema a read-only store reads as it is (turns.messages: NULL)
+
+
+def check_readable(path: str) -> int:
+    """The schema version of the trace store at `path`; StoreError naming it unless it is one
+    this tracetrain reads without migrating (READABLE_FROM .. SCHEMA_VERSION)."""
+    try:
+        conn = _connect_read_only(path)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0 and conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                raise StoreNotReady(f"{path}: an empty file (a store being created?)")
+            conn.execute("SELECT 1 FROM rollouts LIMIT 1")
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        raise StoreError(f"{path}: not a readable trace store ({e})") from None
+    if not READABLE_FROM <= version <= SCHEMA_VERSION:
+        raise StoreError(f"{path}: schema version {version}, this tracetrain reads "
+                         f"{READABLE_FROM}..{SCHEMA_VERSION}"
+                         + (": upgrade tracetrain" if version > SCHEMA_VERSION else
+                            ": open it once for writing (e.g. `tracetrain inspect`) to migrate it"))
+    return version
 
 
 def migrate(conn: sqlite3.Connection, path: str = "") -> int:

@@ -25,7 +25,14 @@ from tracetrain.store.records import (
     blob_to_ids,
     turn_reward,
 )
-from tracetrain.store.schema import _ROLLOUT_COLUMNS, _connect, _rollout, migrate
+from tracetrain.store.schema import (
+    _ROLLOUT_COLUMNS,
+    _connect,
+    _connect_read_only,
+    _rollout,
+    check_readable,
+    migrate,
+)
 from tracetrain.store.writes import (
     _op_add_event,
     _op_add_turn,
@@ -46,7 +53,9 @@ class SQLiteStore(Store):
 
     MAX_CACHED_HEADS = 100_000  # ~200 bytes each; the cache starts over when full
 
-    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL"):
+    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL", read_only: bool = False):
+        """`read_only`: reads only, through read-only connections (a viewer beside a running
+        trainer: it never takes the write lock); the file must exist with this schema version."""
         synchronous = synchronous.upper()
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
@@ -55,10 +64,16 @@ class SQLiteStore(Store):
             raise ValueError(
                 "SQLiteStore needs a file path; ':memory:' is not shared between threads"
             )
-        self.synchronous = synchronous
-        conn = _connect(self.path, synchronous)
-        migrate(conn, self.path)
-        self._writer = _GroupCommit(conn, self.path, synchronous)
+        self.synchronous, self.read_only = synchronous, read_only
+        self._messages = "messages"
+        if read_only:
+            if check_readable(self.path) < 5:
+                self._messages = "NULL"  # a file from before the messages were kept
+            self._writer = None
+        else:
+            conn = _connect(self.path, synchronous)
+            migrate(conn, self.path)
+            self._writer = _GroupCommit(conn, self.path, synchronous)
         self._local = threading.local()
         self._heads: dict[bytes, RolloutHead] = {}  # key hash -> head (see the docstring)
         self._key_of: dict[str, bytes] = {}  # rollout id -> key hash, for _heads
@@ -72,6 +87,8 @@ class SQLiteStore(Store):
     async def _write(self, fn: Callable[..., Any], *args) -> Any:
         if self._closed:
             raise StoreError("store is closed")
+        if self._writer is None:
+            raise StoreError(f"{self.path}: the store was opened read-only")
         return await self._writer.submit(fn, args)
 
     def _reader(self) -> sqlite3.Connection:
@@ -79,7 +96,7 @@ class SQLiteStore(Store):
         if conn is None:
             if self._closed:
                 raise StoreError("store is closed")
-            conn = _connect(self.path, self.synchronous)
+            conn = _connect_read_only(self.path) if self.read_only else _connect(self.path, self.synchronous)
             conn.execute("PRAGMA query_only=ON")
             self._local.conn = conn
             with self._readers_lock:
@@ -127,6 +144,7 @@ class SQLiteStore(Store):
         context=(None, None, 0),
         prompt_from=None,
         role=DEFAULT_ROLE,
+        messages=None,
     ):
         try:
             index = await self._write(
@@ -140,6 +158,7 @@ class SQLiteStore(Store):
                 context,
                 prompt_from,
                 role,
+                messages,
             )
         except StoreError:
             self._forget(rollout_id)
@@ -232,7 +251,7 @@ class SQLiteStore(Store):
 
     def _turn_rows(self, rollout_id: str) -> list[tuple]:
         """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at,
-        context, context_reason, reused_tokens, role), the ids as stored BLOBs; a prompt kept as
+        context, context_reason, reused_tokens, role, messages), the ids as stored BLOBs; a prompt kept as
         what it adds to turn k (prompt_from = k) is joined back: prompt(k) + response(k) + its
         ids."""
         rows = (
@@ -240,7 +259,7 @@ class SQLiteStore(Store):
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
                 " created_at, context, context_reason, reused_tokens,"
-                f" COALESCE(role, '{DEFAULT_ROLE}'), prompt_from"
+                f" COALESCE(role, '{DEFAULT_ROLE}'), prompt_from, {self._messages}"
                 " FROM turns WHERE rollout_id = ? ORDER BY idx",
                 (rollout_id,),
             )
@@ -248,12 +267,12 @@ class SQLiteStore(Store):
         )
         out: list[tuple] = []
         at: dict[int, int] = {}  # turn index -> position in out
-        for idx, prompt, *rest, prompt_from in rows:
+        for idx, prompt, *rest, prompt_from, messages in rows:
             if prompt_from is not None:
                 earlier = out[at[prompt_from]]
                 prompt = earlier[1] + earlier[2] + prompt
             at[idx] = len(out)
-            out.append((idx, prompt, *rest))
+            out.append((idx, prompt, *rest, messages))
         return out
 
     def get_turns(self, rollout_id):
@@ -269,8 +288,9 @@ class SQLiteStore(Store):
                 ts,
                 *how,
                 tuple(rewards.get(idx, ())),
+                messages,
             )
-            for idx, p, r, lp, mv, fr, ts, *how in self._turn_rows(rollout_id)
+            for idx, p, r, lp, mv, fr, ts, *how, messages in self._turn_rows(rollout_id)
         ]
 
     def get_turn_rewards(self, rollout_id):
@@ -308,11 +328,14 @@ class SQLiteStore(Store):
             Turn(blob_to_id_array(p), blob_to_id_array(r),
                  None if lp is None else blob_to_float_array(lp), mv, role,
                  turn_reward(rewards.get(idx, ())))
-            for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role in self._turn_rows(rollout_id)
+            for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role, _m in self._turn_rows(rollout_id)
         ]
 
-    def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100):
+    def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100, group_glob=None):
         where, args = ["seq > ?"], [after]
+        if group_glob is not None:
+            where.append("group_id GLOB ?")
+            args.append(group_glob)
         if state is not None:
             where.append("state = ?")
             args.append(RolloutState(state).value)
@@ -345,7 +368,8 @@ class SQLiteStore(Store):
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
         with self._readers_lock:
             for conn in self._readers:
                 conn.close()

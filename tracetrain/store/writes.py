@@ -113,7 +113,7 @@ def _op_start(conn, rollout_id: str) -> RolloutRecord:
 
 def _op_add_turn(
     conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
-    context, prompt_from=None, role=None,
+    context, prompt_from=None, role=None, messages=None,
 ) -> int:
     """A turn; with `prompt_from` = k only the prompt ids after turn k's prompt + response ids
     (context[2] of them) are stored, once that length is checked against turn k."""
@@ -144,7 +144,7 @@ def _op_add_turn(
     conn.execute(
         "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
         " finish_reason, created_at, context, context_reason, reused_tokens, prompt_from,"
-        " prompt_len, role) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " prompt_len, role, messages) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             rollout_id,
             index,
@@ -158,6 +158,7 @@ def _op_add_turn(
             prompt_from,
             len(prompt_ids),
             None if role == DEFAULT_ROLE else role,
+            messages.decode() if isinstance(messages, bytes) else messages,
         ),
     )
     if state == RolloutState.running:  # state is indexed: leave it, and its index page, alone
