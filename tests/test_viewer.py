@@ -153,3 +153,60 @@ def test_a_token_guards_every_page(run_dir):
         assert c.get("/", params={"token": "wrong"}).status_code == 401
         assert c.get("/", params={"token": "s3cret-token"}).status_code == 200
         assert c.get("/step/0").status_code == 200  # the cookie it set
+
+
+def test_each_chat_turn_keeps_the_messages_it_added(run_dir):
+    """The store keeps what each turn was sent beyond the turn its prompt continues (schema 5):
+    the whole chat on a rollout's first call or a rendered one, then the answer and the new
+    observation only."""
+    import json
+
+    (rid,) = store_rows(run_dir, "SELECT rollout_id FROM rollouts WHERE task LIKE '%hostile%' AND "
+                        "n_turns >= 2 ORDER BY seq LIMIT 1")[0]
+    turns = store_rows(run_dir, "SELECT context, messages FROM turns WHERE rollout_id = ? ORDER BY idx", rid)
+    sent = [json.loads(m) for _, m in turns]
+    assert [m["role"] for m in sent[0]] == ["system", "user"]
+    for (context, _), later in zip(turns[1:], sent[1:], strict=True):
+        assert context == "exact" and [m["role"] for m in later] == ["assistant", "user"]
+        assert later[1]["content"] == "higher"
+    (rewritten,) = store_rows(run_dir, "SELECT messages FROM turns t JOIN rollouts r USING (rollout_id)"
+                              " WHERE r.task LIKE '%rewrite%' AND t.idx = 1 LIMIT 1")[0]
+    assert [m["role"] for m in json.loads(rewritten)] == ["user", "assistant", "user"]  # rendered in full
+
+
+def test_the_command_prints_its_url_when_ready_and_guards_other_hosts(run_dir):
+    """`tracetrain view` prints `tracetrain view: URL` once it accepts connections (a client may
+    connect at once, no retry); bound beyond loopback it makes a token and puts it in the URL."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    def started(*args: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([sys.executable, "-m", "tracetrain", "view", str(run_dir), "--port", "0", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stdout.readline().strip()
+        assert line.startswith("tracetrain view: http://"), (line, proc.stderr.read() if proc.poll() else "")
+        return proc, line.split(": ", 1)[1]
+
+    proc, url = started()
+    try:
+        assert url.startswith("http://127.0.0.1:") and "token" not in url
+        with httpx.Client(transport=httpx.HTTPTransport(retries=0), timeout=30) as http:
+            assert http.get(url).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(30)
+    proc, url = started("--host", "0.0.0.0")
+    try:
+        assert "?token=" in url
+        port = url.split(":")[2].split("/")[0]
+        with httpx.Client(timeout=30) as http:
+            assert http.get(f"http://127.0.0.1:{port}/").status_code == 401
+            assert http.get(url.replace("0.0.0.0", "127.0.0.1")).status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(30)
+    bad = subprocess.run([sys.executable, "-m", "tracetrain", "view", str(run_dir / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "is not a run directory" in bad.stderr

@@ -105,6 +105,40 @@ class WarmStartConfig(_Section):
     `n` chat transcripts (lists of messages)."""
 
 
+class DataConfig(_Section):
+    """Tasks from a dataset file instead of the task module's `tasks` function (dataset.py): each
+    row is one task, handed to the agent as a dict; the agent and reward stay in the task
+    module."""
+
+    train: str | None = None
+    """The training rows: a .jsonl, .parquet or .csv file or a `datasets.save_to_disk` folder
+    (relative to the config file, then the working directory); null: the task module makes the
+    tasks."""
+    eval: str | None = None
+    """Held-out rows for the eval passes, in the same formats; null: `eval_fraction` of `train`
+    (or, with neither, the task module's tasks)."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    """Without `eval`: this share of the `train` rows is held out (drawn with `split_seed`),
+    never trained on, and the eval passes use it."""
+    split_seed: int = 0
+    """The seed of the held-out draw (kept apart from trainer.seed: another training seed keeps
+    the same split)."""
+    shuffle: bool = True
+    """Each epoch deals the train rows in a new order drawn from (trainer.seed, epoch); false: file
+    order every epoch."""
+    fields: list[str] = Field(default_factory=list)
+    """Fields every row must have (checked for all rows before training: an error names the
+    file, the row and the field)."""
+
+    @model_validator(mode="after")
+    def _needs_train(self) -> DataConfig:
+        if (self.eval is not None or self.eval_fraction) and self.train is None:
+            raise ValueError("data.eval / data.eval_fraction: need data.train")
+        if self.eval is not None and self.eval_fraction:
+            raise ValueError("data.eval_fraction: give it or data.eval, not both")
+        return self
+
+
 class RolloutConfig(_Section):
     """How each step's rollouts are collected: tasks, group size, concurrency, and the sampling
     settings handed to the agents."""
@@ -459,6 +493,7 @@ class TrainConfig(_Section):
     runner: Literal["local", "ray"] = "local"
     """Where the agents run: `local`, in this process (or `rollout.agent_workers` processes);
     `ray`, as Ray tasks (RAY_ADDRESS, else a local Ray)."""
+    data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -479,6 +514,8 @@ class TrainConfig(_Section):
         if self.trainer.precision != "fp32" and self.backend != "embedded":
             raise ValueError(f"trainer.precision: {self.trainer.precision!r} is for backend 'embedded' "
                              "(verl's workers take their precision from the verl section)")
+        if self.data.train is not None and self.backend != "embedded":
+            raise ValueError("data.train: tasks from files are for backend 'embedded' for now")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":
                 raise ValueError("trainer.overlap_collect: for backend 'embedded' only")

@@ -33,8 +33,11 @@ def step_seed(cfg: TrainConfig, step: int) -> int:
     return cfg.trainer.seed * 1_000_003 + step
 
 
-def step_tasks(task_module: Any, cfg: TrainConfig, step: int) -> list[dict]:
-    """The tasks of step `step`."""
+def step_tasks(task_module: Any, cfg: TrainConfig, step: int, data=None) -> list[dict]:
+    """The tasks of step `step`: from the run's dataset (`data`: dataset.TaskData, epochs in a
+    seeded order) when it has one, else the task module's `tasks`."""
+    if data is not None:
+        return data.train_tasks(step, cfg.rollout.tasks_per_step)
     return task_module.tasks(cfg.rollout.tasks_per_step, seed=step_seed(cfg, step), **cfg.task_args)
 
 

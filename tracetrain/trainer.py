@@ -55,7 +55,7 @@ from tracetrain.roles import role_engines
 from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client
 from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
-from tracetrain.tasks import load_task, resolve_agent
+from tracetrain.tasks import load_task, open_task_data, resolve_agent
 from tracetrain.threads import run_with_threads
 from tracetrain.update import lr_factor, ppo_update
 
@@ -87,6 +87,7 @@ class Trainer:
         from tracetrain.models import load_policy
 
         self.cfg, self.task, self.dp = cfg, task_module, dp
+        self.data = None  # the run's dataset (dataset.TaskData), when data.train names one
         self.log = log if dp.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +184,7 @@ class Trainer:
         t0 = time.perf_counter()
         work = [k for k in ENGINE_WORK if k in engine.stats]
         before, version = {k: engine.stats[k] for k in work}, engine.model_version
-        results = await self.collect(gateway, step_tasks(self.task, cfg, step), f"{self.nonce}-s{step}",
+        results = await self.collect(gateway, step_tasks(self.task, cfg, step, self.data), f"{self.nonce}-s{step}",
                                      cfg.rollout.n_per_task, cfg.rollout.temperature, step)
         return Collected(step, results, time.perf_counter() - t0,
                          {k: engine.stats[k] - before[k] for k in work}, version)
@@ -325,7 +326,9 @@ class Trainer:
         """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
         cfg = self.cfg
         seed = -(cfg.trainer.seed * 1_000_003 + 1)
-        tasks = self.task.tasks(cfg.trainer.eval_tasks, seed=seed, **cfg.task_args)
+        tasks = self.data.eval_tasks(cfg.trainer.eval_tasks) if self.data is not None else None
+        if tasks is None:  # no held-out rows: the task module's tasks, with a seed no step uses
+            tasks = self.task.tasks(cfg.trainer.eval_tasks, seed=seed, **cfg.task_args)
         results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
@@ -473,11 +476,17 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     from tracetrain import distributed
     from tracetrain.report import plot_curves, summary
 
-    task = load_task(cfg.task, base_dir)
+    task = load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
+    data = open_task_data(cfg, base_dir)  # every row checked before any training
+    if (cfg.trainer.eval_every and data is not None and data.eval_rows is None
+            and not callable(getattr(task, "tasks", None))):
+        raise ConfigError("config key 'trainer.eval_every': the eval passes need held-out rows "
+                          "(data.eval or data.eval_fraction) or the task module's `tasks`")
     dp = distributed.init_from_env()  # under torchrun: one process per rank (distributed.py)
     trainer = None
     try:
         trainer = Trainer(cfg, task, log=log, dp=dp)
+        trainer.data = data
         t = time.perf_counter()
         history = asyncio.run(trainer.run())
     finally:
