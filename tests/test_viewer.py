@@ -156,9 +156,9 @@ def test_a_token_guards_every_page(run_dir):
 
 
 def test_each_chat_turn_keeps_the_messages_it_added(run_dir):
-    """The store keeps what each turn was sent beyond the turn its prompt continues (schema 5):
-    the whole chat on a rollout's first call or a rendered one, then the answer and the new
-    observation only."""
+    """The store keeps what each turn was sent beyond the turn its prompt continues and that
+    turn's answer (schema 5): the whole chat on a rollout's first call or a rendered one, then
+    only the new observation."""
     import json
 
     (rid,) = store_rows(run_dir, "SELECT rollout_id FROM rollouts WHERE task LIKE '%hostile%' AND "
@@ -167,8 +167,7 @@ def test_each_chat_turn_keeps_the_messages_it_added(run_dir):
     sent = [json.loads(m) for _, m in turns]
     assert [m["role"] for m in sent[0]] == ["system", "user"]
     for (context, _), later in zip(turns[1:], sent[1:], strict=True):
-        assert context == "exact" and [m["role"] for m in later] == ["assistant", "user"]
-        assert later[1]["content"] == "higher"
+        assert context == "exact" and later == [{"role": "user", "content": "higher"}]
     (rewritten,) = store_rows(run_dir, "SELECT messages FROM turns t JOIN rollouts r USING (rollout_id)"
                               " WHERE r.task LIKE '%rewrite%' AND t.idx = 1 LIMIT 1")[0]
     assert [m["role"] for m in json.loads(rewritten)] == ["user", "assistant", "user"]  # rendered in full

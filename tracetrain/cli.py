@@ -7,6 +7,7 @@ the exit status. A bad config, trace file or option is reported in one line with
     inspect : one rollout of a run down the path of the data
     serve   : the gateway on its own (see `tracetrain serve --help`)
     view    : a web page over a run directory: curves, steps, rollouts down to the token
+    eval    : a policy (policy/ folder, checkpoint, or untrained) on the run's eval tasks, pass@k
     rows    : build rows from example traces and print rows, metrics and drift breaks
 """
 
@@ -67,6 +68,40 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="the run's config (YAML): model, task, data, agent")
+    p.add_argument("--policy", default=None,
+                   help="a policy/ folder or a checkpoint.pt (default: the config's model, untrained)")
+    p.add_argument("--k", type=int, default=4, help="tries per task (pass@1 and pass@k); default 4")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; default 1")
+    p.add_argument("--tasks", type=int, default=None, help="eval tasks (default trainer.eval_tasks)")
+    p.add_argument("--success", type=float, default=1.0,
+                   help="a try succeeds when its reward is >= this (default 1)")
+    p.add_argument("--out", type=Path, default=None, help="write one JSON line per task here")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from tracetrain.config import load_config
+    from tracetrain.evaluate import evaluate
+    from tracetrain.tasks import load_task, open_task_data
+
+    cfg = load_config(args.config, list(args.overrides))
+    base = args.config.resolve().parent
+    task = load_task(cfg.task, base, needs_tasks=cfg.data.train is None)
+    summary, rows = asyncio.run(evaluate(
+        cfg, task, open_task_data(cfg, base), policy=args.policy, k=args.k,
+        temperature=args.temperature, n_tasks=args.tasks, success=args.success))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(json.dumps(summary))
+    return 0
+
+
 def add_view_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory")
     p.add_argument("--port", type=int, default=8765, help="port (0: a free one); default 8765")
@@ -96,6 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": (add_train_arguments, run_train, "train an agent from a YAML config"),
     "inspect": (add_inspect_arguments, run_inspect, "show one rollout: turns, rows, breaks, advantage, loss mass"),
+    "eval": (add_eval_arguments, run_eval, "a policy on the run's eval tasks: reward, pass@1, pass@k"),
     "view": (add_view_arguments, run_view, "a web page over a run: curves, steps, rollouts to the token"),
     "serve": (add_serve_arguments, run_serve, "run the gateway (OpenAI-compatible, records token ids)"),
     "rows": (add_demo_arguments, run_demo, "build rows from example traces and print rows and metrics"),

@@ -5,6 +5,7 @@ Unknown keys and bad values are errors that name the key (`ConfigError`), never 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -653,7 +654,14 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    if path.suffix == ".json":  # a run's config.json (YAML 1.1 would read 1e-06 as a string)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r}: not JSON ({e})") from None
+    else:
+        data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return build_config(data, overrides)

@@ -1,0 +1,129 @@
+"""`tracetrain eval CONFIG --policy PATH`: a policy on the run's eval tasks, k tries each.
+
+    pass_at_k(n, c, k)     unbiased pass@k of one task: 1 - C(n - c, k) / C(n, k)
+                           (n tries, c successes; Chen et al. 2021, "Evaluating Large Language
+                           Models Trained on Code")
+    evaluate(cfg, task, data, policy=..., k=4, temperature=1.0)   -> (summary, per-task rows)
+
+The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.eval_fraction),
+else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
+`k` times through the same gateway, agents and local engine as training. A try succeeds when
+its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
+reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
+
+The policy: a `policy/` folder (Trainer.write_policy: a transformers directory), a
+`checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracetrain.config import ConfigError, TrainConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k tries drawn without replacement from n (c of them
+    successes) succeeds; needs k <= n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def load_eval_policy(cfg: TrainConfig, policy: str | Path | None):
+    """(model, tokenizer) for `policy` (module docstring)."""
+    from tracetrain import lora
+    from tracetrain.models import load_policy
+
+    model, tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+    if policy is None:
+        return model, tokenizer
+    path = Path(policy)
+    if path.is_dir():
+        from transformers import AutoModelForCausalLM
+
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--policy {str(path)!r}: not a transformers directory (no config.json)")
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return loaded.eval(), tokenizer
+    if path.is_file():
+        try:
+            ck = torch.load(path, weights_only=False, map_location="cpu")
+            lora.load_weights(model, ck["model"])
+        except Exception as e:  # not a checkpoint of this config's model: say which and why
+            raise ConfigError(f"--policy {str(path)!r}: not a checkpoint of this config's model "
+                              f"({type(e).__name__}: {e})") from None
+        return model.eval(), tokenizer
+    raise ConfigError(f"--policy {str(path)!r}: no such file or directory")
+
+
+def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
+    held = data.eval_tasks(n) if data is not None else None
+    if held is not None:
+        return held
+    if not callable(getattr(task, "tasks", None)):
+        raise ConfigError("config key 'data': no held-out rows (data.eval or data.eval_fraction) "
+                          "and the task module has no `tasks` to make eval tasks")
+    return task.tasks(n, seed=-(cfg.trainer.seed * 1_000_003 + 1), **cfg.task_args)
+
+
+async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4,
+                   temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
+                   store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
+    """Play each eval task k times with the policy; (summary, one row per task)."""
+    from tracetrain.engines.local import LocalEngine
+    from tracetrain.gateway.app import create_app
+    from tracetrain.inprocess import serve_in_loop
+    from tracetrain.runner import GatewayClient, agent_http_client
+    from tracetrain.step import collect, rollout_specs
+    from tracetrain.store import SQLiteStore
+    from tracetrain.tasks import resolve_agent
+
+    if k < 1:
+        raise ConfigError(f"--k must be >= 1, got {k}")
+    tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
+    model, tokenizer = load_eval_policy(cfg, policy)
+    agent = resolve_agent(task, cfg.agent)
+    with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
+        store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
+        engine = LocalEngine(model, tokenizer, max_batch_size=4096, seed=cfg.trainer.seed,
+                             threads=cfg.trainer.threads)
+        admin_key = secrets.token_urlsafe(24)
+        app = create_app(store, {"default": engine}, admin_key=admin_key)
+        try:
+            async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
+                gateway = GatewayClient(url, admin_key)
+                try:
+                    specs = rollout_specs(tasks, k, f"eval-{secrets.token_hex(3)}")
+                    results = await collect(gateway, specs, agent, cfg, temperature=temperature,
+                                            step=0, http_client=http)
+                finally:
+                    await gateway.aclose()
+        finally:
+            await engine.aclose()
+            store.close()
+    rows = []
+    for j, t in enumerate(tasks):
+        mine = results[j * k:(j + 1) * k]
+        scored = [r.reward for r in mine if r.state == "succeeded" and r.reward is not None]
+        c = sum(x >= success for x in scored)
+        rows.append({"task": t, "rewards": scored, "failed": len(mine) - len(scored),
+                     "successes": c,
+                     "pass@1": pass_at_k(len(scored), c, 1) if scored else None,
+                     f"pass@{k}": pass_at_k(len(scored), c, k) if len(scored) >= k else None})
+    rewards = [x for r in rows for x in r["rewards"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    summary = {"tasks": len(rows), "tries": len(rows) * k, "failed": sum(r["failed"] for r in rows),
+               "reward_mean": mean(rewards),
+               "pass@1": mean([r["pass@1"] for r in rows if r["pass@1"] is not None]),
+               f"pass@{k}": mean([r[f"pass@{k}"] for r in rows if r[f"pass@{k}"] is not None]),
+               "temperature": temperature, "policy": str(policy) if policy else "untrained"}
+    return summary, rows
