@@ -8,9 +8,9 @@ Pages (the viewer in a thread of this process, httpx as the browser's requests):
 a step page (first visit: its rollouts read and put through aggregate, credit and the plan;
 then cached), the same step filtered and sorted, a rollout page, two rollouts side by side,
 and the rollout page of a 32-turn rollout. The 32-turn run is written here with the Store API: 8
-rollouts of the guessing chat with ~40-token replies and observations (bench_train_step's
-chat_rollouts, rendered with the tiny tokenizer's template), ~5,000 tokens each, in one step,
-with the demo's config. "cold" is a page's first request after the viewer started, "warm" the
+rollouts of 32 turns whose prompts extend the turn before (as the gateway's exact context
+records them: one row each), 40-word replies and observations in the tiny tokenizer, in one
+step, with the demo's config (its row lengths raised to 16,384 so the rollouts are trained). "cold" is a page's first request after the viewer started, "warm" the
 median of --repeats more. Goal: every page under 1 s.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -32,37 +32,63 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def long_rollouts(tok, n: int, turns: int, words: int = 40) -> list[list[tuple[list[int], list[int]]]]:
+    """n rollouts of `turns` (prompt ids, response ids) as the gateway's exact context records
+    them: turn k's prompt is turn k-1's prompt + response + the new observation's ids, replies
+    and observations of `words` random words each."""
+    import random
+
+    from bench_train_step import WORDS
+
+    rng = random.Random(0)
+    say = lambda: " ".join(rng.choice(WORDS) for _ in range(words))  # noqa: E731
+    out = []
+    for _ in range(n):
+        prompt = tok.apply_chat_template([{"role": "system", "content": "Solve the task."},
+                                          {"role": "user", "content": say()}],
+                                         add_generation_prompt=True)["input_ids"]
+        made = []
+        for _ in range(turns):
+            response = tok.encode(say(), add_special_tokens=False) + [tok.eos_token_id]
+            made.append((list(prompt), response))
+            observation = tok.encode(f"\n<|im_start|>user\n{say()}<|im_end|>\n<|im_start|>assistant\n",
+                                     add_special_tokens=False)
+            prompt = prompt + response + observation
+        out.append(made)
+    return out
+
+
 def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
     """A run directory with the demo's config and one step of 8 rollouts of `turns` turns."""
-    from bench_train_step import chat_rollouts
-
     from tracetrain.store import SQLiteStore
     from tracetrain.store.records import NewRollout
     from tracetrain.tiny import build_tokenizer
 
     out.mkdir(parents=True)
-    shutil.copy(demo / "config.json", out / "config.json")
+    cfg = json.loads((demo / "config.json").read_text())  # rows as long as the rollouts
+    cfg["aggregate"].update(max_prompt_length=16384, max_response_length=16384)
+    (out / "config.json").write_text(json.dumps(cfg))
     (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward_mean": 0.5}) + "\n")
-    rollouts = chat_rollouts(build_tokenizer(), 8, long=True, turns=turns)
+    rollouts = long_rollouts(build_tokenizer(), 8, turns)
 
     async def write():
         store = SQLiteStore(out / "traces.db")
         try:
-            await store.create_rollouts([NewRollout(f"long-s0-t0-n{k}", "long-s0-t0", {"k": k})
+            await store.create_rollouts([NewRollout(f"long-s0-t0-n{k}", "long-s0-t0", {"k": k},
+                                                    key_hash=hashlib.sha256(b"%d" % k).digest())
                                          for k in range(len(rollouts))])
-            for k, r in enumerate(rollouts):
+            for k, made in enumerate(rollouts):
                 rid = f"long-s0-t0-n{k}"
-                for t in r.turns:
-                    await store.add_turn(rid, t.prompt_ids, t.response_ids, [-1.0] * len(t.response_ids),
-                                         0, "stop")
-                await store.add_event(rid, "reward", reward=r.reward)
+                for prompt, response in made:
+                    await store.add_turn(rid, prompt, response, [-1.0] * len(response), 0, "stop")
+                await store.add_event(rid, "reward", reward=k / 8)
                 await store.set_state(rid, "succeeded")
         finally:
             store.close()
 
     asyncio.run(write())
-    tokens = sum(len(t.response_ids) for t in rollouts[0].turns) + len(rollouts[0].turns[-1].prompt_ids)
-    return out, f"long-s0-t0-n0 ({tokens} tokens)"
+    prompt, response = rollouts[0][-1]
+    return out, f"long-s0-t0-n0 ({len(prompt) + len(response)} tokens)"
 
 
 def time_pages(run: Path, pages: list[tuple[str, str]], repeats: int) -> list[tuple[str, str, float, float, int]]:

@@ -47,6 +47,7 @@ def create_view_app(run_dir: str | Path, *, token: str | None = None) -> FastAPI
     env = Environment(loader=PackageLoader("tracetrain.viewer", "templates"),
                       autoescape=select_autoescape(default=True, default_for_string=True))
     env.filters["num"] = _number
+    env.filters["short"] = lambda v: "None" if v is None else f"{v:.6g}"
     known: dict = {}  # token pieces seen (tokens.py), for the run's one tokenizer
     app = FastAPI(title="tracetrain view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

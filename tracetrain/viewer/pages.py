@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from tracetrain.drift import first_difference
 from tracetrain.explain import TRAINED, Explained, StepExplained
 from tracetrain.store.records import RolloutRecord, TurnRecord
 from tracetrain.viewer.tokens import token_pieces
@@ -200,15 +201,19 @@ def rollout_view(rec: RolloutRecord, turns: list[TurnRecord], step: StepExplaine
                                  f"{b.position} of turn {b.turn_index}'s prompt")
             view.rows.append(rv)
         return view
-    # Not trained (failed, timed out, dropped, still running): each turn as it was recorded.
+    # Not trained (failed, timed out, dropped, still running): each turn as it was recorded, its
+    # prompt from where it stops repeating the turn before (prompt + response).
+    before: list[int] = []
     for t in turns:
-        n, ids = len(t.prompt_ids) - t.reused_tokens, list(t.prompt_ids[t.reused_tokens:]) + list(t.response_ids)
+        same = first_difference(before, t.prompt_ids)
+        before = list(t.prompt_ids) + list(t.response_ids)
+        n, ids = len(t.prompt_ids) - same, before[same:]
         lps = t.response_logprobs or [None] * len(t.response_ids)
         toks = [TokenView(text, whole, "prompt" if j < n else "response", ids[j],
                           logprob=lps[j - n] if j >= n else None, turn=t.index if j >= n else None,
-                          pos=t.reused_tokens + j if j < n else None)
+                          pos=same + j if j < n else None)
                 for j, (text, whole) in enumerate(token_pieces(tokenizer, ids, known))]
-        skipped = f" ({t.reused_tokens} prompt tokens of the turn before not repeated)" if t.reused_tokens else ""
+        skipped = f" ({same} prompt tokens as in the turn before, not repeated)" if same else ""
         view.rows.append(RowView(f"turn {t.index} [{t.role}]: prompt {len(t.prompt_ids)}, response "
                                  f"{len(t.response_ids)}{skipped}", toks))
     return view
