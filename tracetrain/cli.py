@@ -8,6 +8,7 @@ the exit status. A bad config, trace file or option is reported in one line with
     serve   : the gateway on its own (see `tracetrain serve --help`)
     view    : a web page over a run directory: curves, steps, rollouts down to the token
     eval    : a policy (policy/ folder, checkpoint, or untrained) on the run's eval tasks, pass@k
+    sft     : fine-tune on the exact tokens of the best rollouts of earlier runs -> a policy/ folder
     rows    : build rows from example traces and print rows, metrics and drift breaks
 """
 
@@ -102,6 +103,54 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_sft_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, help="the run's config (YAML or a run's config.json)")
+    p.add_argument("--from", dest="runs", type=Path, nargs="+", required=True, metavar="RUN_DIR",
+                   help="runs whose traces.db hold the rollouts to learn from")
+    p.add_argument("--min-reward", type=float, default=None, help="rollouts with at least this reward")
+    p.add_argument("--best-per-group", type=int, default=None, help="the k best rollouts of each group")
+    p.add_argument("--policy", default=None, help="start from this policy/ folder or checkpoint "
+                   "(default: the config's model)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--out", type=Path, required=True, help="writes OUT/policy and OUT/sft.json")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    import json
+
+    from tracetrain.config import ConfigError, load_config
+    from tracetrain.engines.vllm import write_hf_dir
+    from tracetrain.evaluate import load_eval_policy
+    from tracetrain.sft import dedupe, fine_tune, select, sft_rows
+    from tracetrain.store import SQLiteStore
+
+    cfg = load_config(args.config, list(args.overrides))
+    seen, chosen = 0, []
+    for run in args.runs:
+        if not (run / "traces.db").is_file():
+            raise ConfigError(f"--from {str(run)!r}: no traces.db there")
+        with SQLiteStore(run / "traces.db", read_only=True) as store:
+            rollouts = store.load_rollouts()
+        seen += len(rollouts)
+        chosen += select(rollouts, min_reward=args.min_reward, best_per_group=args.best_per_group)
+    unique = dedupe(chosen)
+    if not unique:
+        raise ConfigError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
+    model, tokenizer = load_eval_policy(cfg, args.policy)
+    batch = sft_rows(unique, cfg, tokenizer.pad_token_id or 0)
+    losses = fine_tune(model, batch, cfg, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
+    path = write_hf_dir(model, tokenizer, args.out / "policy")
+    report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
+              "trained_rollouts": len(unique), "rows": batch.n_rows,
+              "trained_tokens": int(batch.response_mask.sum()), "epoch_losses": losses,
+              "policy": str(path)}
+    (args.out / "sft.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
 def add_view_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory")
     p.add_argument("--port", type=int, default=8765, help="port (0: a free one); default 8765")
@@ -132,6 +181,7 @@ COMMANDS = {
     "train": (add_train_arguments, run_train, "train an agent from a YAML config"),
     "inspect": (add_inspect_arguments, run_inspect, "show one rollout: turns, rows, breaks, advantage, loss mass"),
     "eval": (add_eval_arguments, run_eval, "a policy on the run's eval tasks: reward, pass@1, pass@k"),
+    "sft": (add_sft_arguments, run_sft, "fine-tune on the exact tokens of chosen rollouts of earlier runs"),
     "view": (add_view_arguments, run_view, "a web page over a run: curves, steps, rollouts to the token"),
     "serve": (add_serve_arguments, run_serve, "run the gateway (OpenAI-compatible, records token ids)"),
     "rows": (add_demo_arguments, run_demo, "build rows from example traces and print rows and metrics"),

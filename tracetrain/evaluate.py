@@ -66,6 +66,9 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None):
 
 
 def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
+    """The first n eval tasks (the same for every pass, and for `tracetrain eval` and a run's
+    eval passes): the dataset's held-out rows, else the task module's `tasks` with a seed no
+    training step uses."""
     held = data.eval_tasks(n) if data is not None else None
     if held is not None:
         return held

@@ -324,11 +324,9 @@ class Trainer:
 
     async def evaluate(self, gateway: GatewayClient) -> float:
         """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
-        cfg = self.cfg
-        seed = -(cfg.trainer.seed * 1_000_003 + 1)
-        tasks = self.data.eval_tasks(cfg.trainer.eval_tasks) if self.data is not None else None
-        if tasks is None:  # no held-out rows: the task module's tasks, with a seed no step uses
-            tasks = self.task.tasks(cfg.trainer.eval_tasks, seed=seed, **cfg.task_args)
+        from tracetrain.evaluate import eval_tasks
+
+        tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
         results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
