@@ -34,6 +34,10 @@ def test_choosing_by_reward_and_best_per_group():
     assert [r.rollout_id for r in select(rs, min_reward=0.5, best_per_group=2)] == ["a", "c"]
     with pytest.raises(ValueError):
         select(rs)
+    later = rollout("v", "g3", 1.0)
+    later.turns[1].model_version = 2  # a turn made after two updates
+    assert [r.rollout_id for r in select([*rs, later], min_reward=1.0, max_version=0)] == ["a", "c"]
+    assert [r.rollout_id for r in select([*rs, later], min_reward=1.0, max_version=2)] == ["a", "c", "v"]
 
 
 def test_duplicates_are_trained_once_and_rows_train_the_policys_own_tokens():

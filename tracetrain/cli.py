@@ -109,6 +109,8 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs whose traces.db hold the rollouts to learn from")
     p.add_argument("--min-reward", type=float, default=None, help="rollouts with at least this reward")
     p.add_argument("--best-per-group", type=int, default=None, help="the k best rollouts of each group")
+    p.add_argument("--max-version", type=int, default=None,
+                   help="only rollouts made by policies up to this version (0: the untrained one's)")
     p.add_argument("--policy", default=None, help="start from this policy/ folder or checkpoint "
                    "(default: the config's model)")
     p.add_argument("--epochs", type=int, default=3)
@@ -134,7 +136,8 @@ def run_sft(args: argparse.Namespace) -> int:
         with SQLiteStore(run / "traces.db", read_only=True) as store:
             rollouts = store.load_rollouts()
         seen += len(rollouts)
-        chosen += select(rollouts, min_reward=args.min_reward, best_per_group=args.best_per_group)
+        chosen += select(rollouts, min_reward=args.min_reward, best_per_group=args.best_per_group,
+                         max_version=args.max_version)
     unique = dedupe(chosen)
     if not unique:
         raise ConfigError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")

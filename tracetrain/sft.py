@@ -31,13 +31,17 @@ from tracetrain.types import Rollout
 
 
 def select(rollouts: Sequence[Rollout], *, min_reward: float | None = None,
-           best_per_group: int | None = None) -> list[Rollout]:
+           best_per_group: int | None = None, max_version: int | None = None) -> list[Rollout]:
     """Succeeded rollouts with a reward: those >= min_reward, and/or the best_per_group highest
-    of each group (ties: the earlier rollout), in their order."""
+    of each group (ties: the earlier rollout), in their order; with max_version, only rollouts
+    every turn of which a policy of at most that version made (0: the untrained policy's)."""
     if min_reward is None and best_per_group is None:
         raise ValueError("choose the rollouts: min_reward and/or best_per_group")
     scored = [r for r in rollouts if str(getattr(r.state, "value", r.state)) == "succeeded"
               and r.reward is not None]
+    if max_version is not None:
+        scored = [r for r in scored if all(t.model_version is not None and t.model_version <= max_version
+                                           for t in r.turns)]
     if min_reward is not None:
         scored = [r for r in scored if r.reward >= min_reward]
     if best_per_group is not None:

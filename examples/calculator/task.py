@@ -33,12 +33,16 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 
-def tasks(n: int, *, seed: int, max_operand: int = 50, max_turns: int = 3, **_: Any) -> list[dict]:
+def tasks(n: int, *, seed: int, max_operand: int = 50, max_turns: int = 3, example: bool = True,
+          **_: Any) -> list[dict]:
+    """`example` false: the agent sends no worked example (harder: the untrained model then
+    almost never calls the calculator)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         a, b, op = rng.randint(2, max_operand), rng.randint(2, max_operand), rng.choice(sorted(OPS))
-        out.append({"question": f"What is {a} {op} {b}?", "answer": OPS[op](a, b), "max_turns": max_turns})
+        out.append({"question": f"What is {a} {op} {b}?", "answer": OPS[op](a, b), "max_turns": max_turns,
+                    "example": example})
     return out
 
 
@@ -66,7 +70,8 @@ def numbers(text: str) -> list[int]:
 async def agent(task: dict, client: dict) -> float:
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
                          http_client=client.get("http_client"))
-    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task["question"]}]
+    shown = EXAMPLE if task.get("example", True) else []
+    messages = [{"role": "system", "content": SYSTEM}, *shown, {"role": "user", "content": task["question"]}]
     for turn in range(task["max_turns"]):
         out = await openai.chat.completions.create(
             model=client["model"], messages=messages,
