@@ -11,7 +11,8 @@ Everything goes through the commands a user runs (`tracetrain train / sft / eval
 3. SFT then RL: `tracetrain sft --from OUT/rl --max-version 0 --min-reward 1` (the successes of
    the rollouts the untrained policy made: steps 0-1 of run 2, which both arms share), then RL
    from its policy for as many steps as fit in the minutes RL alone took, counting the SFT's
-   minutes and those two steps' (OUT/sft, OUT/sft-rl).
+   minutes and those two steps' (OUT/sft, OUT/sft-rl; --sft-rl-steps: the count, when the
+   SFT'd policy's steps are slower than RL alone's).
 4. `tracetrain eval --k 4 --tasks 64` on the held-out questions for the untrained model, both
    results, and the SFT policy alone: mean reward, pass@1, pass@4.
 """
@@ -45,6 +46,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="RL alone's steps")
     ap.add_argument("--out", type=Path, default=Path("runs/sft-rl"))
+    ap.add_argument("--sft-rl-steps", type=int, default=None,
+                    help="RL steps after the SFT (default: what fits in RL alone's minutes at RL "
+                         "alone's rate; the SFT'd policy's rollouts take more turns, so its steps "
+                         "are slower: give the count that fits, from a first try's s/step)")
     ap.add_argument("--sft-epochs", type=int, default=4)
     ap.add_argument("--sft-lr", type=float, default=2e-5)
     args = ap.parse_args()
@@ -67,7 +72,7 @@ def main() -> None:
     times["sft"] = run(["sft", str(CONFIG), *data, "--from", str(out / "rl"), "--max-version", "0",
                         "--min-reward", "1", "--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr),
                         "--out", str(out / "sft")], out / "sft.log")
-    rl_steps = max(1, round((times["rl"] - times["sft"] - shared) / per_step))
+    rl_steps = args.sft_rl_steps or max(1, round((times["rl"] - times["sft"] - shared) / per_step))
     times["sft-rl"] = run(["train", str(CONFIG), *data, f"trainer.steps={rl_steps}",
                            "model.kind=pretrained", f"model.path={out / 'sft' / 'policy'}",
                            f"trainer.run_dir={out / 'sft-rl'}"], out / "sft-rl.log")
