@@ -132,3 +132,26 @@ def test_a_run_takes_its_tasks_from_a_file_and_a_resume_continues_the_order(tmp_
     assert got["eval0"] == held and not any(t in held for s in range(4) for t in got[f"s{s}"])
     with pytest.raises(ConfigError, match="row 1 has no field 'nope'"):
         train(config(tmp_path / "bad", 1, **{"data.fields": "[nope]"}), base_dir=guess, log=lambda *_: None)
+
+
+def test_on_verl_every_row_is_checked_before_ray_starts(tmp_path, monkeypatch):
+    """backend verl takes its tasks from the same files (step_tasks with the run's TaskData); a bad
+    row is named before Ray or any worker starts (verl's workers need GPUs: not run here)."""
+    pytest.importorskip("verl")
+    import ray
+
+    from tracetrain.config import build_config
+    from tracetrain.integrations.verl.trainer import train_verl
+
+    data = tmp_path / "games.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:5]))
+    guess = Path(__file__).resolve().parents[1] / "examples" / "guess"
+    started = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(1))
+    cfg = build_config({"task_args": {"high": 8}}, [
+        "backend=verl", "task=task.py", f"data.train={data}", "data.fields=[target,nope]",
+        f"trainer.run_dir={tmp_path / 'run'}"])
+    assert cfg.backend == "verl" and cfg.data.train == str(data)  # accepted on verl
+    with pytest.raises(ConfigError, match="row 1 has no field 'nope'"):
+        train_verl(cfg, base_dir=guess, log=lambda *_: None)
+    assert not started

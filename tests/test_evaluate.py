@@ -9,8 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_engine_vllm import TOL
+from test_engine_vllm import vllm_python as vllm_python  # the fixture: the vLLM interpreter
 from view_run import TESTS, make_run
 
 from tracetrain.config import build_config
@@ -38,10 +41,11 @@ def test_pass_at_k_is_the_chance_a_draw_of_k_holds_a_success(n, data):
     assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
 
 
-def guess_config(run: Path, steps: int = 2):
+def guess_config(run: Path, steps: int = 2, extra: list[str] = ()):
+    small = [] if any(k.startswith("model.") for k in extra) else [
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1"]
     return build_config({"task_args": {"high": 4, "max_turns": 3}}, [
-        "task=task.py", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
-        "model.num_kv_heads=1", "warm_start.steps=3", "warm_start.batch_size=8",
+        "task=task.py", *small, *extra, "warm_start.steps=3", "warm_start.batch_size=8",
         "rollout.tasks_per_step=3", "rollout.n_per_task=4", "optim.lr=1e-2", "optim.warmup_steps=0",
         f"trainer.steps={steps}", f"trainer.run_dir={run}", "trainer.seed=3", "trainer.eval_tasks=6"])
 
@@ -85,3 +89,47 @@ def test_failed_tries_are_counted_apart_and_the_command_writes_each_task(tmp_pat
     assert summary["reward_mean"] == pytest.approx(sum(scored) / len(scored))
     assert main(["eval", str(cfg_path), "--policy", str(tmp_path / "nope")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_on_vllm_plays_the_policy_as_the_local_engine_does(tmp_path, vllm_python):
+    """Greedy tries on a real vLLM server launched on a saved policy/ score each task as the local
+    engine's greedy tries do, and vLLM's logprobs are the policy's."""
+    from tracetrain.trainer import train
+
+    guess = Path(__file__).resolve().parents[1] / "examples" / "guess"
+    run = tmp_path / "run"
+    cfg = guess_config(run, extra=["model.num_layers=2"])  # the tiny model's head size: vLLM's CPU
+    train(cfg, base_dir=guess, log=lambda *_: None)      # attention has no kernel for 16
+    task = load_task("task.py", guess)
+    (tmp_path / "local").mkdir()
+    local, rows_local = asyncio.run(evaluate(cfg, task, None, policy=run / "policy", k=2,
+                                             temperature=0.0, store_dir=tmp_path / "local"))
+    on_vllm = build_config(json.loads((run / "config.json").read_text()),
+                           ["engine.kind=vllm", f"engine.python={vllm_python}", "rollout.timeout_s=120"])
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    summary, rows = asyncio.run(evaluate(on_vllm, task, None, policy=run / "policy", k=2,
+                                         temperature=0.0, store_dir=kept, log=lambda *_: None))
+    assert summary["failed"] == 0 and summary["tries"] == local["tries"] == 12
+    assert [r["rewards"] for r in rows] == [r["rewards"] for r in rows_local]
+    assert summary["pass@1"] == local["pass@1"]
+    # every turn vLLM answered carries logprobs the policy itself gives its tokens
+    from tracetrain.evaluate import load_eval_policy
+    from tracetrain.store import SQLiteStore
+
+    model, _ = load_eval_policy(cfg, run / "policy")
+    def turns_in(d: Path):
+        with SQLiteStore(d / "eval_traces.db", read_only=True) as store:
+            return [t for r in store.load_rollouts() for t in r.turns]
+
+    turns = turns_in(kept)
+    assert len(turns) >= 12  # greedy: the same tokens, turn for turn
+    assert sorted(tuple(t.response_ids) for t in turns) == sorted(
+        tuple(t.response_ids) for t in turns_in(tmp_path / "local"))
+    for t in turns[:20]:
+        ids = torch.tensor([list(t.prompt_ids) + list(t.response_ids)])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1:-1].float()
+        mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(t.response_ids)[:, None])[:, 0]
+        assert (mine - torch.tensor(list(t.response_logprobs))).abs().max() < TOL

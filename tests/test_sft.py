@@ -83,3 +83,54 @@ def test_sft_from_a_run_then_rl_from_its_policy(tmp_path, capsys):
     assert all(torch.equal(start[k], saved[k]) for k in saved)
     rl = train(cfg, base_dir=guess, log=lambda *_: None)
     assert rl["steps"] == 1
+
+
+@pytest.mark.slow
+def test_sft_under_lora_trains_the_adapter_alone_and_its_checkpoint_evaluates_as_its_policy(tmp_path, capsys):
+    import asyncio
+
+    from test_evaluate import guess_config
+
+    from tracetrain.cli import main
+    from tracetrain.evaluate import evaluate
+    from tracetrain.models import load_policy
+    from tracetrain.tasks import load_task
+    from tracetrain.trainer import Trainer, train
+
+    guess = Path(__file__).resolve().parents[1] / "examples" / "guess"
+    lora_keys = ["model.lora.r=4", 'model.lora.target_modules=["q_proj", "v_proj"]']
+    run = tmp_path / "run"
+    train(guess_config(run, extra=lora_keys), base_dir=guess, log=lambda *_: None)
+    out = tmp_path / "sft"
+    assert main(["sft", str(run / "config.json"), "--from", str(run), "--best-per-group", "1",
+                 "--epochs", "4", "--lr", "3e-2", "--out", str(out)]) == 0
+    report = json.loads((out / "sft.json").read_text())
+    assert report["epoch_losses"][-1] < report["epoch_losses"][0]
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ck["kind"] == "weights" and ck["model"] and all("lora_" in k for k in ck["model"])
+    cfg = build_config(json.loads((run / "config.json").read_text()), [])
+    base, _ = load_policy(cfg.model, seed=cfg.trainer.seed)
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "policy").state_dict()
+    before = base.state_dict()
+    moved = {k for k in merged if not torch.equal(merged[k], before[k])}
+    assert moved and all(("q_proj" in k or "v_proj" in k) for k in moved)  # only the adapted layers
+    # the weights-only checkpoint plays as the merged policy/ beside it (greedy)
+    task = load_task("task.py", guess)
+    from tracetrain.store import SQLiteStore
+
+    answers = {}
+    for name in ("checkpoint.pt", "policy"):
+        (tmp_path / name).mkdir()
+        summary, rows = asyncio.run(evaluate(cfg, task, None, policy=out / name, k=1, temperature=0.0,
+                                             store_dir=tmp_path / name))
+        with SQLiteStore(tmp_path / name / "eval_traces.db", read_only=True) as store:
+            answers[name] = sorted(tuple(t.response_ids) for r in store.load_rollouts() for t in r.turns)
+        assert summary["failed"] == 0 and len(answers[name]) >= summary["tries"]
+    assert answers["checkpoint.pt"] == answers["policy"]
+    # a run cannot resume from it, and says what to do instead
+    tr = Trainer(build_config(json.loads((run / "config.json").read_text()), [f"trainer.run_dir={out}"]),
+                 None, log=lambda *_: None)
+    with pytest.raises(Exception, match="weights-only checkpoint.*model.path"):
+        tr.load_checkpoint()

@@ -14,6 +14,11 @@
 
 `save` writes it atomically (a crash leaves the previous checkpoint whole); `restore` puts it back
 into a Trainer built from the same config.
+
+`save_weights` writes a weights-only checkpoint (`tracetrain sft`'s): kind "weights", the model
+(the adapter alone under LoRA) and what made it. `tracetrain eval --policy` and `sft --policy` read
+it like a run's; a run cannot resume from it (no optimizer, step or history): an RL run starts
+from the policy/ folder beside it.
 """
 
 from __future__ import annotations
@@ -53,9 +58,23 @@ def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
     return path
 
 
+def save_weights(model: torch.nn.Module, path: Path, made_by: dict) -> Path:
+    """Write `model`'s weights (lora.weights) with `made_by` to `path`, atomically."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"kind": "weights", "model": lora.weights(model), "made_by": made_by}, tmp)
+    tmp.replace(path)
+    return path
+
+
 def restore(tr: Any, path: Path) -> None:
     """Load the checkpoint at `path` into trainer `tr`."""
     ck = torch.load(path, weights_only=False)
+    if ck.get("kind") == "weights":
+        from tracetrain.config import ConfigError
+
+        raise ConfigError(f"{path}: a weights-only checkpoint ({ck['made_by'].get('command', '?')}'s), "
+                          "not a run's: start a run from the policy/ folder beside it "
+                          "(model.kind=pretrained model.path=...)")
     lora.load_weights(tr.model, ck["model"])
     tr.optimizer.load_state_dict(ck["optimizer"])
     tr.scheduler.load_state_dict(ck["scheduler"])

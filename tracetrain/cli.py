@@ -115,14 +115,15 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the config's model)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--out", type=Path, required=True, help="writes OUT/policy and OUT/sft.json")
+    p.add_argument("--out", type=Path, required=True,
+                   help="writes OUT/policy, OUT/checkpoint.pt (weights only) and OUT/sft.json")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def run_sft(args: argparse.Namespace) -> int:
     import json
 
-    from tracetrain import lora
+    from tracetrain import checkpoint, lora
     from tracetrain.config import ConfigError, load_config
     from tracetrain.engines.vllm import write_hf_dir
     from tracetrain.evaluate import load_eval_policy
@@ -142,14 +143,15 @@ def run_sft(args: argparse.Namespace) -> int:
     unique = dedupe(chosen)
     if not unique:
         raise ConfigError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
-    model, tokenizer = load_eval_policy(cfg, args.policy)
+    model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
     batch = sft_rows(unique, cfg, tokenizer.pad_token_id or 0)
     losses = fine_tune(model, batch, cfg, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
     path = write_hf_dir(lora.merged(model), tokenizer, args.out / "policy")  # as Trainer.write_policy
     report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
               "trained_rollouts": len(unique), "rows": batch.n_rows,
               "trained_tokens": int(batch.response_mask.sum()), "epoch_losses": losses,
-              "policy": str(path)}
+              "policy": str(path), "checkpoint": str(args.out / "checkpoint.pt")}
+    checkpoint.save_weights(model, args.out / "checkpoint.pt", {"command": "tracetrain sft", **report})
     (args.out / "sft.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

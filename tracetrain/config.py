@@ -515,8 +515,6 @@ class TrainConfig(_Section):
         if self.trainer.precision != "fp32" and self.backend != "embedded":
             raise ValueError(f"trainer.precision: {self.trainer.precision!r} is for backend 'embedded' "
                              "(verl's workers take their precision from the verl section)")
-        if self.data.train is not None and self.backend != "embedded":
-            raise ValueError("data.train: tasks from files are for backend 'embedded' for now")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":
                 raise ValueError("trainer.overlap_collect: for backend 'embedded' only")

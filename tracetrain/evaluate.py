@@ -7,7 +7,8 @@
 
 The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.eval_fraction),
 else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
-`k` times through the same gateway, agents and local engine as training. A try succeeds when
+`k` times through the same gateway, agents and engine as training (`engine.kind`: the local
+engine, or vLLM launched on the policy's weights or pushed to a running server). A try succeeds when
 its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
 reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
 
@@ -38,31 +39,34 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def load_eval_policy(cfg: TrainConfig, policy: str | Path | None):
-    """(model, tokenizer) for `policy` (module docstring)."""
+def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bool = False):
+    """(model, tokenizer) for `policy` (module docstring). Under LoRA (model.lora) a checkpoint
+    holds the adapter alone: it is loaded onto the config's base; a policy/ folder holds the merged
+    model; `adapter=True` (sft, which trains one) puts a fresh adapter on whatever was loaded."""
     from tracetrain import lora
     from tracetrain.models import load_policy
 
     model, tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
-    if policy is None:
-        return model, tokenizer
-    path = Path(policy)
-    if path.is_dir():
+    path = None if policy is None else Path(policy)
+    if path is not None and path.is_dir():
         from transformers import AutoModelForCausalLM
 
         if not (path / "config.json").is_file():
             raise ConfigError(f"--policy {str(path)!r}: not a transformers directory (no config.json)")
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return loaded.eval(), tokenizer
-    if path.is_file():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    elif path is not None and not path.is_file():
+        raise ConfigError(f"--policy {str(path)!r}: no such file or directory")
+    if cfg.model.lora is not None and (adapter or (path is not None and path.is_file())):
+        torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
+        model = lora.wrap(model, cfg.model.lora)
+    if path is not None and path.is_file():
         try:
             ck = torch.load(path, weights_only=False, map_location="cpu")
             lora.load_weights(model, ck["model"])
         except Exception as e:  # not a checkpoint of this config's model: say which and why
             raise ConfigError(f"--policy {str(path)!r}: not a checkpoint of this config's model "
                               f"({type(e).__name__}: {e})") from None
-        return model.eval(), tokenizer
-    raise ConfigError(f"--policy {str(path)!r}: no such file or directory")
+    return model.eval(), tokenizer
 
 
 def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
@@ -82,7 +86,8 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                    temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
                    store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
     """Play each eval task k times with the policy; (summary, one row per task)."""
-    from tracetrain.engines.local import LocalEngine
+    from tracetrain import lora
+    from tracetrain.engines.start import start_engine
     from tracetrain.gateway.app import create_app
     from tracetrain.inprocess import serve_in_loop
     from tracetrain.runner import GatewayClient, agent_http_client
@@ -92,13 +97,20 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
 
     if k < 1:
         raise ConfigError(f"--k must be >= 1, got {k}")
+    if cfg.engine.python is not None:  # before loading anything: the interpreter must run vLLM
+        from tracetrain.engines.vllm_server import check_interpreter
+
+        check_interpreter(cfg.engine.python)
     tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
     model, tokenizer = load_eval_policy(cfg, policy)
+    if cfg.model.lora is not None and not lora.is_lora(model):
+        # a merged policy/ or the untrained base: an engine serves it whole, not base + adapter
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
     agent = resolve_agent(task, cfg.agent)
     with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
-        engine = LocalEngine(model, tokenizer, max_batch_size=4096, seed=cfg.trainer.seed,
-                             threads=cfg.trainer.threads)
+        engine = await start_engine(cfg, model, tokenizer, version=0, run_dir=Path(tmp),
+                                    threads=cfg.trainer.threads, log=log)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(store, {"default": engine}, admin_key=admin_key)
         try:
@@ -118,7 +130,9 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
         mine = results[j * k:(j + 1) * k]
         scored = [r.reward for r in mine if r.state == "succeeded" and r.reward is not None]
         c = sum(x >= success for x in scored)
+        errors = [r.error for r in mine if r.state != "succeeded" and r.error]
         rows.append({"task": t, "rewards": scored, "failed": len(mine) - len(scored),
+                     "errors": errors,
                      "successes": c,
                      "pass@1": pass_at_k(len(scored), c, 1) if scored else None,
                      f"pass@{k}": pass_at_k(len(scored), c, k) if len(scored) >= k else None})

@@ -81,10 +81,12 @@ def fine_tune(model: torch.nn.Module, batch: TrainingBatch, cfg: Any, *, epochs:
               seed: int = 0) -> list[float]:
     """AdamW on L (module docstring), optim.mini_batches updates per epoch over a shuffled order
     of whole rollouts; returns each epoch's mean loss."""
+    from tracetrain import lora
     from tracetrain.logprobs import response_logprobs
     from tracetrain.optim import adamw
 
-    opt = adamw(model.parameters(), lr=lr, weight_decay=0.0)
+    params = lora.trainable(model)  # the adapter's under LoRA, else all
+    opt = adamw(params, lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     losses = []
     model.train()
@@ -108,7 +110,7 @@ def fine_tune(model: torch.nn.Module, batch: TrainingBatch, cfg: Any, *, epochs:
                 loss = -(w * lp).sum()
                 loss.backward()
                 total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
             opt.step()
         losses.append(total / len(plan))
     model.eval()

@@ -119,12 +119,13 @@ def make_trainer(conf: Any, n_tasks: int):
 class VerlRun:
     """One run: verl's RayPPOTrainer (workers, servers, weight sync) + tracetrain's gateway."""
 
-    def __init__(self, cfg: Any, conf: Any, task: Any, *, log=print):
+    def __init__(self, cfg: Any, conf: Any, task: Any, *, data: Any = None, log=print):
         from verl.utils.config import omega_conf_to_dataclass
 
         from tracetrain.integrations.verl.loss import ppo_loss
 
         self.cfg, self.conf, self.task, self.log = cfg, conf, task, log
+        self.data = data  # the run's dataset (dataset.TaskData), when data.train names one
         self.run_dir = Path(cfg.trainer.run_dir)
         self.trainer = make_trainer(conf, cfg.rollout.tasks_per_step)
         self.tokenizer = self.trainer.tokenizer
@@ -165,7 +166,7 @@ class VerlRun:
         for name, engine in engines.items():
             engine.model_version = self.step
             await gateway.engine(name, "resume")
-        tasks = step_tasks(self.task, cfg, self.step)
+        tasks = step_tasks(self.task, cfg, self.step, self.data)
         specs = rollout_specs(tasks, rc.n_per_task, f"{self.nonce}-s{self.step}", list(engines))
         results = await collect(gateway, specs, self.agent, cfg, temperature=rc.temperature,
                                 step=self.step, http_client=http)
@@ -283,10 +284,11 @@ def train_verl(
 
     from tracetrain.report import summary
     from tracetrain.rundir import refuse_earlier_run
-    from tracetrain.tasks import load_task
+    from tracetrain.tasks import load_task, open_task_data
 
     v = verl or getattr(cfg, "verl", None) or VerlConfig()
-    task = load_task(cfg.task, base_dir)
+    task = load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
+    data = open_task_data(cfg, base_dir)  # every row checked before Ray or any worker starts
     conf = build_verl_config(cfg, v)
     run_dir = Path(cfg.trainer.run_dir)
     refuse_earlier_run(run_dir, resumable=False)
@@ -296,7 +298,7 @@ def train_verl(
     if not ray.is_initialized():
         ray.init(address=v.ray_address, runtime_env=get_ppo_ray_runtime_env(conf))
     t = time.perf_counter()
-    history = asyncio.run(VerlRun(cfg, conf, task, log=log).run())
+    history = asyncio.run(VerlRun(cfg, conf, task, data=data, log=log).run())
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2))
