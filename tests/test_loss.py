@@ -19,7 +19,6 @@ from tracetrain.loss import (
     rollout_mass,
     row_scales,
     token_weights,
-    truncated_is_weights,
 )
 
 MEAN_MODES = ["rollout-mean", "token-mean", "seq-mean-token-mean"]
@@ -493,13 +492,6 @@ def test_policy_loss_errors():
         policy_loss(lp, lp.detach(), torch.zeros(2), w, dual_clip=0.5)
     with pytest.raises(ValueError, match="clip_low must be < 1"):
         policy_loss(lp, lp.detach(), torch.zeros(2), w, clip_low=1.0)
-
-
-def test_truncated_is_weights():
-    old = torch.tensor([[-1.0, -1.0, -3.0]])
-    rollout = torch.tensor([[-1.0, -2.0, -1.0]])
-    v = truncated_is_weights(old, rollout, cap=2.0)
-    assert v[0].tolist() == pytest.approx([1.0, 2.0, math.exp(-2)])  # e^1 = 2.72 is capped at 2
 
 
 # --- split invariance: one row per rollout vs each rollout cut into k rows ----------------------

@@ -282,6 +282,46 @@ class LossConfig(_Section):
     """Weight of the entropy bonus (subtracted from the loss); 0: the entropy is not computed."""
 
 
+class CorrectionConfig(_Section):
+    """Importance corrections between the engine's sampling and the trainer's policy
+    (tracetrain/correction.py, docs/objective.md "Importance corrections"). Embedded backend."""
+
+    old: Literal["engine", "trainer"] = "engine"
+    """What the PPO ratio is taken against: `engine`, the logprobs the engine recorded for each
+    token (its turn's model version); `trainer`, the proximal policy: the trainer's own logprobs
+    under the weights before the step's first update (one no-grad forward over the step's rows),
+    the decoupled PPO of AReaL. The corrections below need `trainer`."""
+    weight: Literal["none", "token", "rollout"] = "none"
+    """Truncated importance weight on each token's PPO term: `token`, min(pi/mu, cap) per token;
+    `rollout`, min(prod pi/mu, cap) over all the rollout's trained tokens in all its rows."""
+    cap: float = Field(2.0, ge=1)
+    """The truncation C of `weight`."""
+    mask: Literal["none", "token", "rollout"] = "none"
+    """Masked IS: `token`, tokens whose pi/mu is outside `band` get no PPO term (IcePop);
+    `rollout`, every token of a rollout whose per-token geometric mean of pi/mu is outside it."""
+    band: list[float] = Field(default_factory=lambda: [0.5, 2.0])
+    """[lo, hi] of `mask`, with lo <= 1 <= hi."""
+    reject: list[float] | None = None
+    """[lo, hi]: a rollout whose per-token geometric mean of pi/mu is outside it is taken out of
+    the update (counted; R counts the kept rollouts); null: none is."""
+
+    @field_validator("band", "reject")
+    @classmethod
+    def _band(cls, v: list[float] | None, info) -> list[float] | None:
+        if v is not None and (len(v) != 2 or not 0 < v[0] <= 1 <= v[1]):
+            raise ValueError(f"{info.field_name}: [lo, hi] with 0 < lo <= 1 <= hi, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_trainer(self) -> CorrectionConfig:
+        on = [k for k, v in (("weight", self.weight != "none"), ("mask", self.mask != "none"),
+                             ("reject", self.reject is not None)) if v]
+        if on and self.old != "trainer":
+            raise ValueError(f"correction.{on[0]}: corrects the trainer's proximal policy against the "
+                             "engine's; set correction.old: trainer (the ratio taken against it)")
+        return self
+
+
 class OptimConfig(_Section):
     """AdamW, its learning-rate schedule, and how a step's update is cut
     (tracetrain/minibatch.py)."""
@@ -502,6 +542,7 @@ class TrainConfig(_Section):
     roles: RolesConfig = Field(default_factory=RolesConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -515,6 +556,9 @@ class TrainConfig(_Section):
         if self.trainer.precision != "fp32" and self.backend != "embedded":
             raise ValueError(f"trainer.precision: {self.trainer.precision!r} is for backend 'embedded' "
                              "(verl's workers take their precision from the verl section)")
+        if self.correction != CorrectionConfig() and self.backend != "embedded":
+            raise ValueError("correction: for backend 'embedded' (verl has its own rollout "
+                             "correction, set in the verl section)")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":
                 raise ValueError("trainer.overlap_collect: for backend 'embedded' only")

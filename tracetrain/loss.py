@@ -394,7 +394,7 @@ def policy_loss(
     - weights: a [rows, R] tensor, or `RowWeights(mask, row_scales)` (as the trainer passes them;
       the CPU path then builds no [rows, R] weight tensor). All three terms use the same weights
       (invariant 5).
-    - is_weights [rows, R]: truncated importance weights (constant), see `truncated_is_weights`.
+    - is_weights [rows, R]: importance weights v >= 0 (constant), see correction.py.
     - ref_logprobs [rows, R] with `kl_estimator` in KL_ESTIMATORS: KL(policy || reference) term;
       needed when kl_coef != 0, reported as a metric whenever given.
     - entropy [rows, R] (differentiable): the policy's entropy; needed when entropy_coef != 0.
@@ -453,18 +453,6 @@ def policy_loss(
     if entropy is not None:
         metrics["entropy"] = mean(s["entropy"])
     return loss, metrics
-
-
-def truncated_is_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, *, cap: float = 2.0
-) -> torch.Tensor:
-    """min(exp(old - rollout), cap), detached: truncated importance weights correcting for the
-    inference engine's sampling distribution differing from the trainer's (TIS)."""
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap!r}")
-    return (
-        (old_logprobs.detach() - rollout_logprobs.detach()).clamp_(max=20.0).exp_().clamp_(max=cap)
-    )
 
 
 # ---------------------------------------------------------------------------------------------

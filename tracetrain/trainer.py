@@ -230,6 +230,7 @@ class Trainer:
                     t_sync = time.perf_counter()
                     await self.push_weights(engine)
                     metrics["time/sync_s"] = time.perf_counter() - t_sync
+            metrics.update(updates[0].correction or {})
             if updates[0].logprob_gap is not None:
                 metrics["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
                 metrics["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]

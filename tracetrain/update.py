@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tracetrain.config import TrainConfig
+from tracetrain.correction import correct
 from tracetrain.distributed import DataParallel, sum_over_ranks
 from tracetrain.loss import RowWeights, policy_loss, rollout_mass
 from tracetrain.minibatch import plan_step
@@ -46,6 +47,8 @@ class UpdateResult:
     # |logprob the engine recorded - the trainer's| over the first mini-batch's trained tokens,
     # before the first optimizer step ({"mean", "max"}); None unless measure_gap
     logprob_gap: dict[str, float] | None = None
+    # correction.correct's metrics (the step's, on the first update's result); None when off
+    correction: dict[str, float] | None = None
 
 
 def ppo_update(
@@ -68,7 +71,11 @@ def ppo_update(
     micro-batch), so the update equals the one-process update. Metrics are summed over ranks.
 
     measure_gap (the rollouts came from these very weights): the first update's result carries
-    mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's)."""
+    mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's).
+
+    cfg.correction.old "trainer": the ratio is taken against the policy's own logprobs before the
+    first update (one no-grad pass over the rows), and correction.correct's v and kept mask (from
+    those and the engine's) are fixed for the step before any plan, micro-batch or rank."""
     lc, oc = cfg.loss, cfg.optim
     need_entropy = lc.entropy_coef > 0
     precision, temperature = cfg.trainer.precision, cfg.rollout.temperature
@@ -78,6 +85,9 @@ def ppo_update(
     # [rows] one per row from one per rollout, or [rows, R] per token (turn-level credit)
     adv_rows = (advantages if advantages.dim() == 2 else advantages[batch.rollout_index]).to(dev)
     R = batch.response_length
+    cc = cfg.correction
+    behaviour = batch.rollout_logprobs  # the engine's, each token's own turn version
+    train_mask = batch.response_mask  # with rejected rollouts cleared (correction.reject)
     pack, share = oc.pack_rows, oc.pack_rows and oc.share_prefixes
     budget = oc.micro_batch_tokens
     if pack:  # a micro-batch is one pack: budget in computed tokens, capped (dense mask, N^2)
@@ -87,7 +97,7 @@ def ppo_update(
         return row_costs(batch.input_ids[rows], batch.attention_mask[rows], share=share)
 
     def plan(world_size: int = dp.world_size, rank: int = dp.rank):
-        return plan_step(batch.response_mask, batch.rollout_index,
+        return plan_step(train_mask, batch.rollout_index,
                          n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
                          micro_batch_tokens=budget, mode=lc.mode, norm_length=lc.norm_length,
                          row_tokens=batch.attention_mask.sum(1),
@@ -108,14 +118,33 @@ def ppo_update(
         padded = rows.numel() * (real.shape[1] - first)
         return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
 
-    old_all = batch.rollout_logprobs
-    if old_all is None:  # the engine gave no logprobs: the policy before this step is the reference
+    old_all, is_all, corrected = behaviour, None, None
+    # the engine gave no logprobs, or the ratio is against the proximal policy: the policy before
+    # this step's first update, over every row
+    if old_all is None or cc.old == "trainer":
         old_all = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=dev)
         with torch.no_grad():
             for mb in plan(1, 0):
                 for micro in mb.micro_batches:
                     old_all[micro.rows.to(dev)] = forward(model, micro.rows)[0]
+        if cc.old == "trainer" and behaviour is not None:
+            corrected = correct(old_all.cpu(), behaviour, batch.response_mask, batch.rollout_index,
+                                weight=cc.weight, cap=cc.cap, mask_mode=cc.mask,
+                                band=tuple(cc.band), reject=tuple(cc.reject) if cc.reject else None)
+            train_mask, is_all = corrected.mask, corrected.is_weights
+            if corrected.metrics["correction/rejected_rollouts"]:  # their rows leave the step
+                keep = (train_mask.any(1) | ~batch.response_mask.any(1)).nonzero().squeeze(1)
+                if not keep.numel():  # every rollout rejected: no update
+                    return [UpdateResult(0.0, 0.0, {}, None, corrected.metrics)]
+                batch, train_mask, old_all = batch.select_rows(keep), train_mask[keep], old_all[keep.to(dev)]
+                adv_rows, behaviour = adv_rows[keep.to(dev)], behaviour[keep]
+                is_all = None if is_all is None else is_all[keep]
+                ids_all, att_all, pos_all = (t.to(dev) for t in (
+                    batch.input_ids, batch.attention_mask, batch.position_ids))
+            mask_all = train_mask.to(dev)
+            is_all = None if is_all is None else is_all.to(dev)
     old_all = old_all.to(dev)
+    behaviour = None if behaviour is None else behaviour.to(dev)
     results = []
     gap_sum, gap_max, gap_n = 0.0, 0.0, 0
     model.train()
@@ -130,8 +159,8 @@ def ppo_update(
                 with sync:  # the forward too: DDP arms its all-reduce in the forward pass
                     rows_dev = micro.rows.to(dev)
                     lp, ent, pk, computed, padded = forward(model, micro.rows, entropy=need_entropy)
-                    if measure_gap and not results:  # no optimizer step yet: the engine's weights
-                        d = (lp.detach() - old_all[rows_dev]).abs()[mask_all[rows_dev].bool()]
+                    if measure_gap and behaviour is not None and not results:  # no optimizer step yet: the engine's weights
+                        d = (lp.detach() - behaviour[rows_dev]).abs()[mask_all[rows_dev].bool()]
                         if d.numel():
                             gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
                             gap_max = max(gap_max, float(d.max()))
@@ -143,7 +172,7 @@ def ppo_update(
                         lp, old_all[rows_dev], adv_rows[rows_dev],
                         RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
                         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                        ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                        is_weights=None if is_all is None else is_all[rows_dev], ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
                         entropy=ent, entropy_coef=lc.entropy_coef,
                     )
                     loss.backward()
@@ -163,19 +192,21 @@ def ppo_update(
             means = {k: (v if k in TOKEN_METRICS else v / W if k in ADDITIVE_METRICS
                          else v / mass if mass else 0.0) for k, v in sums.items()}
             # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
-            per_rollout = rollout_mass(batch.response_mask[mb.rows], batch.rollout_index[mb.rows],
+            per_rollout = rollout_mass(train_mask[mb.rows], batch.rollout_index[mb.rows],
                                        mb.row_scales)
-            means["rollout_mass_min"] = float(per_rollout.min())
-            means["rollout_mass_max"] = float(per_rollout.max())
+            per_rollout = per_rollout[per_rollout > 0]  # rejected rollouts (correction.reject) are out
+            lo, hi = (float(per_rollout.min()), float(per_rollout.max())) if per_rollout.numel() else (0.0, 0.0)
+            means["rollout_mass_min"], means["rollout_mass_max"] = lo, hi
             means["n_rollouts"] = float(per_rollout.numel())
             # x R within this update (a mean of products over updates, not of the two factors)
-            means["rollout_mass_x_R_min"] = float(per_rollout.min()) * per_rollout.numel()
-            means["rollout_mass_x_R_max"] = float(per_rollout.max()) * per_rollout.numel()
+            means["rollout_mass_x_R_min"] = lo * per_rollout.numel()
+            means["rollout_mass_x_R_max"] = hi * per_rollout.numel()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             gap = {"mean": gap_sum / gap_n, "max": gap_max} if measure_gap and gap_n and not results else None
-            results.append(UpdateResult(total, grad_norm, means, gap))
+            results.append(UpdateResult(total, grad_norm, means, gap,
+                                        None if results or corrected is None else corrected.metrics))
     model.eval()
     return results
