@@ -189,13 +189,14 @@ async def run_rollouts_in_workers(
     concurrency: int,
     timeout_s: float,
     client_extra: dict | None = None,
+    first_position: int = 0,
 ) -> list[RolloutResult]:
     """`runner.run_rollouts` with the agents in `workers`: same rollouts, states and results."""
     created = await gateway.create_rollouts(rollouts)
     extra = dict(client_extra or {})
     jobs = []
     for k, (c, spec) in enumerate(zip(created, rollouts, strict=True)):
-        jobs.append((spec["task"], agent_client(c, extra, k), timeout_s))
+        jobs.append((spec["task"], agent_client(c, extra, first_position + k), timeout_s))
     try:
         outcomes = await workers.run(jobs, concurrency)
     except BrokenProcessPool as e:  # the pool died before it took the jobs

@@ -11,6 +11,7 @@
     frozen               roles.serve "frozen": the copy of the policy that serves those roles
     rng, history         torch's and Python's random state; the metrics of the steps so far
     precision            what trainer.precision "auto" chose, kept on resume
+    collector            collect "continuous": the next group and the groups launched, not trained
 
 `save` writes it atomically (a crash leaves the previous checkpoint whole); `restore` puts it back
 into a Trainer built from the same config.
@@ -51,10 +52,22 @@ def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "history": tr.history,
             "precision": tr.cfg.trainer.precision,
+            "collector": tr.collector.state() if tr.collector is not None else tr.collector_state,
         },
         tmp,
     )
     tmp.replace(path)
+    return path
+
+
+def write_policy(model: torch.nn.Module, tokenizer, path: Path) -> Path:
+    """`path` (a run's policy/): the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
+    under LoRA the merged model, and the adapter alone in path/adapter (peft's format)."""
+    from tracetrain.engines.vllm import write_hf_dir
+
+    write_hf_dir(lora.merged(model), tokenizer, path)
+    if lora.is_lora(model):
+        model.save_pretrained(path / "adapter")
     return path
 
 
@@ -95,3 +108,4 @@ def restore(tr: Any, path: Path) -> None:
         tr.engine_version = ck["engine"]["version"]
     tr.next_collected = ck.get("next_collected")
     tr.resumed_precision = ck.get("precision")
+    tr.collector_state = ck.get("collector")

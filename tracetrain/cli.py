@@ -123,9 +123,8 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     import json
 
-    from tracetrain import checkpoint, lora
+    from tracetrain import checkpoint
     from tracetrain.config import ConfigError, load_config
-    from tracetrain.engines.vllm import write_hf_dir
     from tracetrain.evaluate import load_eval_policy
     from tracetrain.sft import dedupe, fine_tune, select, sft_rows
     from tracetrain.store import SQLiteStore
@@ -146,7 +145,7 @@ def run_sft(args: argparse.Namespace) -> int:
     model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
     batch = sft_rows(unique, cfg, tokenizer.pad_token_id or 0)
     losses = fine_tune(model, batch, cfg, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
-    path = write_hf_dir(lora.merged(model), tokenizer, args.out / "policy")  # as Trainer.write_policy
+    path = checkpoint.write_policy(model, tokenizer, args.out / "policy")  # as a run's policy/
     report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
               "trained_rollouts": len(unique), "rows": batch.n_rows,
               "trained_tokens": int(batch.response_mask.sum()), "epoch_losses": losses,

@@ -370,8 +370,17 @@ class TrainerConfig(_Section):
     """Seeds torch and Python, the tiny model's weights, each step's tasks and the agents'
     sampling seeds."""
     max_staleness: int = Field(0, ge=0)
-    """Rollouts with a turn made by a policy more than this many versions (updates) old are
-    dropped (counted)."""
+    """How many versions (updates) old a trained turn may be. `collect: continuous`: the bound the
+    collection keeps (nothing is dropped); `collect: step`: rollouts with an older trained turn
+    are dropped (counted)."""
+    collect: Literal["step", "continuous"] = "step"
+    """`step`: each step collects its rollouts, then learns. `continuous`: agents keep running
+    while the policy learns; step s trains `rollout.tasks_per_step` finished groups, the first
+    launched first, plus every group launched at a version <= s - max_staleness (after this update
+    it would be older than the bound); at most (max_staleness + 1) x tasks_per_step groups are
+    launched and not yet trained, and after each update the engine takes the new weights while
+    the requests in flight finish first (tracetrain/continuous.py). With max_staleness 0 it is
+    the `step` run. Backend `embedded`; not with `overlap_collect` or `engine.sleep_level`."""
     eval_every: int = Field(0, ge=0)
     """Every this many steps, an eval pass: one greedy rollout on each of `eval_tasks` tasks (not
     trained on); 0: no eval pass."""
@@ -559,6 +568,12 @@ class TrainConfig(_Section):
         if self.correction != CorrectionConfig() and self.backend != "embedded":
             raise ValueError("correction: for backend 'embedded' (verl has its own rollout "
                              "correction, set in the verl section)")
+        if self.trainer.collect == "continuous":
+            if self.backend != "embedded":
+                raise ValueError("trainer.collect: 'continuous' is for backend 'embedded'")
+            if self.trainer.overlap_collect:
+                raise ValueError("trainer.overlap_collect: not with trainer.collect 'continuous' "
+                                 "(it collects beside the update already; max_staleness 1)")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":
                 raise ValueError("trainer.overlap_collect: for backend 'embedded' only")
@@ -572,6 +587,9 @@ class TrainConfig(_Section):
         if self.engine.kind != "local" and self.backend != "embedded":
             raise ValueError("engine.kind: for backend 'embedded' (verl's rollout engine is "
                              "configured in the verl section)")
+        if self.engine.sleep_level and self.trainer.collect == "continuous":
+            raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
+                             "trainer.collect 'continuous' collects beside it")
         if self.engine.sleep_level and self.trainer.overlap_collect:
             raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
                              "trainer.overlap_collect collects beside it")
@@ -588,6 +606,10 @@ class TrainConfig(_Section):
         if self.backend != "embedded":
             raise ValueError(f"model.lora: not with backend {self.backend!r} yet (LoRA runs on the "
                              "embedded backend)")
+        if self.engine.kind == "local" and self.trainer.collect == "continuous" and self.trainer.max_staleness:
+            raise ValueError("model.lora: not with trainer.collect 'continuous' (max_staleness >= 1) "
+                             "and engine.kind 'local' (the engine's own copy of the policy would copy "
+                             "the base weights too); with engine.kind 'vllm' it runs")
         if self.engine.kind == "local" and self.trainer.overlap_collect:
             raise ValueError("model.lora: not with trainer.overlap_collect and engine.kind 'local' "
                              "(the engine's own copy of the policy would copy the base weights too); "

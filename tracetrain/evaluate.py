@@ -12,7 +12,7 @@ engine, or vLLM launched on the policy's weights or pushed to a running server).
 its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
 reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
 
-The policy: a `policy/` folder (Trainer.write_policy: a transformers directory), a
+The policy: a `policy/` folder (checkpoint.write_policy: a transformers directory), a
 `checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start).
 """
 

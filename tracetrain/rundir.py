@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tracetrain.config import ConfigError, TrainConfig
@@ -20,6 +21,19 @@ def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
                "trainer.resume=true starts it over (it has no checkpoint)") + "; or " + how
     raise ConfigError(f"config key 'trainer.run_dir': {run_dir} already holds a run "
                       f"({', '.join(earlier)}); {how}")
+
+
+def claim_run_dir(run_dir: Path, cfg: TrainConfig, resumed: list[dict] | None) -> None:
+    """Rank 0, before the first step: metrics.jsonl holds this run's steps only (`resumed`, the
+    checkpoint's history: those logged after it are run again), then config.json."""
+    metrics = run_dir / "metrics.jsonl"
+    if resumed is not None:
+        metrics.write_text("".join(json.dumps(m) + "\n" for m in resumed))
+    elif cfg.trainer.resume:  # nothing to resume from: start over
+        metrics.unlink(missing_ok=True)
+    else:
+        refuse_earlier_run(run_dir, resumable=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
 
 def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:

@@ -352,8 +352,10 @@ async def run_rollouts(
     timeout_s: float,
     client_extra: dict | None = None,
     http_client: Any = None,
+    first_position: int = 0,
 ) -> list[RolloutResult]:
-    """Create `rollouts` ([{rollout_id, group_id, task}]) on the gateway, run one agent each.
+    """Create `rollouts` ([{rollout_id, group_id, task}]) on the gateway, run one agent each;
+    rollout k gets the seed of position first_position + k (`rollout_seed`).
 
     Results are in the order of `rollouts`. The step never waits longer than about timeout_s per
     wave of `concurrency` agents: every agent is bounded by its timeout. `http_client` (see
@@ -363,7 +365,8 @@ async def run_rollouts(
     if http_client is None:
         async with agent_http_client(concurrency) as own:
             return await run_rollouts(gateway, rollouts, agent, concurrency=concurrency,
-                                      timeout_s=timeout_s, client_extra=client_extra, http_client=own)
+                                      timeout_s=timeout_s, client_extra=client_extra, http_client=own,
+                                      first_position=first_position)
     created = await gateway.create_rollouts(rollouts)
     sem = asyncio.Semaphore(concurrency)
     extra = {**(client_extra or {}), "http_client": http_client}
@@ -372,7 +375,8 @@ async def run_rollouts(
         async with sem:
             return await run_one(gateway, c, task, agent, extra, timeout_s, k)
 
-    runs = (bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
+    runs = (bounded(first_position + k, c, r.get("task"))
+            for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
     return list(await asyncio.gather(*runs))
 
 

@@ -158,6 +158,7 @@ async def run_rollouts_ray(
     num_cpus: float = 0.25,
     kill_grace_s: float = 5.0,
     start_timeout_s: float | None = None,
+    first_position: int = 0,
 ) -> list[RolloutResult]:
     """`runner.run_rollouts` with each agent in a Ray task: create `rollouts`
     ([{rollout_id, group_id, task}]) on the gateway, run one agent each, at most `concurrency` at
@@ -202,6 +203,7 @@ async def run_rollouts_ray(
             return await finish_rollout(gateway, c, state, reward, error, seconds)
 
     runs = (
-        bounded(k, c, r.get("task")) for k, (c, r) in enumerate(zip(created, rollouts, strict=True))
+        bounded(first_position + k, c, r.get("task"))
+        for k, (c, r) in enumerate(zip(created, rollouts, strict=True))
     )
     return list(await asyncio.gather(*runs))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from tracetrain.aggregate import aggregate
@@ -55,15 +56,17 @@ def rollout_specs(
 
 
 async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temperature: float,
-                  step: int, http_client=None, workers=None) -> list:
+                  step: int, http_client=None, workers=None, first_position: int = 0) -> list:
     """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
     calls sampled at `temperature` with step `step`'s seed; results in the order of `specs`.
     runner "ray": the agents are Ray tasks; `workers` (agent_workers.AgentWorkers): they run in
-    those processes; else as coroutines here (on `http_client`'s connections when given)."""
+    those processes; else as coroutines here (on `http_client`'s connections when given).
+    `first_position`: where `specs` start among the step's rollouts (their sampling seeds)."""
     rc = cfg.rollout
     extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
              "seed": step_seed(cfg, step)}
-    limits = {"concurrency": rc.concurrency, "timeout_s": rc.timeout_s, "client_extra": extra}
+    limits = {"concurrency": rc.concurrency, "timeout_s": rc.timeout_s, "client_extra": extra,
+              "first_position": first_position}
     if cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
         from tracetrain.runner_ray import run_rollouts_ray
 
@@ -93,6 +96,45 @@ def drop_stale(
     return keep, n_stale
 
 
+def staleness_counts(rollouts: list, version: int, train_roles) -> dict[str, Any]:
+    """staleness/... of the rollouts a step trains at `version`: a histogram of the rollouts by
+    version - their oldest trained turn's version (rollouts_<d>), of the trained tokens by
+    version - their turn's version (tokens_<d>), and mixed_version_rollouts (trained turns from
+    more than one version)."""
+    out: dict[str, Any] = {"staleness/mixed_version_rollouts": 0}
+    for r in rollouts:
+        turns = [t for t in r.turns if t.model_version is not None and trains(t.role, train_roles)]
+        if not turns:
+            continue
+        versions = {t.model_version for t in turns}
+        key = f"staleness/rollouts_{version - min(versions)}"
+        out[key] = out.get(key, 0) + 1
+        out["staleness/mixed_version_rollouts"] += len(versions) > 1
+        for t in turns:
+            key = f"staleness/tokens_{version - t.model_version}"
+            out[key] = out.get(key, 0) + len(t.response_ids)
+    return out
+
+
+# engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "prefix_cache_tokens",
+               "attempts", "retries", "failures")
+
+
+@dataclass
+class Collected:
+    """The rollouts of one step: results, seconds, the engine's work and the oldest model version
+    that generated them (the engine's at the start of the collect, or at a group's launch), and
+    what the collect measured (`metrics`)."""
+
+    step: int
+    results: list
+    seconds: float
+    engine_work: dict[str, int]
+    engine_version: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
 class Rows(NamedTuple):
     batch: TrainingBatch
     # [n_rollouts] one per rollout, or [rows, R] one per token of a turn-level estimator
@@ -107,7 +149,7 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
     dropped, aggregated into rows, and given their advantages.
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
-    n_stale_rollouts, aggregate/*, context/* (how the prompts were built), roles/* and
+    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were built), roles/* and
     turn_rewards/* (roles.role_metrics), advantage/*, time/rows_s."""
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
@@ -128,6 +170,7 @@ def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: in
         **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
         **context_metrics(store.turn_contexts(ids)),
         **role_metrics(rollouts, train_roles),
+        **staleness_counts(rollouts, version, train_roles),
     }
     adv = None
     if batch.n_rows:

@@ -34,13 +34,12 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tracetrain import checkpoint, lora
+from tracetrain import checkpoint, continuous, lora
 from tracetrain.agent_workers import AgentRef, AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.distributed import DataParallel, from_main, wrap
@@ -52,31 +51,22 @@ from tracetrain.logprobs import faster_precision
 from tracetrain.memory import peak_rss_gb, reset_peak
 from tracetrain.optim import adamw
 from tracetrain.roles import role_engines
-from tracetrain.rundir import format_step, metric_sinks, refuse_earlier_run
+from tracetrain.rundir import claim_run_dir, format_step, metric_sinks
 from tracetrain.runner import GatewayClient, RolloutResult, agent_http_client
-from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
+from tracetrain.step import (
+    ENGINE_WORK,
+    Collected,
+    collect,
+    rollout_specs,
+    rows,
+    step_tasks,
+    throughput,
+)
 from tracetrain.tasks import load_task, open_task_data, resolve_agent
 from tracetrain.threads import run_with_threads
 from tracetrain.update import lr_factor, ppo_update
 
 log = logging.getLogger("tracetrain.trainer")
-
-
-# engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
-ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "prefix_cache_tokens",
-               "attempts", "retries", "failures")
-
-
-@dataclass
-class Collected:
-    """The rollouts of one step: results, seconds, the engine's work and the model version that
-    generated them (the engine's at the start of the collect)."""
-
-    step: int
-    results: list[RolloutResult]
-    seconds: float
-    engine_work: dict[str, int]
-    engine_version: int = 0
 
 
 # ----------------------------------------------------------------------------- the loop (I/O)
@@ -119,6 +109,8 @@ class Trainer:
         # step's rollouts come from: the checkpoint keeps those instead of the engine's.
         self.next_weights: dict | None = None
         self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
+        self.collector = None  # collect "continuous": the groups in flight (continuous.Collector)
+        self.collector_state: dict | None = None  # from a checkpoint: what it had launched
         self.resumed_precision: str | None = None  # from a checkpoint: what "auto" chose
         self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
                                weight_decay=cfg.optim.weight_decay)
@@ -147,17 +139,6 @@ class Trainer:
         call = functools.partial(run_with_threads, threads, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.update_executor, call)
 
-    def claim_run_dir(self, resumed: bool) -> None:
-        """Rank 0, before the first step: metrics.jsonl holds this run's steps only (a resumed
-        run's: the checkpoint's, those logged after it are run again), then config.json."""
-        if resumed:
-            self.metrics_path.write_text("".join(json.dumps(m) + "\n" for m in self.history))
-        elif self.cfg.trainer.resume:  # nothing to resume from: start over
-            self.metrics_path.unlink(missing_ok=True)
-        else:
-            refuse_earlier_run(self.run_dir, resumable=True)
-        (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
-
     # -- checkpoints ---------------------------------------------------------------------
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoint.pt"
@@ -165,7 +146,7 @@ class Trainer:
     def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
         """checkpoint.save: everything a resumed run needs; then run_dir/policy."""
         path = checkpoint.save(self, self.checkpoint_path(), next_collected)
-        self.write_policy()
+        checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
         return path
 
     def load_checkpoint(self) -> None:
@@ -200,7 +181,7 @@ class Trainer:
             engine.server.check_alive()  # (the step's rollouts failed with its error, not reward 0)
         results = collected.results
         batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.version)
-        metrics: dict[str, Any] = {"step": self.step, **row_metrics}
+        metrics: dict[str, Any] = {"step": self.step, **row_metrics, **collected.metrics}
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
         t1 = time.perf_counter()
@@ -212,8 +193,9 @@ class Trainer:
             # vllm, sequential: the new weights are pushed right after the update
             push = not shared and not cfg.trainer.overlap_collect
             sleep = cfg.engine.sleep_level  # vllm on the trainer's GPU: asleep during the update
-            # Shared weights change in place, pushed ones go in a window: no request sees either.
-            async with held_engine(gateway, self.engine_slot) if shared or push else contextlib.nullcontext():
+            # Shared weights change in place, pushed ones in a window of their own (an engine
+            # with its own copy serves on during the update): no request sees either half done.
+            async with held_engine(gateway, self.engine_slot) if shared or sleep else contextlib.nullcontext():
                 if sleep:
                     await engine.sleep(sleep)
                 t_update = time.perf_counter()
@@ -226,10 +208,11 @@ class Trainer:
                 self.version += 1
                 if shared:
                     engine.update_weights(None, self.version)
-                elif push:
-                    t_sync = time.perf_counter()
+            if push:
+                t_sync = time.perf_counter()
+                async with held_engine(gateway, self.engine_slot):
                     await self.push_weights(engine)
-                    metrics["time/sync_s"] = time.perf_counter() - t_sync
+                metrics["time/sync_s"] = time.perf_counter() - t_sync
             metrics.update(updates[0].correction or {})
             if updates[0].logprob_gap is not None:
                 metrics["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
@@ -268,15 +251,22 @@ class Trainer:
     async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
         """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
         update runs, by the policy before that update (one version behind); the engine takes the
-        new weights between the two collects, so each step's rollouts come from one version."""
+        new weights between the two collects, so each step's rollouts come from one version.
+        collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
         cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
         pending: asyncio.Task | None = None
         initial = None  # the untrained policy's eval: what later evals are compared with
         if cfg.trainer.eval_every and self.step == 0:
             initial = await self.evaluate(gateway)
+        if cfg.trainer.collect == "continuous":
+            self.collector = continuous.start(self, gateway, engine)
+        mark = (time.perf_counter(), self.engine_slot.busy_seconds(), dict(engine.stats))
         try:
             while self.step < cfg.trainer.steps:
-                if pending is not None:
+                if self.collector is not None:
+                    collected = await continuous.take_step(self.collector, engine, self.step,
+                                                           self.version, mark[0], mark[2])
+                elif pending is not None:
                     collected = await pending
                 elif self.next_collected is not None and self.next_collected.step == self.step:
                     collected = self.next_collected  # collected before the checkpoint we resumed from
@@ -288,6 +278,11 @@ class Trainer:
                     if self.step + 1 < cfg.trainer.steps:
                         pending = asyncio.create_task(self.collect_step(gateway, engine, self.step + 1))
                 m = await self.learn(gateway, engine, collected)
+                if self.collector is not None:
+                    self.collector.trained()  # (after the engine took the new weights)
+                now = (time.perf_counter(), self.engine_slot.busy_seconds(), dict(engine.stats))
+                m["engine/idle_frac"] = 1 - (now[1] - mark[1]) / max(now[0] - mark[0], 1e-9)
+                mark = now
                 if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
                     if pending is not None:  # the eval sees the policy after this update
                         await asyncio.wait([pending])
@@ -312,6 +307,11 @@ class Trainer:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
+            if self.collector is not None:  # what a resumed run launches again
+                self.collector_state = self.collector.state()
+                if n := await self.collector.aclose():
+                    self.log(f"continuous collection: {n} groups still running at the end, stopped")
+                self.collector = None
 
     def follow(self) -> None:
         """A rank other than 0: take each step's rows from rank 0 and join its update."""
@@ -367,16 +367,6 @@ class Trainer:
         trainer = self.cfg.trainer.model_copy(update={"precision": chosen})
         return self.cfg.model_copy(update={"trainer": trainer})
 
-    def write_policy(self) -> Path:
-        """run_dir/policy: the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
-        under LoRA the merged model, and the adapter alone in policy/adapter (peft's format)."""
-        from tracetrain.engines.vllm import write_hf_dir
-
-        path = write_hf_dir(lora.merged(self.model), self.tokenizer, self.run_dir / "policy")
-        if lora.is_lora(self.model):
-            self.model.save_pretrained(path / "adapter")
-        return path
-
     async def run(self) -> list[dict]:
         import secrets
 
@@ -408,7 +398,7 @@ class Trainer:
         if cfg.trainer.precision == "auto":
             cfg = self.cfg = await self.resolve_precision()
         if self.dp.is_main:
-            self.claim_run_dir(resumed)
+            claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
             t = time.perf_counter()
             ws = cfg.warm_start
@@ -430,8 +420,9 @@ class Trainer:
             return self.history
         sinks = metric_sinks(cfg, self.run_dir)
         self.store = SQLiteStore(self.run_dir / "traces.db")
-        if not cfg.trainer.overlap_collect:  # (a checkpoint of an overlapping run may hold engine weights)
-            self.engine_model = None
+        ahead = cfg.trainer.collect == "continuous" and cfg.trainer.max_staleness > 0
+        if not (cfg.trainer.overlap_collect or ahead and cfg.engine.kind == "local"):
+            self.engine_model = None  # (a checkpoint of an overlapping run may hold engine weights)
         elif self.engine_model is None:
             self.engine_model = copy.deepcopy(self.model).eval()
             self.engine_version = self.version

@@ -34,6 +34,7 @@ class EngineSlot:
         self.spec = spec  # how it was registered (None for engines given at startup)
         self.in_flight = 0
         self.served = 0
+        self._busy_s, self._busy_since = 0.0, 0.0  # time with a request in flight (busy_seconds)
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -102,6 +103,8 @@ class EngineSlot:
                 raise EngineError(
                     f"engine {self.name!r} is paused (waited {self.pause_wait_s:g} s)", status=503
                 ) from None
+        if self.in_flight == 0:
+            self._busy_since = time.monotonic()
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -110,7 +113,13 @@ class EngineSlot:
             self.in_flight -= 1
             self.served += 1
             if self.in_flight == 0:
+                self._busy_s += time.monotonic() - self._busy_since
                 self._idle.set()
+
+    def busy_seconds(self) -> float:
+        """Seconds so far with at least one request admitted and not answered (the engine had
+        work); its complement over a span of wall time is the engine's idle time."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self.in_flight else 0.0)
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
