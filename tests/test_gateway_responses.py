@@ -162,3 +162,23 @@ def test_a_response_of_another_rollout_is_not_found(gw):
                      json={"input": "again", "previous_response_id": out.id},
                      headers={"Authorization": f"Bearer {b['api_key']}"})
     assert got.status_code == 404 and got.json()["error"]["param"] == "previous_response_id"
+
+
+def test_integers_beyond_64_bits_are_answered_and_kept_exactly(gw):
+    """JSON allows any integer; orjson writes none beyond 64 bits. A tool schema holding one is
+    echoed back as sent (found by the fuzz test as a 500), and a tool call whose arguments hold
+    one (the model wrote it) reaches the harness exactly."""
+    huge = -9223372036854775809  # one below int64's range
+    tools = [{"type": "function", "name": "calc", "description": None,
+              "parameters": {"type": "object", "maximum": huge}}]
+    (r,) = gw.create(1)
+    gw.engine.say(hermes_call("calc", {"n": 2**70}))
+    raw = b'{"model": "policy", "input": "hi", "tools": %s}' % json.dumps(tools).encode()
+    got = httpx.post(r["base_url"] + "/responses", content=raw, timeout=30,
+                     headers={"Authorization": f"Bearer {r['api_key']}",
+                              "Content-Type": "application/json"})
+    assert got.status_code == 200, got.text
+    body = json.loads(got.content)  # the standard library reads every integer exactly
+    assert body["tools"][0]["parameters"]["maximum"] == huge
+    (call,) = [o for o in body["output"] if o["type"] == "function_call"]
+    assert json.loads(call["arguments"]) == {"n": 2**70}

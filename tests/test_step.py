@@ -38,10 +38,11 @@ class RecordingCheckpointManager:
         self.calls.append(("sleep_replicas",))
 
 
-def verl_run(tmp_path: Path, engine: FakeEngine) -> VerlRun:
+def verl_run(tmp_path: Path, engine: FakeEngine, data=None) -> VerlRun:
     cfg = small_config(tmp_path / "run", 2)
     run = VerlRun.__new__(VerlRun)  # verl's workers are not started: __init__ needs a GPU cluster
     run.cfg, run.task, run.step, run.nonce = cfg, load_task("task.py", EXAMPLE), 0, "n0"
+    run.data = data
     run.tokenizer = engine.tokenizer
     run.trainer = SimpleNamespace(checkpoint_manager=RecordingCheckpointManager())
     run.agent = resolve_agent(run.task, cfg.agent)
@@ -56,13 +57,7 @@ def verl_run(tmp_path: Path, engine: FakeEngine) -> VerlRun:
     return run
 
 
-@pytest.mark.slow
-def test_verls_step_is_the_shared_step(tmp_path):
-    """Two steps on the verl backend: weights pushed before each collect, servers put to sleep
-    after it; the actor is given exactly the rows and advantages `step.rows` makes of the step's
-    rollouts; the metrics are the shared ones; the model version goes up by one per step."""
-    engine = FakeEngine()
-    run = verl_run(tmp_path, engine)
+def two_steps(run: VerlRun, engine: FakeEngine) -> list[dict]:
     engines = {"verl-0": engine}
 
     async def go():
@@ -74,8 +69,18 @@ def test_verls_step_is_the_shared_step(tmp_path):
             finally:
                 await gateway.aclose()
 
+    return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_verls_step_is_the_shared_step(tmp_path):
+    """Two steps on the verl backend: weights pushed before each collect, servers put to sleep
+    after it; the actor is given exactly the rows and advantages `step.rows` makes of the step's
+    rollouts; the metrics are the shared ones; the model version goes up by one per step."""
+    engine = FakeEngine()
+    run = verl_run(tmp_path, engine)
     try:
-        history = asyncio.run(go())
+        history = two_steps(run, engine)
         assert run.trainer.checkpoint_manager.calls == [
             ("update_weights", 0), ("sleep_replicas",), ("update_weights", 1), ("sleep_replicas",)]
         assert [m["model_version"] for m in history] == [1, 2] and run.step == 2
@@ -104,3 +109,30 @@ def test_rollout_specs_deal_groups_to_engines_and_omit_the_engine_without_them()
     assert "engine" not in specs[0] and len({s["rollout_id"] for s in specs}) == 6
     dealt = rollout_specs(["a", "b", "c"], 1, "p", ["e0", "e1"])
     assert [s["engine"] for s in dealt] == ["e0", "e1", "e0"]
+
+
+def test_verls_step_takes_its_tasks_from_the_runs_data_file(tmp_path):
+    """data.train on the verl backend: each step's groups play the rows the embedded trainer's
+    step would (TaskData's epoch order), one group per row."""
+    import json
+    import sqlite3
+
+    from tracetrain.dataset import TaskData, open_rows
+
+    rows_file = tmp_path / "games.jsonl"
+    rows_file.write_text("".join(json.dumps({"target": 1 + j % 8, "high": 8, "max_turns": 2}) + "\n"
+                                 for j in range(7)))
+    data = TaskData(open_rows(rows_file), seed=3)
+    engine = FakeEngine()
+    run = verl_run(tmp_path, engine, data)
+    try:
+        two_steps(run, engine)
+    finally:
+        run.store.close()
+    db = sqlite3.connect(tmp_path / "traces.db")
+    groups = dict(db.execute("SELECT group_id, task FROM rollouts"))
+    db.close()
+    G = run.cfg.rollout.tasks_per_step
+    for step in range(2):
+        played = [json.loads(groups[f"n0-s{step}-t{j}"]) for j in range(G)]
+        assert played == data.train_tasks(step, G)

@@ -380,7 +380,8 @@ class TrainerConfig(_Section):
     it would be older than the bound); at most (max_staleness + 1) x tasks_per_step groups are
     launched and not yet trained, and after each update the engine takes the new weights while
     the requests in flight finish first (tracetrain/continuous.py). With max_staleness 0 it is
-    the `step` run. Backend `embedded`; not with `overlap_collect` or `engine.sleep_level`."""
+    the `step` run. Backend `embedded`; not with `overlap_collect`, `engine.sleep_level` or
+    `rollout.agent_workers`."""
     eval_every: int = Field(0, ge=0)
     """Every this many steps, an eval pass: one greedy rollout on each of `eval_tasks` tasks (not
     trained on); 0: no eval pass."""
@@ -574,6 +575,10 @@ class TrainConfig(_Section):
             if self.trainer.overlap_collect:
                 raise ValueError("trainer.overlap_collect: not with trainer.collect 'continuous' "
                                  "(it collects beside the update already; max_staleness 1)")
+            if self.rollout.agent_workers:
+                raise ValueError("rollout.agent_workers: not with trainer.collect 'continuous' yet "
+                                 "(a worker process plays one group's agents at a time, so a slow "
+                                 "group would hold the others back); set it to 0")
         if self.trainer.overlap_collect:
             if self.backend != "embedded":
                 raise ValueError("trainer.overlap_collect: for backend 'embedded' only")

@@ -4,10 +4,15 @@
 A random guesser that ignores the feedback scores 1 - (1 - 1/high)^max_turns (0.33 for 8 and 3);
 binary search scores 0.875. The agent is an ordinary `openai` SDK program: tracetrain only hands it a
 base URL and a key.
+
+`slow_every: k` with `slow_s: s` (task_args): every k-th task of a step answers each guess after
+s seconds (an environment that takes time, as tests or tools do): rollouts of very uneven length,
+for bench/bench_continuous.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -17,10 +22,13 @@ SYSTEM = "Guess my number from 1 to {high}."
 FIRST = "Guess."
 
 
-def tasks(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[dict]:
-    """`n` tasks with hidden numbers drawn uniformly from 1..high."""
+def tasks(n: int, *, seed: int, high: int = 8, max_turns: int = 3, slow_every: int = 0,
+          slow_s: float = 0.0, **_: Any) -> list[dict]:
+    """`n` tasks with hidden numbers drawn uniformly from 1..high (every `slow_every`-th answered
+    after `slow_s` seconds: module docstring)."""
     rng = random.Random(seed)
-    return [{"target": rng.randint(1, high), "high": high, "max_turns": max_turns} for _ in range(n)]
+    return [{"target": rng.randint(1, high), "high": high, "max_turns": max_turns,
+             **({"delay_s": slow_s} if slow_every and j % slow_every == 0 else {})} for j in range(n)]
 
 
 def feedback(guess_text: str, target: int) -> tuple[str | None, float | None]:
@@ -58,6 +66,8 @@ async def play(task: dict, client: dict, prompt) -> float:
             seed=None if client.get("seed") is None else client["seed"] + turn,
         )
         text = out.choices[0].message.content or ""
+        if task.get("delay_s"):  # the environment takes its time to answer
+            await asyncio.sleep(task["delay_s"])
         reply, reward = feedback(text, task["target"])
         if reward is not None:
             return reward

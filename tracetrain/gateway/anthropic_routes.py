@@ -27,7 +27,6 @@ output tokens) and message_stop.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,6 +37,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tracetrain.gateway import errors, render
 from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas import (
     MessagesIn,
     TextBlock,
@@ -77,10 +77,7 @@ def _text(content: str | list | None) -> str:
 
 
 def _json_text(value: Any) -> str:
-    try:
-        return orjson.dumps(value).decode()
-    except TypeError:  # what orjson refuses (an int over 64 bits), the standard library writes
-        return json.dumps(value)
+    return dumps(value).decode()
 
 
 def conversation(body: MessagesIn) -> list[dict]:
@@ -197,7 +194,7 @@ async def live_events(
     `done(answer)`: the whole message."""
 
     def event(e: dict[str, Any]) -> bytes:
-        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), dumps(e))
 
     def text_delta(text: str) -> bytes:
         return event({"type": "content_block_delta", "index": 0,

@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.prompt_cache import PromptEncoder
 
 CONTEXT_POLICIES = ("exact", "template")
@@ -102,7 +103,7 @@ def _text(content: Any) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(p.get("text") or "" for p in content)
-    return orjson.dumps(content).decode()
+    return dumps(content).decode()
 
 
 def _arguments(args: Any) -> bytes:
@@ -114,7 +115,7 @@ def _arguments(args: Any) -> bytes:
         except orjson.JSONDecodeError:
             return b"text:" + args.strip().encode()
     try:
-        return orjson.dumps(args, option=orjson.OPT_SORT_KEYS)
+        return dumps(args, sort_keys=True)
     except TypeError:
         return b"repr:" + repr(args).encode()
 
@@ -148,7 +149,7 @@ def messages_json(messages: list[dict]) -> bytes | None:
 
 def _json(value: Any) -> bytes | None:
     try:
-        return orjson.dumps(value)
+        return dumps(value)
     except TypeError:  # not JSON (an int over 64 bits in an extra field): never matched
         return None
 

@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request, Security
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -33,6 +32,7 @@ from tracetrain.engines.base import (
     SamplingParams,
 )
 from tracetrain.gateway import errors, keys, render
+from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.keys import rollout_access
 from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
@@ -63,7 +63,7 @@ def _usage(prompt_ids: list[int], gen: Generation) -> dict[str, int]:
 
 
 def _event(chunk: dict[str, Any]) -> bytes:
-    return b"data: %s\n\n" % orjson.dumps(chunk)
+    return b"data: %s\n\n" % dumps(chunk)
 
 
 def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:

@@ -38,7 +38,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import orjson
+from tracetrain.gateway.jsonbytes import dumps
 
 _PROBES_BEFORE = ["", "a", "Hello world", " ", "\n", "x\n\n", "12", "é", "<", "|"]
 _PROBES_AFTER = ["", "a", "hello", " hi", "\n", "\n\nx y", "7 8", "é", "  ", ">", "|>"]
@@ -163,7 +163,7 @@ class PromptEncoder:
         if self._clock:  # the date is part of the prompt
             return None
         try:
-            return orjson.dumps((messages, tools))
+            return dumps((messages, tools))
         except TypeError:  # e.g. an int over 64 bits in an extra field: no key, just render
             return None
 

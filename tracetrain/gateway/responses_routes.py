@@ -41,6 +41,7 @@ from fastapi.responses import Response
 
 from tracetrain.gateway import errors
 from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -134,7 +135,7 @@ class KeptResponses:
         self._kept: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
 
     def keep(self, response_id: str, rollout_id: str, messages: list[dict]) -> None:
-        self._kept[response_id] = (rollout_id, orjson.dumps(messages))
+        self._kept[response_id] = (rollout_id, dumps(messages))
         if len(self._kept) > self.size:
             self._kept.popitem(last=False)
 
@@ -237,7 +238,7 @@ async def live_events(
 
     def event(e: dict[str, Any]) -> bytes:
         e["sequence_number"] = next(numbers)
-        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e))
+        return b"event: %s\ndata: %s\n\n" % (e["type"].encode(), dumps(e))
 
     part = {"item_id": message_id, "output_index": 0, "content_index": 0}
 

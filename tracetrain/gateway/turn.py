@@ -37,6 +37,7 @@ from tracetrain.engines.base import (
 from tracetrain.gateway import keys, render
 from tracetrain.gateway.context import POLICY, RENDERED, Built, messages_json
 from tracetrain.gateway.errors import ApiError
+from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import TextDeltas
@@ -178,7 +179,7 @@ def turn_meta(rollout_id: str, index: int, gen: Generation) -> dict[str, Any]:
 
 
 def json_response(content: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(content), media_type="application/json")
+    return Response(dumps(content), media_type="application/json")
 
 
 @dataclass
