@@ -85,6 +85,7 @@ def test_no_module_imports_itself_back():
 
 @pytest.mark.parametrize("stage", ["tracetrain.aggregate", "tracetrain.advantage",
                                    "tracetrain.loss", "tracetrain.minibatch", "tracetrain.explain",
+                                   "tracetrain.correction",
                                    "tracetrain.viewer.charts", "tracetrain.viewer.tokens"])
 def test_a_pure_stage_reaches_no_io_module(stage):
     """aggregate, advantage, loss, mini-batches and what the viewer recomputes from them are

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -102,3 +104,13 @@ def test_frozen_roles_need_the_local_engine_on_the_embedded_backend():
     with pytest.raises(ConfigError, match="for engine.kind local"):
         build_config({"roles": {"train": ["solver"], "serve": {"checker": "frozen"}},
                       "engine": {"kind": "vllm", "base_url": "http://127.0.0.1:9"}})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*/*.yaml")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_config_loads(path):
+    """The configs the README and docs point at are valid as shipped (keys, values, combinations)."""
+    from tracetrain.config import load_config
+
+    cfg = load_config(path)
+    assert cfg.task

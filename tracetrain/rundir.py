@@ -88,6 +88,12 @@ def format_step(m: dict) -> str:
         parts.append(f"peak {m['memory/peak_rss_gb']:.1f} GB")
     if "engine/logprob_gap_max" in m:  # engine vs trainer logprobs, same weights
         parts.append(f"gap {m['engine/logprob_gap_max']:.0e}")
+    if "correction/weight_mean" in m:  # importance corrections (correction.py)
+        parts.append(f"IS {m['correction/weight_mean']:.2f} max {m['correction/weight_max']:.2f}"
+                     f" rejected {m['correction/rejected_rollouts']}")
+    if "collect/groups_taken" in m:  # continuous collection: how old, how busy
+        ages = [int(k.rsplit("_", 1)[1]) for k in m if k.startswith("staleness/rollouts_")]
+        parts.append(f"stale <= {max(ages, default=0)} | engine idle {m.get('engine/idle_frac', 0):.2f}")
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     return " | ".join(parts)
