@@ -176,6 +176,18 @@ def test_rollouts_spanning_weight_updates_train_within_the_bound_and_lose_no_req
     assert sum(m["staleness/mixed_version_rollouts"] for m in rows) > 0
     versions = {v for turns in answers(run).values() for _, v in turns}
     assert None not in versions and len(versions) > 1
+    # the viewer's step page shows the groups each step trained, whichever step dealt them
+    from tracetrain.viewer.run import RunDir
+
+    view = RunDir(run)
+    dealt_elsewhere = 0
+    for m in rows:
+        records = view.step_records(m["step"])
+        assert sorted({r.group_id for r in records}) == sorted(m["collect/groups"])
+        assert len(records) == 4 * 3  # whole groups
+        dealt_elsewhere += sum(f"-s{m['step']}-" not in g for g in m["collect/groups"])
+    assert dealt_elsewhere > 0  # (the slow games' groups were trained at later steps)
+    view.close()
     # the checkpoint after step 1 (step 2 next) had groups in flight: resume from it
     state = torch.load(run / "checkpoint-2.pt", weights_only=False)["collector"]
     assert state["redo"] and state["next_group"] > 8

@@ -64,6 +64,7 @@ class Collector:
         self.next, self.redo = next_group, sorted(redo or [])
         self.groups: dict[int, Group] = {}  # launched, not trained
         self.taken: list[int] = []  # the step's, until `trained`
+        self.last_take = time.perf_counter()  # when the last step's groups were taken (or the start)
 
     def launch(self) -> int:
         """Launch groups up to the bound; returns how many."""
@@ -160,12 +161,17 @@ def start(tr, gateway, engine) -> Collector:
     return c
 
 
-async def take_step(c: Collector, engine, step: int, version: int, since: float, before: dict):
+async def take_step(c: Collector, engine, step: int, version: int, before: dict):
     """step.Collected for step `step` at policy version `version`: the taken groups' results, the
-    seconds since `since` (the last take), the engine's work since `before` (its stats then)."""
+    seconds since the last take (the step's share of the collection's wall time: rollouts/s is
+    its throughput), the engine's work since `before` (its stats then)."""
     from tracetrain.step import Collected
 
+    since = c.last_take
     taken = await c.take(version)
+    c.last_take = time.perf_counter()
     work = {k: engine.stats[k] - before.get(k, 0) for k in before}
+    # which groups this step trained (their ids name the step they were dealt from): the viewer's
+    groups = list(dict.fromkeys(r.group_id for r in taken.results))
     return Collected(step, taken.results, time.perf_counter() - since, work, taken.oldest_version,
-                     taken.metrics)
+                     {**taken.metrics, "collect/groups": groups})

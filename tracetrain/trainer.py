@@ -265,7 +265,7 @@ class Trainer:
             while self.step < cfg.trainer.steps:
                 if self.collector is not None:
                     collected = await continuous.take_step(self.collector, engine, self.step,
-                                                           self.version, mark[0], mark[2])
+                                                           self.version, mark[2])
                 elif pending is not None:
                     collected = await pending
                 elif self.next_collected is not None and self.next_collected.step == self.step:

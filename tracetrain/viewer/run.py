@@ -157,8 +157,15 @@ class RunDir:
             raise RunFileProblem(self.path / "traces.db", f"{type(e).__name__}: {e}") from None
 
     def step_records(self, step: int) -> list[RolloutRecord]:
-        """The rollouts of training step `step` (every state), in insertion order."""
+        """The rollouts of training step `step` (every state), in insertion order: the groups its
+        metrics name (continuous collection trains groups dealt from other steps), else those
+        dealt from it."""
         store = self.store()
+        named = next((m["collect/groups"] for m in self.metrics().steps
+                      if m["step"] == step and isinstance(m.get("collect/groups"), list)), None)
+        if named is not None:
+            return [r for g in named if isinstance(g, str)
+                    for r in self._read(lambda g=g: store.list_rollouts(group_id=g, limit=100_000))]
         out, after = [], 0
         while page := self._read(lambda a: store.list_rollouts(group_glob=f"*-s{step}-t*",
                                                                  after=a, limit=1000), after):
