@@ -202,3 +202,28 @@ def test_rollouts_spanning_weight_updates_train_within_the_bound_and_lose_no_req
         assert f"s{n // 4}-t{n % 4}" in new
     trained = [n for n in range(state["next_group"]) if n not in state["redo"]]
     assert not any(f"s{n // 4}-t{n % 4}" in new for n in trained)  # trained before: not again
+
+
+@pytest.mark.slow
+def test_corrections_in_a_run_see_the_gap_that_staleness_makes(tmp_path):
+    """Continuous collection, max_staleness 1, rollout-level truncated IS against the trainer's
+    proximal logprobs: a step whose rollouts all came from the current weights has a log-ratio of
+    float noise (the same fp32 weights in the engine and the trainer) and weights of 1; a step with
+    one-version-old rollouts has a real gap, and its weights move off 1 (within the cap)."""
+    from tracetrain.trainer import train
+
+    run = tmp_path / "run"
+    train(config(run, 4, "trainer.collect=continuous", "trainer.max_staleness=1",
+                 "correction.old=trainer", "correction.weight=rollout", "correction.cap=3",
+                 "optim.lr=5e-2"), base_dir=TESTS, log=lambda *_: None)
+    rows = metrics(run)
+    fresh = [m for m in rows if set(k for k in m if k.startswith("staleness/rollouts_")) == {"staleness/rollouts_0"}]
+    stale = [m for m in rows if m.get("staleness/rollouts_1", 0) == 12]
+    assert fresh and stale
+    for m in fresh:
+        assert m["correction/abs_log_ratio_max"] < 1e-4
+        assert m["correction/weight_max"] == pytest.approx(1.0, abs=1e-3)
+    for m in stale:
+        assert m["correction/abs_log_ratio_max"] > 1e-3
+        assert m["correction/weight_max"] <= 3.0 and m["correction/weight_mean"] != pytest.approx(1.0, abs=1e-6)
+        assert m["n_failed"] == 0 and m["correction/rejected_rollouts"] == 0
