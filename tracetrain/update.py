@@ -159,7 +159,8 @@ def ppo_update(
                 with sync:  # the forward too: DDP arms its all-reduce in the forward pass
                     rows_dev = micro.rows.to(dev)
                     lp, ent, pk, computed, padded = forward(model, micro.rows, entropy=need_entropy)
-                    if measure_gap and behaviour is not None and not results:  # no optimizer step yet: the engine's weights
+                    # no optimizer step yet: the weights the engine sampled with
+                    if measure_gap and behaviour is not None and not results:
                         d = (lp.detach() - behaviour[rows_dev]).abs()[mask_all[rows_dev].bool()]
                         if d.numel():
                             gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
@@ -172,7 +173,8 @@ def ppo_update(
                         lp, old_all[rows_dev], adv_rows[rows_dev],
                         RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
                         clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                        is_weights=None if is_all is None else is_all[rows_dev], ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                        is_weights=None if is_all is None else is_all[rows_dev],
+                        ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
                         entropy=ent, entropy_coef=lc.entropy_coef,
                     )
                     loss.backward()
@@ -194,7 +196,6 @@ def ppo_update(
             # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
             per_rollout = rollout_mass(train_mask[mb.rows], batch.rollout_index[mb.rows],
                                        mb.row_scales)
-            per_rollout = per_rollout[per_rollout > 0]  # rejected rollouts (correction.reject) are out
             lo, hi = (float(per_rollout.min()), float(per_rollout.max())) if per_rollout.numel() else (0.0, 0.0)
             means["rollout_mass_min"], means["rollout_mass_max"] = lo, hi
             means["n_rollouts"] = float(per_rollout.numel())
