@@ -185,25 +185,32 @@ def corrected_update(batch, adv, correction: dict, **optim):
                         "correction": correction})
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     (res,) = ppo_update(model, opt, batch, adv, cfg)
-    return res, [p.grad.detach().clone() for p in model.parameters()]
+    return res, [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("correction", [
+CORRECTIONS = [
     {"old": "trainer", "weight": "rollout", "cap": 1e6},
     {"old": "trainer", "weight": "token", "mask": "rollout", "band": [0.2, 5.0]},
     {"old": "trainer", "weight": "rollout", "cap": 1e6, "reject": [0.999, 1.001]},
-])
-def test_partition_and_split_invariance_of_the_update_with_corrections_on(correction):
+]
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000),
+       groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=3),
+       correction=st.sampled_from(CORRECTIONS), spread=st.sampled_from([0.05, 0.3]))
+def test_partition_and_split_invariance_of_the_update_with_corrections_on(seed, groups, correction, spread):
     """The corrections are fixed before the step is cut: packs of any size, and a rollout's rows
-    merged into one, give the same loss, gradient and correction metrics."""
-    batch = shared_batch(7, [[3, 2], [1, 2], [2]], common=4, question=2)
-    g = torch.Generator().manual_seed(3)
-    batch.rollout_logprobs = batch.rollout_logprobs - 0.3 * torch.rand(batch.rollout_logprobs.shape, generator=g)
-    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(0))
+    merged into one, give the same loss, gradient and correction metrics; rollout-mean's mass
+    is 1 over the kept rollouts."""
+    batch = shared_batch(seed, groups, common=4, question=2)
+    g = torch.Generator().manual_seed(seed)
+    batch.rollout_logprobs = batch.rollout_logprobs - spread * torch.rand(batch.rollout_logprobs.shape, generator=g)
+    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed + 1))
     expected, g_expected = corrected_update(batch, adv, correction, **PLAIN)
     assert expected.correction is not None
-    if "reject" in correction:  # some rollouts out, some in: the case that moves R
-        assert 0 < expected.correction["correction/rejected_rollouts"] < batch.n_rollouts
+    if expected.correction["correction/rejected_rollouts"] == batch.n_rollouts:
+        return  # every rollout out: no update at all (checked by hand in the test above)
     for b in (batch, merged(batch)):
         for pack_tokens in (6, 25, 10_000):
             res, grads = corrected_update(b, adv, correction, pack_tokens=pack_tokens, logprob_chunk=4)
@@ -213,3 +220,12 @@ def test_partition_and_split_invariance_of_the_update_with_corrections_on(correc
             assert_close_grads(grads, g_expected)
             for k, x in expected.correction.items():
                 assert res.correction[k] == pytest.approx(x, rel=1e-4, abs=1e-6), k
+
+
+def test_a_step_whose_rollouts_are_all_rejected_makes_no_update():
+    batch = shared_batch(7, [[3, 2], [1, 2]], common=4, question=2)
+    batch.rollout_logprobs = batch.rollout_logprobs - 1.0  # every token 2.7x likelier to the trainer
+    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(0))
+    res, grads = corrected_update(batch, adv, {"old": "trainer", "reject": [0.5, 2.0]})
+    assert res.correction["correction/rejected_rollouts"] == batch.n_rollouts
+    assert res.loss == 0.0 and all(gr is None or float(gr.abs().max()) == 0.0 for gr in grads)
