@@ -132,9 +132,18 @@ def test_max_staleness_0_is_the_step_synchronous_run(tmp_path):
     assert len(a) == len(b) == 3
     moved = False
     for x, y in zip(a, b, strict=True):
-        same = {k for k in x if not k.startswith(("time/", "memory/", "engine/idle", "rollouts_per_s",
-                                                  "trained_tokens_per_s"))}
+        # The engine batches the requests that arrive within its window, and continuous collection
+        # starts each group's agents on their own: the batches differ, and with them the engine's
+        # work counts and its fp32 logprobs, by float noise (~1e-7; the same weights, the same
+        # tokens). Everything the seed decides is compared exactly; what the engine's logprobs feed
+        # (the PPO ratio's old logprobs: the loss, its gradient, the gap) to that noise.
+        assert x.keys() <= y.keys()  # (continuous adds collect/*)
+        noisy = {k for k in x if k.startswith(("loss", "grad_norm", "engine/logprob_gap"))}
+        same = {k for k in x if not k.startswith(("time/", "memory/", "engine/", "rollouts_per_s",
+                                                  "trained_tokens_per_s")) and k not in noisy}
         assert {k: x[k] for k in same} == {k: y[k] for k in same}
+        for k in noisy:
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-6), k
         assert y["collect/groups_taken"] == 4 and y["collect/groups_in_flight"] == 0
         moved = moved or x.get("grad_norm", 0.0) > 0.0
     assert moved  # the rewards differ within groups: the policy moved, and both runs alike
