@@ -24,6 +24,7 @@ The only I/O is through `play` (the runner through the gateway); the rest is boo
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Group:
-    number: int
     version: int  # the engine's model version when it was launched
     run: asyncio.Task  # -> the runner's results of its n_per_task rollouts
 
@@ -73,7 +73,7 @@ class Collector:
             number = self.redo.pop(0) if self.redo else self.next
             if number == self.next:
                 self.next += 1
-            self.groups[number] = Group(number, self.version(), asyncio.create_task(self.play(number)))
+            self.groups[number] = Group(self.version(), asyncio.create_task(self.play(number)))
             n += 1
         return n
 
@@ -140,16 +140,12 @@ def start(tr, gateway, engine) -> Collector:
 
     cfg = tr.cfg
     G, n_per_task = cfg.rollout.tasks_per_step, cfg.rollout.n_per_task
-    tasks: dict[int, list[dict]] = {}  # a step's tasks, while its groups launch
+    # a step's tasks, made once while its groups launch (the last few steps' kept)
+    tasks_of = functools.lru_cache(maxsize=cfg.trainer.max_staleness + 2)(
+        lambda step: step_tasks(tr.task, cfg, step, tr.data))
 
     async def play(number: int) -> list:
-        step = number // G
-        if step not in tasks:
-            tasks[step] = step_tasks(tr.task, cfg, step, tr.data)
-            for old in [s for s in tasks if s < step - 1]:
-                del tasks[old]
-        specs, step = group_specs(tasks.get(step) or step_tasks(tr.task, cfg, step, tr.data),
-                                  number, G, n_per_task, tr.nonce)
+        specs, step = group_specs(tasks_of(number // G), number, G, n_per_task, tr.nonce)
         return await collect(gateway, specs, tr.agent, cfg, temperature=cfg.rollout.temperature,
                              step=step, http_client=tr.http_client, workers=tr.workers,
                              first_position=(number % G) * n_per_task)
@@ -165,12 +161,12 @@ async def take_step(c: Collector, engine, step: int, version: int, before: dict)
     """step.Collected for step `step` at policy version `version`: the taken groups' results, the
     seconds since the last take (the step's share of the collection's wall time: rollouts/s is
     its throughput), the engine's work since `before` (its stats then)."""
-    from tracetrain.step import Collected
+    from tracetrain.step import ENGINE_WORK, Collected
 
     since = c.last_take
     taken = await c.take(version)
     c.last_take = time.perf_counter()
-    work = {k: engine.stats[k] - before.get(k, 0) for k in before}
+    work = {k: engine.stats[k] - before.get(k, 0) for k in ENGINE_WORK if k in engine.stats}
     # which groups this step trained (their ids name the step they were dealt from): the viewer's
     groups = list(dict.fromkeys(r.group_id for r in taken.results))
     return Collected(step, taken.results, time.perf_counter() - since, work, taken.oldest_version,

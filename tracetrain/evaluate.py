@@ -48,18 +48,19 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bo
 
     model, tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
     path = None if policy is None else Path(policy)
+    weights = path is not None and path.is_file()  # a checkpoint (a run's, or sft's weights only)
     if path is not None and path.is_dir():
         from transformers import AutoModelForCausalLM
 
         if not (path / "config.json").is_file():
             raise ConfigError(f"--policy {str(path)!r}: not a transformers directory (no config.json)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    elif path is not None and not path.is_file():
+    elif path is not None and not weights:
         raise ConfigError(f"--policy {str(path)!r}: no such file or directory")
-    if cfg.model.lora is not None and (adapter or (path is not None and path.is_file())):
+    if cfg.model.lora is not None and (adapter or weights):
         torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
         model = lora.wrap(model, cfg.model.lora)
-    if path is not None and path.is_file():
+    if weights:
         try:
             ck = torch.load(path, weights_only=False, map_location="cpu")
             lora.load_weights(model, ck["model"])

@@ -150,7 +150,7 @@ def messages_json(messages: list[dict]) -> bytes | None:
 def _json(value: Any) -> bytes | None:
     try:
         return dumps(value)
-    except TypeError:  # not JSON (an int over 64 bits in an extra field): never matched
+    except TypeError:  # not JSON at all (an object no encoder writes): never matched
         return None
 
 

@@ -164,7 +164,7 @@ class PromptEncoder:
             return None
         try:
             return dumps((messages, tools))
-        except TypeError:  # e.g. an int over 64 bits in an extra field: no key, just render
+        except TypeError:  # not JSON at all (an object no encoder writes): no key, just render
             return None
 
     def chat_ids(
