@@ -25,8 +25,8 @@ import orjson
 
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.upstream import parse_choice, request_body
+from tracetrain.gateway.inprocess import listen_socket
 from tracetrain.gateway.serve import ReadyServer, uvicorn_config
-from tracetrain.inprocess import listen_socket
 
 JSON = [(b"content-type", b"application/json")]
 

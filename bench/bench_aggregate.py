@@ -1,4 +1,4 @@
-"""Benchmark: turns -> rows for 512 rollouts x 8 turns, tracetrain.aggregate vs Agent Lightning.
+"""Benchmark: turns -> rows for 512 rollouts x 8 turns, tracetrain.rows.aggregate vs Agent Lightning.
 
 Data (seeded): turn 0's prompt is 64 tokens; every turn answers with 128 tokens (with logprobs);
 the prompt of turn k is the previous context (prompt + response) + 64 observation tokens. The
@@ -245,7 +245,7 @@ def child(case: str, impl: str, limit_mode: str, repeat: int, threads: int) -> d
         limits(traces, level) if limit_mode == "exact" else (int(limit_mode), int(limit_mode))
     )
     if impl in ("tracetrain", "tracetrain-store"):
-        from tracetrain.aggregate import aggregate
+        from tracetrain.rows.aggregate import aggregate
 
         convert = to_tracetrain if impl == "tracetrain" else to_tracetrain_arrays
 

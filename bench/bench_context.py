@@ -66,7 +66,7 @@ TASK = "A shop sells pens at 17 each and pads at 29 each. What do 13 pens and 7 
 
 def tokenizer(name: str):
     if name == "tiny":
-        from tracetrain.tiny import build_tokenizer
+        from tracetrain.models.tiny import build_tokenizer
 
         return with_template(build_tokenizer(), HERMES_TOOLS)
     import real_tokenizers
@@ -232,7 +232,7 @@ def cpu_text(figs: dict, turns: int) -> str:
 
 
 def figures(context: str, turns: int, agents: Agents, db: Path, tok) -> dict:
-    from tracetrain.aggregate import aggregate
+    from tracetrain.rows.aggregate import aggregate
     from tracetrain.store import SQLiteStore
 
     with SQLiteStore(db) as store:

@@ -39,11 +39,11 @@ ARMS = {
 
 def warm(out: Path, common: list[str]) -> Path:
     """The demo's warm start, once: OUT/warm/policy."""
-    from tracetrain import checkpoint
+    from tracetrain.agents.tasks import load_task
     from tracetrain.config import load_config
-    from tracetrain.models import load_policy
-    from tracetrain.tasks import load_task
-    from tracetrain.warmstart import warm_start
+    from tracetrain.learn.warmstart import warm_start
+    from tracetrain.models.load import load_policy
+    from tracetrain.run import checkpoint
 
     path = out / "warm" / "policy"
     if (path / "config.json").is_file():

@@ -6,7 +6,7 @@ of every row) and to deal a step's tasks, and what the process holds for it.
 
 The file (calculator-like rows: a question, an answer, a few numbers; ~80 bytes each) is written
 to a temporary folder first. Memory: the resident set before opening and its peak after (VmHWM,
-reset before opening: tracetrain.memory), against the file's size.
+reset before opening: tracetrain.run.memory), against the file's size.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 
 def main() -> None:
-    from tracetrain.dataset import TaskData, open_rows
-    from tracetrain.memory import peak_rss_gb, reset_peak
+    from tracetrain.agents.dataset import TaskData, open_rows
+    from tracetrain.run.memory import peak_rss_gb, reset_peak
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000)

@@ -19,7 +19,7 @@ import torch
 
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.local import LocalEngine
-from tracetrain.tiny import build_model, build_tokenizer
+from tracetrain.models.tiny import build_model, build_tokenizer
 
 
 def game_prompts(tok, n: int) -> list[list[int]]:

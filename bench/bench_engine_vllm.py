@@ -97,7 +97,7 @@ async def time_pushes(server, tok, weights_dir: Path, model, pushes: int) -> tup
 def sync_bench(args) -> None:
     from tracetrain.engines.vllm import untied_state_dict, write_hf_dir
     from tracetrain.engines.vllm_server import VLLMServer
-    from tracetrain.tiny import build_model, build_tokenizer
+    from tracetrain.models.tiny import build_model, build_tokenizer
 
     tok = build_tokenizer()
     print(f"\nweight sync by disk, {args.pushes} pushes per model (median), fp32")

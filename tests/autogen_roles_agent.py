@@ -1,5 +1,5 @@
 """A command agent of two AutoGen AssistantAgents at their defaults, each on its own model name (run
-by tests/test_gateway_frameworks_roles.py with .venv-autogen's python): the solver answers with a
+by tests/gateway/test_gateway_frameworks_roles.py with .venv-autogen's python): the solver answers with a
 `calc` tool call, the checker reviews the result; the solver's turn gets a turn reward as it is
 made and the rollout its reward, both posted to the gateway."""
 

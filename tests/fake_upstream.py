@@ -55,7 +55,7 @@ FIRST_TOKEN = 3  # ids 0..2 are the tiny tokenizer's special tokens; generated i
 class FakeConfig:
     model: str = "fake"
     vocab_size: int = 512
-    eos_id: int = 2  # <|im_end|> in tracetrain.tiny
+    eos_id: int = 2  # <|im_end|> in tracetrain.models.tiny
     response_len: int = (
         8  # natural length, eos included (shorter when max_tokens or a stop id cuts it)
     )

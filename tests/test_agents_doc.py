@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from gateway_fixtures import ScriptedEngine, live_gateway
 
-from tracetrain.runner import GatewayClient, run_rollouts
+from tracetrain.agents.runner import GatewayClient, run_rollouts
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "agents.md"
 BLOCK = re.compile(r"^### (.+?)\n.*?```python\n(.*?)```", re.DOTALL | re.MULTILINE)

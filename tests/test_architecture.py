@@ -1,15 +1,50 @@
-"""The package's shape (docs/architecture.md): no two modules import each other, directly or
-through others, counting imports made inside functions; the pure stages import no I/O module."""
+"""The package's shape (docs/architecture.md), counting imports made inside functions too:
+
+- every module sits in a layer of LAYERS and imports only its own layer and the layers before it
+  (the walk goes one way: a stage never reaches back up to what calls it);
+- no two modules import each other, directly or through others;
+- the pure stages (rows, objective, learn, and what the viewer recomputes) reach no I/O module;
+- no module is over MAX_LINES lines but the documented config; tests/ mirrors the folders.
+
+Each rule is also run on a copy of the package with a violation planted, and must catch it.
+"""
 
 from __future__ import annotations
 
 import ast
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tracetrain"
+TESTS = Path(__file__).resolve().parent
+
+# Low to high. A module may import modules of its own layer and of the layers before it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("tracetrain.types",),  # the data model: turns, rollouts, states
+    ("tracetrain.config",),  # the typed run config
+    ("tracetrain.agents",),  # tasks, datasets, the runner (agents call the gateway over HTTP)
+    ("tracetrain.models",),  # the policy and its tokenizer, LoRA
+    ("tracetrain.engines",),  # generation with token ids and logprobs
+    ("tracetrain.store",),  # turns, rewards, events, durably
+    ("tracetrain.gateway",),  # an agent's request -> a recorded turn (calls engines, store)
+    ("tracetrain.rows",),  # rollouts -> rows
+    ("tracetrain.objective",),  # advantages, credit, token weights, the loss, mini-batches
+    ("tracetrain.learn",),  # logprobs, packing, the updates
+    ("tracetrain.run",),  # the step and the loop around it
+    ("tracetrain.integrations",),  # the same step on verl
+    ("tracetrain.view",),  # a run directory, read-only -> what happened to each token
+    ("tracetrain", "tracetrain.cli", "tracetrain.__main__"),  # the package's face, the commands
+)
+PURE = ("tracetrain.rows", "tracetrain.objective", "tracetrain.learn", "tracetrain.view.explain",
+        "tracetrain.view.charts", "tracetrain.view.tokens")
+IO = ("tracetrain.store", "tracetrain.gateway", "tracetrain.agents", "tracetrain.engines",
+      "tracetrain.run", "tracetrain.integrations", "tracetrain.view.read", "tracetrain.view.app",
+      "tracetrain.view.serve", "tracetrain.view.inspection")
+MAX_LINES = 500
+LONGER_ALLOWED = {"tracetrain/config.py"}  # the documented config: one docstring per field
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -71,6 +106,63 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def in_package(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the most specific entry that holds `module` ("tracetrain" holds
+    only the package's own __init__: a new top-level module has no layer)."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            holds = module == name if name == "tracetrain" else in_package(module, name)
+            if holds and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return None if best is None else best[0]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module's layer comes after the importer's,
+    and (module, "no layer") for a module no entry of LAYERS holds."""
+    out = [(m, "no layer") for m in graph if layer_of(m) is None]
+    for m, targets in graph.items():
+        out += [(m, t) for t in sorted(targets)
+                if None not in (layer_of(m), layer_of(t)) and layer_of(t) > layer_of(m)]
+    return sorted(out)
+
+
+def reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def impure(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{pure module: the I/O modules it reaches, however indirectly} (empty when all is well)."""
+    out = {}
+    for m in graph:
+        if any(in_package(m, p) for p in PURE):
+            bad = sorted(x for x in reached(graph, m) if any(in_package(x, io) for io in IO))
+            if bad:
+                out[m] = bad
+    return out
+
+
+def long_modules(root: Path = PACKAGE) -> dict[str, int]:
+    """{path: lines} of the modules over MAX_LINES, but those allowed."""
+    out = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).as_posix()
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES and rel not in LONGER_ALLOWED:
+            out[rel] = n
+    return out
+
+
 def test_the_cycle_finder_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -79,26 +171,80 @@ def test_the_cycle_finder_finds_a_planted_circle():
 
 def test_no_module_imports_itself_back():
     graph = import_graph()
-    assert "tracetrain.trainer" in graph and "tracetrain.step" in graph["tracetrain.trainer"]
+    assert "tracetrain.run.step" in graph["tracetrain.run.trainer"]
     assert cycles(graph) == []
 
 
-@pytest.mark.parametrize("stage", ["tracetrain.aggregate", "tracetrain.advantage",
-                                   "tracetrain.loss", "tracetrain.minibatch", "tracetrain.explain",
-                                   "tracetrain.correction",
-                                   "tracetrain.viewer.charts", "tracetrain.viewer.tokens"])
+def test_every_module_imports_only_its_layer_and_those_before_it():
+    graph = import_graph()
+    assert "tracetrain.rows.aggregate" in graph["tracetrain.run.step"]  # the graph is the real one
+    assert upward_imports(graph) == []
+
+
+@pytest.mark.parametrize("stage", PURE)
 def test_a_pure_stage_reaches_no_io_module(stage):
-    """aggregate, advantage, loss, mini-batches and what the viewer recomputes from them are
-    functions over plain data: nothing they import, however indirectly, is the store, the
-    gateway, the runner, an engine or a trainer."""
-    graph, seen, todo = import_graph(), set(), [stage]
-    while todo:
-        for m in graph[todo.pop()] - seen:
-            seen.add(m)
-            todo.append(m)
-    io = ("tracetrain.store", "tracetrain.gateway", "tracetrain.runner", "tracetrain.engines",
-          "tracetrain.trainer", "tracetrain.integrations", "tracetrain.step")
-    assert not [m for m in seen if m.startswith(io)], seen
+    """rows, the objective, the learner and what the viewer recomputes from them are functions
+    over plain data: nothing they import, however indirectly, is the store, the gateway, the
+    runner, an engine, the loop or the viewer's server."""
+    graph = import_graph()
+    assert any(in_package(m, stage) for m in graph), stage
+    assert {m: bad for m, bad in impure(graph).items() if in_package(m, stage)} == {}
+
+
+def test_no_module_is_over_the_limit():
+    assert long_modules() == {}
+
+
+def test_tests_mirror_the_package_folders():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    test_folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert test_folders and test_folders <= folders, test_folders - folders
+    for p in TESTS.glob("*/test_*.py"):
+        assert not (TESTS / p.name).exists(), p.name  # one test module per name (pytest's rootdir imports)
+
+
+@pytest.fixture
+def package_copy(tmp_path) -> Path:
+    root = tmp_path / "tracetrain"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__", "static", "templates"))
+    return root
+
+
+def plant(root: Path, module: str, line: str) -> None:
+    path = root / (module.replace(".", "/") + ".py")
+    path.write_text(path.read_text() + "\n" + line + "\n")
+
+
+def test_the_rules_catch_a_planted_upward_import(package_copy):
+    """rows/aggregate.py importing the step: an import up the layers, and a circle with it."""
+    assert upward_imports(import_graph(package_copy)) == []
+    plant(package_copy, "rows.aggregate", "from tracetrain.run.step import rows")
+    graph = import_graph(package_copy)
+    assert ("tracetrain.rows.aggregate", "tracetrain.run.step") in upward_imports(graph)
+    assert any("tracetrain.rows.aggregate" in c and "tracetrain.run.step" in c for c in cycles(graph))
+
+
+def test_the_rules_catch_a_planted_io_import_in_a_pure_stage(package_copy):
+    """objective/loss.py importing the store from inside a function: the store's layer is below
+    the objective's, so only the purity rule catches it."""
+    assert impure(import_graph(package_copy)) == {}
+    plant(package_copy, "objective.loss", "def f():\n    from tracetrain.store import SQLiteStore")
+    graph = import_graph(package_copy)
+    assert "tracetrain.store" in impure(graph)["tracetrain.objective.loss"]
+    assert upward_imports(graph) == []
+    # and what imports the loss is now impure too
+    assert "tracetrain.store" in impure(graph)["tracetrain.learn.update"]
+
+
+def test_the_rules_catch_a_planted_module_outside_the_layers(package_copy):
+    (package_copy / "helpers.py").write_text("X = 1\n")
+    assert ("tracetrain.helpers", "no layer") in upward_imports(import_graph(package_copy))
+
+
+def test_the_rules_catch_a_planted_long_module(package_copy):
+    assert long_modules(package_copy) == {}
+    plant(package_copy, "rows.drift", "\n" * MAX_LINES)
+    assert list(long_modules(package_copy)) == ["tracetrain/rows/drift.py"]
 
 
 def test_every_engine_kind_the_config_accepts_has_a_starter_and_no_other():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tracetrain.config import load_config
+from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
-from tracetrain.trainer import train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "calculator"
 SMALL = ["rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.max_tokens=8",

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from gateway_fixtures import FakeEngine, live_gateway
 
-from tracetrain.aggregate import aggregate
-from tracetrain.minibatch import plan_step
-from tracetrain.runner import GatewayClient, run_rollouts
+from tracetrain.agents.runner import GatewayClient, run_rollouts
+from tracetrain.objective.minibatch import plan_step
+from tracetrain.rows.aggregate import aggregate
 
 TASK = Path(__file__).resolve().parents[1] / "examples" / "guess" / "task.py"
 

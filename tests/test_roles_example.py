@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from tracetrain.config import build_config
+from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
-from tracetrain.trainer import train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess"
 

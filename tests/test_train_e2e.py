@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tracetrain.agents.tasks import load_task
 from tracetrain.config import build_config
-from tracetrain.tasks import load_task
-from tracetrain.trainer import Trainer, train
+from tracetrain.run.trainer import Trainer, train
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "guess"
 
@@ -101,7 +101,7 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
     assert "prompt rendered in full (first_turn)" in shown  # how the turn's prompt was built
     # The mass of the mini-batch the rollout was trained in (the run trains 2 per step): 1/R of
     # that mini-batch in rollout-mean.
-    from tracetrain.inspection import inspect_rollout
+    from tracetrain.view.inspection import inspect_rollout
 
     figures = inspect_rollout(run, ids_of_step(run, 1)[0], out=lambda *_: None)
     assert figures["n_mini_batches"] == 2 and f"of 2: {figures['n_rollouts_in_mini_batch']} of" in shown
@@ -129,10 +129,10 @@ def test_ppo_update_ignores_left_padding_columns():
     """Rows padded to a wider prompt block give the same update as the tight batch."""
     import copy
 
-    from tracetrain import tiny
-    from tracetrain.aggregate import aggregate
+    from tracetrain.learn.update import ppo_update
+    from tracetrain.models import tiny
+    from tracetrain.rows.aggregate import aggregate
     from tracetrain.types import Rollout, Turn
-    from tracetrain.update import ppo_update
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)
@@ -159,7 +159,7 @@ def test_ppo_update_ignores_left_padding_columns():
 
 
 def test_stale_rollouts_are_dropped_and_counted():
-    from tracetrain.step import drop_stale
+    from tracetrain.run.step import drop_stale
     from tracetrain.types import Rollout, Turn
 
     def rollout(rid, versions):
@@ -178,10 +178,10 @@ def test_reference_kl_enters_the_update():
     KL term changes the gradient."""
     import copy
 
-    from tracetrain import tiny
-    from tracetrain.aggregate import aggregate
+    from tracetrain.learn.update import ppo_update
+    from tracetrain.models import tiny
+    from tracetrain.rows.aggregate import aggregate
     from tracetrain.types import Rollout, Turn
-    from tracetrain.update import ppo_update
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)

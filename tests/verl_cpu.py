@@ -225,7 +225,7 @@ def training_batch(
     some ratios clip) and zero where the mask is False, as the aggregate stage leaves them."""
     from tiny_model import logprobs_and_entropy, make_rows
 
-    from tracetrain.batch import TrainingBatch
+    from tracetrain.rows.batch import TrainingBatch
 
     rows = make_rows(rows_per_rollout, P=P, R=R, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -23,7 +23,7 @@ def view_config(run_dir: Path, steps: int = 2, **extra):
 
 
 def make_run(run: Path, steps: int = 2) -> Path:
-    from tracetrain.trainer import train
+    from tracetrain.run.trainer import train
 
     train(view_config(run, steps), base_dir=TESTS, log=lambda *_: None)
     return run

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from tracetrain.tasks import load_task
+from tracetrain.agents.tasks import load_task
 
 GUESS = load_task("task.py", Path(__file__).resolve().parents[1] / "examples" / "guess")
 warm_start_transcripts = GUESS.warm_start_transcripts

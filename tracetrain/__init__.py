@@ -8,9 +8,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """`TrainingBatch` is imported on first use: it loads torch, which a process that only runs
-    agents (a Ray worker, a command importing tracetrain.runner) does not need (~2 s, ~300 MB)."""
+    agents (a Ray worker, a command importing tracetrain.agents.runner) does not need (~2 s, ~300 MB)."""
     if name == "TrainingBatch":
-        from tracetrain.batch import TrainingBatch
+        from tracetrain.rows.batch import TrainingBatch
 
         return TrainingBatch
     raise AttributeError(f"module 'tracetrain' has no attribute {name!r}")

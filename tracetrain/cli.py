@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from tracetrain.engines.base import EngineError
-from tracetrain.rows_demo import add_demo_arguments, run_demo
+from tracetrain.rows.demo import add_demo_arguments, run_demo
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,7 +43,7 @@ def terminate(signum, frame) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from tracetrain.config import load_config
-    from tracetrain.trainer import train
+    from tracetrain.run.trainer import train
 
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
     cfg = load_config(args.config, overrides)
@@ -63,7 +63,7 @@ def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from tracetrain.inspection import inspect_rollout
+    from tracetrain.view.inspection import inspect_rollout
 
     inspect_rollout(args.run_dir, args.rollout)
     return 0
@@ -86,9 +86,9 @@ def run_eval(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
+    from tracetrain.agents.tasks import load_task, open_task_data
     from tracetrain.config import load_config
-    from tracetrain.evaluate import evaluate
-    from tracetrain.tasks import load_task, open_task_data
+    from tracetrain.run.evaluate import evaluate
 
     cfg = load_config(args.config, list(args.overrides))
     base = args.config.resolve().parent
@@ -123,10 +123,10 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     import json
 
-    from tracetrain import checkpoint
     from tracetrain.config import ConfigError, load_config
-    from tracetrain.evaluate import load_eval_policy
-    from tracetrain.sft import dedupe, fine_tune, select, sft_rows
+    from tracetrain.learn.sft import dedupe, fine_tune, select, sft_rows
+    from tracetrain.run import checkpoint
+    from tracetrain.run.evaluate import load_eval_policy
     from tracetrain.store import SQLiteStore
 
     cfg = load_config(args.config, list(args.overrides))
@@ -166,7 +166,7 @@ def add_view_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_view(args: argparse.Namespace) -> int:
-    from tracetrain.viewer import serve_view
+    from tracetrain.view.serve import serve_view
 
     serve_view(args.run_dir, host=args.host, port=args.port, token=args.token)
     return 0

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tracetrain.integrations.verl.config import VerlConfig
 from tracetrain.types import check_role
 
 
@@ -73,7 +72,7 @@ class ModelConfig(_Section):
     the fast one for bf16-mixed training on CPU (sdpa's CPU backward in bf16 is several times
     slower)."""
     lora: LoraConfig | None = None
-    """Train a LoRA adapter instead of every weight (tracetrain/lora.py; needs `peft`, the `lora`
+    """Train a LoRA adapter instead of every weight (tracetrain/models/lora.py; needs `peft`, the `lora`
     extra): only the adapter is trained and checkpointed; `run_dir/policy` holds the merged model
     and the adapter (`policy/adapter`). Embedded backend. With engine.kind `vllm` the server is
     launched (`engine.python`) with LoRA enabled on the base weights and each sync loads only the
@@ -107,7 +106,7 @@ class WarmStartConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Tasks from a dataset file instead of the task module's `tasks` function (dataset.py): each
+    """Tasks from a dataset file instead of the task module's `tasks` function (agents/dataset.py): each
     row is one task, handed to the agent as a dict; the agent and reward stay in the task
     module."""
 
@@ -162,14 +161,14 @@ class RolloutConfig(_Section):
     max_tokens: int = Field(16, gt=0)
     """Response-token limit of one model call, handed to each agent (`client["max_tokens"]`)."""
     agent_workers: int = Field(0, ge=0)
-    """0: agents on the trainer's event loop; k: in k processes (tracetrain/agent_workers.py)."""
+    """0: agents on the trainer's event loop; k: in k processes (tracetrain/agents/workers.py)."""
     batch_window_ms: float = Field(2.0, ge=0)
     """Local engine gathering: a batch closes after a quiet `batch_window_ms` (the loop awake, no
     request)."""
 
 
 class AggregateConfig(_Section):
-    """How the turns of finished rollouts become training rows (tracetrain/aggregate.py)."""
+    """How the turns of finished rollouts become training rows (tracetrain/rows/aggregate.py)."""
 
     level: Literal["trajectory", "transition"] = "trajectory"
     """`trajectory`: a rollout's turns join one row while each prompt extends the previous context
@@ -187,7 +186,7 @@ class AggregateConfig(_Section):
 
 class RolesConfig(_Section):
     """The agents of a program: each call's role is the request's `model` or a role's base URL
-    (tracetrain/roles.py, docs/agents.md)."""
+    (tracetrain/rows/roles.py, docs/agents.md)."""
 
     train: list[str] | None = None
     """The roles whose calls are trained; null: every role. A role left out is still served,
@@ -228,8 +227,8 @@ class RolesConfig(_Section):
 
 
 class AdvantageConfig(_Section):
-    """The advantage each trained token carries: its rollout's (tracetrain/advantage.py) or its
-    turn's (tracetrain/credit.py)."""
+    """The advantage each trained token carries: its rollout's (tracetrain/objective/advantage.py) or its
+    turn's (tracetrain/objective/credit.py)."""
 
     estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++", "return-to-go", "gigpo"] = "grpo"
     """Per rollout, from its final reward: `grpo`: (r - group mean) / (group std + eps);
@@ -250,7 +249,7 @@ class AdvantageConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The PPO objective and how its tokens are weighted (tracetrain/loss.py, docs/objective.md)."""
+    """The PPO objective and how its tokens are weighted (tracetrain/objective/loss.py, docs/objective.md)."""
 
     mode: Literal[
         "rollout-mean",
@@ -284,7 +283,7 @@ class LossConfig(_Section):
 
 class CorrectionConfig(_Section):
     """Importance corrections between the engine's sampling and the trainer's policy
-    (tracetrain/correction.py, docs/objective.md "Importance corrections"). Embedded backend."""
+    (tracetrain/objective/correction.py, docs/objective.md "Importance corrections"). Embedded backend."""
 
     old: Literal["engine", "trainer"] = "engine"
     """What the PPO ratio is taken against: `engine`, the logprobs the engine recorded for each
@@ -324,7 +323,7 @@ class CorrectionConfig(_Section):
 
 class OptimConfig(_Section):
     """AdamW, its learning-rate schedule, and how a step's update is cut
-    (tracetrain/minibatch.py)."""
+    (tracetrain/objective/minibatch.py)."""
 
     lr: float = Field(5e-4, gt=0)
     """AdamW learning rate (after the warm-up)."""
@@ -348,7 +347,7 @@ class OptimConfig(_Section):
     shared prefix once) and the budget is also capped by `pack_tokens`."""
     pack_rows: bool = True
     """Embedded backend: each micro-batch's rows go into one sequence, without padding, attention
-    never crossing rows (tracetrain/packing.py); false: the rows padded to a rectangle."""
+    never crossing rows (tracetrain/learn/packing.py); false: the rows padded to a rectangle."""
     share_prefixes: bool = True
     """With `pack_rows`: tokens that rows share from their start (the step's system prompt, a
     group's question, a rollout's earlier turns) are computed once in the forward and backward;
@@ -379,7 +378,7 @@ class TrainerConfig(_Section):
     launched first, plus every group launched at a version <= s - max_staleness (after this update
     it would be older than the bound); at most (max_staleness + 1) x tasks_per_step groups are
     launched and not yet trained, and after each update the engine takes the new weights while
-    the requests in flight finish first (tracetrain/continuous.py). With max_staleness 0 it is
+    the requests in flight finish first (tracetrain/run/continuous.py). With max_staleness 0 it is
     the `step` run. Backend `embedded`; not with `overlap_collect`, `engine.sleep_level` or
     `rollout.agent_workers`."""
     eval_every: int = Field(0, ge=0)
@@ -523,6 +522,26 @@ class EngineConfig(_Section):
             raise ValueError(f"engine.{key}: for a server tracetrain launches (engine.python); a "
                              "running server at engine.base_url has its own")
         return self
+
+
+class VerlConfig(BaseModel):
+    """`verl:` section of a tracetrain config (used when `backend: verl`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+    nnodes: int = Field(1, ge=1)
+    n_gpus_per_node: int = Field(8, ge=1)
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    rollout: Literal["vllm", "sglang"] = "vllm"  # verl's rollout server; the gateway calls it
+    rollout_tp: int = Field(1, ge=1)  # tensor parallel size of one rollout replica
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = True
+    use_remove_padding: bool = True  # packed sequences (needs flash-attn on the GPUs)
+    ray_address: str | None = None  # None: start a local Ray (or join RAY_ADDRESS if set)
+    # dotted verl config keys, applied last ("+key" adds a key verl's yaml does not have)
+    overrides: dict[str, Any] = Field(default_factory=dict)
 
 
 class TrainConfig(_Section):

@@ -24,6 +24,18 @@ import numpy as np
 LOGPROB_TOLERANCE = 1e-3
 
 
+# A turn's context: its prompt continued the turn before it (EXACT) or was the template's full
+# render (RENDERED), and why (the gateway records these; gateway/context.py):
+EXACT, RENDERED = "exact", "rendered"
+# Why a turn's prompt was rendered in full:
+POLICY = "policy"  # context: template
+FIRST_TURN = "first_turn"  # the rollout's first call
+FORGOTTEN = "forgotten"  # earlier turns exist but the gateway holds none (restart, eviction)
+NO_MATCH = "no_match"  # no earlier turn's conversation is a prefix of the messages
+TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not a prefix
+REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
+
+
 class TraceError(ValueError):
     """Bad input in a trace; the message names the rollout, the turn and the field."""
 

@@ -17,7 +17,7 @@ One decode step for the rows b of the batch, with logits l_b of the next token:
                        CDF at u_b = uniform(seed_b, step), so a seeded request gives the same ids
                        whatever else is in its batch (up to float ties)
     recorded logprob:  logp_b[y_b]  -- under the full temperature-scaled distribution (before
-                       top-p), the quantity `tracetrain.logprobs.response_logprobs` recomputes
+                       top-p), the quantity `tracetrain.learn.logprobs.response_logprobs` recomputes
 
 A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
 request's stop_token_ids; the stop id is kept in the response, finish "stop"), after the token that

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tracetrain import lora
 from tracetrain.config import TrainConfig
+from tracetrain.models import lora
 
 StartEngine = Callable[..., Awaitable[Any]]
 ENGINE_KINDS: dict[str, StartEngine] = {}

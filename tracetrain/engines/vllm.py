@@ -31,7 +31,7 @@ Tied embeddings: a model whose output layer shares the input embedding is writte
 (lm_head.weight stored, tie_word_embeddings false). From a tied checkpoint as save_pretrained
 writes it (no lm_head.weight), vLLM 0.32's in-place reload left the output layer on the old
 weights (greedy output after a reload differed from transformers' on the new weights; the
-regression test in tests/test_engine_vllm.py fails that way); with lm_head.weight stored the
+regression test in tests/engines/test_engine_vllm.py fails that way); with lm_head.weight stored the
 reload reaches both. The logits are the same; the file holds the vocab x hidden matrix twice.
 """
 

@@ -24,7 +24,7 @@ whose conversation is a prefix of the request's messages and builds
 The model is then trained on the ids it saw: nothing it generated is decoded, re-serialized or
 re-tokenized, and earlier reasoning stays even where the template would drop it. When no earlier
 turn matches (the harness truncated, summarised or edited its history), or the template fails the
-prefix check, the prompt is the template's full render and the turn records why (REASONS). Under
+prefix check, the prompt is the template's full render and the turn records why (types.REASONS). Under
 `context: template` every prompt is the full render.
 
 Memory: the last KEEP answered turns of each rollout (their messages, answer, ids), in an LRU over
@@ -44,16 +44,16 @@ import orjson
 
 from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.prompt_cache import PromptEncoder
+from tracetrain.types import (
+    EXACT,
+    FIRST_TURN,
+    FORGOTTEN,
+    NO_MATCH,
+    RENDERED,
+    TEMPLATE_PREFIX,
+)
 
 CONTEXT_POLICIES = ("exact", "template")
-EXACT, RENDERED = "exact", "rendered"
-# Why a turn's prompt was rendered in full:
-POLICY = "policy"  # context: template
-FIRST_TURN = "first_turn"  # the rollout's first call
-FORGOTTEN = "forgotten"  # earlier turns exist but the gateway holds none (restart, eviction)
-NO_MATCH = "no_match"  # no earlier turn's conversation is a prefix of the messages
-TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not a prefix
-REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
 
 KEEP = 8  # answered turns remembered per rollout
 _PLACEHOLDER = "…"  # stands for the answered message's text in the base (see _base)
@@ -329,20 +329,3 @@ class ExactContext:
         while self._bytes > self.max_bytes and self._rollouts:
             _, old = self._rollouts.popitem(last=False)
             self._bytes -= sum(e.size for e in old)
-
-
-# ------------------------------------------------------------------------------ per step
-
-
-def context_metrics(turns: Sequence[tuple[str | None, str | None, int]]) -> dict[str, int]:
-    """Counts over (context, reason, reused_tokens) of a step's chat turns: context/exact,
-    context/rendered/<reason>, context/reused_tokens (prompt ids not rendered again)."""
-    out = {"context/exact": 0, **{f"context/rendered/{r}": 0 for r in REASONS},
-           "context/reused_tokens": 0}
-    for context, reason, reused in turns:
-        if context == EXACT:
-            out["context/exact"] += 1
-            out["context/reused_tokens"] += reused or 0
-        elif context == RENDERED:
-            out[f"context/rendered/{reason}"] += 1
-    return out

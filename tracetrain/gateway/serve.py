@@ -27,7 +27,7 @@ from typing import Any
 import uvicorn
 
 from tracetrain.gateway.app import Gateway, create_app
-from tracetrain.inprocess import MIN_ADMIN_KEY_CHARS, is_loopback, listen_socket
+from tracetrain.gateway.inprocess import MIN_ADMIN_KEY_CHARS, is_loopback, listen_socket
 from tracetrain.store import SQLiteStore
 
 
@@ -140,7 +140,7 @@ def _build_engine(args: argparse.Namespace):
             args.upstream_url, args.model, tok, name=args.engine_name, max_context=max_context
         )
     from tracetrain.engines.local import LocalEngine
-    from tracetrain.tiny import load_tiny
+    from tracetrain.models.tiny import load_tiny
 
     model, tok = load_tiny(args.model_path)
     kwargs = {"max_context": args.max_context} if args.max_context else {}

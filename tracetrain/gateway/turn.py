@@ -35,7 +35,7 @@ from tracetrain.engines.base import (
     SamplingParams,
 )
 from tracetrain.gateway import keys, render
-from tracetrain.gateway.context import POLICY, RENDERED, Built, messages_json
+from tracetrain.gateway.context import Built, messages_json
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas import ID_PATTERN
@@ -44,6 +44,8 @@ from tracetrain.gateway.streaming import TextDeltas
 from tracetrain.store import RolloutEnded, RolloutHead
 from tracetrain.types import (
     DEFAULT_ROLE,
+    POLICY,
+    RENDERED,
     TERMINAL_STATES,
     RolloutState,
     TraceError,

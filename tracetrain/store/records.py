@@ -95,7 +95,7 @@ class TurnRecord:
     finish_reason: str | None
     created_at: float
     context: str | None = None  # how the prompt was built: exact | rendered (None: a raw prompt)
-    context_reason: str | None = None  # why it was rendered in full (gateway/context.py REASONS)
+    context_reason: str | None = None  # why it was rendered in full (types.REASONS)
     reused_tokens: int = 0  # prompt ids taken as they were from the earlier turn
     role: str = DEFAULT_ROLE  # the agent of the program that made the call
     rewards: tuple[TurnReward, ...] = ()  # given to this turn while the rollout ran, in order

@@ -1,7 +1,7 @@
 """tracetrain on verl (`pip install tracetrain[verl]`, verl 0.9.x): the same rows and the same loss.
 
-    config.py     the `verl:` config section and the verl config built from a tracetrain config
-                  (no verl import at module level: tracetrain.config may import VerlConfig)
+    config.py     the verl config built from a tracetrain config and its `verl:` section
+                  (no verl import at module level)
     loss.py       the verl policy loss `rollout-mean` (one name per tracetrain mode) and a full
                   verl loss function; how verl's loss scaling is used or neutralised.
                   Importing it registers the losses with verl.

@@ -1,12 +1,13 @@
 """The verl config of a tracetrain run: verl's own `ppo_trainer` config (Hydra), with the values
 that follow from the tracetrain config set, and a `verl:` section for what only verl needs.
 
-    VerlConfig             the `verl:` section (cluster shape, rollout engine, FSDP options)
+    VerlConfig             the `verl:` section (cluster shape, rollout engine, FSDP options),
+                           defined in tracetrain.config with the other sections
     verl_settings(cfg, v)  {dotted verl key: value}: every value tracetrain decides
     build_verl_config      compose verl's ppo_trainer.yaml, apply those, then `v.overrides`;
                            the actor / rollout / model sections are validated by verl's dataclasses
 
-No verl import at module level (this module is imported by tracetrain.config's users).
+No verl import at module level.
 """
 
 from __future__ import annotations
@@ -15,35 +16,15 @@ import copy
 import functools
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from tracetrain.config import VerlConfig
 
 LOSS_MODULE = (
     "tracetrain.integrations.verl.loss"  # imported by verl's workers: registers the losses
 )
 _MISSING = object()
 KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}  # tracetrain estimator -> verl's name
-
-
-class VerlConfig(BaseModel):
-    """`verl:` section of a tracetrain config (used when `backend: verl`)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
-
-    nnodes: int = Field(1, ge=1)
-    n_gpus_per_node: int = Field(8, ge=1)
-    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
-    rollout: Literal["vllm", "sglang"] = "vllm"  # verl's rollout server; the gateway calls it
-    rollout_tp: int = Field(1, ge=1)  # tensor parallel size of one rollout replica
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1)
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    gradient_checkpointing: bool = True
-    use_remove_padding: bool = True  # packed sequences (needs flash-attn on the GPUs)
-    ray_address: str | None = None  # None: start a local Ray (or join RAY_ADDRESS if set)
-    # dotted verl config keys, applied last ("+key" adds a key verl's yaml does not have)
-    overrides: dict[str, Any] = Field(default_factory=dict)
 
 
 def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
@@ -54,12 +35,12 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
         raise ValueError(
             "config key 'model.kind': backend verl needs 'pretrained' with model.path, a Hugging "
             "Face model directory that verl's workers and rollout servers load "
-            f"(got kind {m.kind!r}); tracetrain.tiny.save_tiny writes one for the tiny model"
+            f"(got kind {m.kind!r}); tracetrain.models.tiny.save_tiny writes one for the tiny model"
         )
     if not Path(m.path).is_dir():
         raise ValueError(
             f"config key 'model.path': {m.path!r} is not a directory (backend verl loads a Hugging "
-            "Face model directory; tracetrain.tiny.save_tiny writes one for the tiny model)"
+            "Face model directory; tracetrain.models.tiny.save_tiny writes one for the tiny model)"
         )
     if oc.decay not in ("constant", "cosine"):
         raise ValueError(

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from tracetrain.batch import TrainingBatch
 from tracetrain.integrations.verl.loss import TOKEN_WEIGHTS
-from tracetrain.minibatch import balanced_bins, plan_step
+from tracetrain.objective.minibatch import balanced_bins, plan_step
+from tracetrain.rows.batch import TrainingBatch
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """tracetrain's loss inside verl's actor update (checked against verl 0.9.1, FSDP/FSDP2 engine).
 
 The idea: verl never chooses a divisor. tracetrain computes the token weights w[i,t] of every
-mini-batch before verl splits anything (`loss.row_scales` over the whole mini-batch, see
+mini-batch before verl splits anything (`weights.row_scales` over the whole mini-batch, see
 minibatch.py), ships them in the DataProto, and the loss verl calls on each micro-batch is
 
     L_micro = dp_size * sum_{(i,t) in micro-batch} w[i,t] * l[i,t]
@@ -32,7 +32,7 @@ How verl 0.9.1 scales a loss, and what we do with each factor:
 
 This scales like verl's own "token-sum" aggregation (a sum over the micro-batch times dp_size),
 so the Megatron engine's extra factors (loss * num_micro_batch for its pipeline schedule) apply to
-it as to "token-sum"; only the FSDP path is tested here (tests/test_verl_loss.py drives verl's real
+it as to "token-sum"; only the FSDP path is tested here (tests/integrations/test_verl_loss.py drives verl's real
 TrainingWorker and FSDP2 engine on CPU).
 
 Two entry points:
@@ -62,7 +62,8 @@ from verl.trainer.ppo.core_algos import register_policy_loss
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from tracetrain.loss import MODES, policy_loss
+from tracetrain.objective.loss import policy_loss
+from tracetrain.objective.weights import MODES
 
 TOKEN_WEIGHTS = "rollout_is_weights"  # the DataProto key of w [rows, R] (see the module docstring)
 POLICY_LOSS_NAMES = tuple(MODES)  # "rollout-mean", "token-mean", ... (verl's policy-loss names)

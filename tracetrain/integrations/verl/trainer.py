@@ -15,8 +15,8 @@
 Weights reach the rollout servers through verl's own CheckpointEngineManager; the loop is
 tracetrain's (RayPPOTrainer.fit is not used: its rollout source is verl's agent loop), the
 workers, servers and weight sync are verl 0.9.1's, built as verl's main_ppo_v0 TaskRunner does.
-Only runs on GPU machines with vLLM or SGLang; tests/test_verl_config.py checks, on CPU, the verl
-config and worker layout it builds; tests/test_verl_loss.py the actor update it calls.
+Only runs on GPU machines with vLLM or SGLang; tests/integrations/test_verl_config.py checks, on CPU, the verl
+config and worker layout it builds; tests/integrations/test_verl_loss.py the actor update it calls.
 """
 
 from __future__ import annotations
@@ -156,9 +156,9 @@ class VerlRun:
         }
 
     async def train_step(self, gateway, engines: dict, http) -> dict:
-        """The shared step (tracetrain/step.py) on verl: the servers take the weights, collect,
+        """The shared step (tracetrain/run/step.py) on verl: the servers take the weights, collect,
         rows, verl's actor learns."""
-        from tracetrain.step import collect, rollout_specs, rows, step_tasks, throughput
+        from tracetrain.run.step import collect, rollout_specs, rows, step_tasks, throughput
 
         cfg, rc, t0 = self.cfg, self.cfg.rollout, time.perf_counter()
         cm = self.trainer.checkpoint_manager
@@ -229,12 +229,12 @@ class VerlRun:
         return out
 
     async def run(self) -> list[dict]:
+        from tracetrain.agents.runner import GatewayClient, agent_http_client
+        from tracetrain.agents.tasks import resolve_agent
         from tracetrain.gateway.app import create_app
-        from tracetrain.inprocess import admin_key_for, app_options, bind, serve_in_loop
-        from tracetrain.rundir import format_step, metric_sinks
-        from tracetrain.runner import GatewayClient, agent_http_client
+        from tracetrain.gateway.inprocess import admin_key_for, app_options, bind, serve_in_loop
+        from tracetrain.run.rundir import format_step, metric_sinks
         from tracetrain.store import SQLiteStore
-        from tracetrain.tasks import resolve_agent
 
         cfg = self.cfg
         self.nonce = secrets.token_hex(3)
@@ -282,9 +282,9 @@ def train_verl(
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    from tracetrain.report import summary
-    from tracetrain.rundir import refuse_earlier_run
-    from tracetrain.tasks import load_task, open_task_data
+    from tracetrain.agents.tasks import load_task, open_task_data
+    from tracetrain.run.report import summary
+    from tracetrain.run.rundir import refuse_earlier_run
 
     v = verl or getattr(cfg, "verl", None) or VerlConfig()
     task = load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)

@@ -1,0 +1,75 @@
+"""A run's task module and its agent, resolved from the config (`task`, `agent`): used by the
+trainer, the verl backend and the agent worker processes alike."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from tracetrain.agents.runner import load_agent
+from tracetrain.config import ConfigError
+
+
+def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = True):
+    """A task module: a path to a .py file (relative to the config file, then the cwd) or a module
+    name. It defines `tasks(n, seed=..., **task_args)` and `agent(task, client)`, and optionally
+    `warm_start_transcripts(n, seed=..., **task_args)`. `needs_tasks` false (a run whose tasks
+    come from `data.train`): `tasks` may be missing."""
+    if spec.endswith(".py"):
+        candidates = [Path(spec)] if Path(spec).is_absolute() else [
+            *([base_dir / spec] if base_dir else []), Path.cwd() / spec]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise ConfigError(f"config key 'task': no file {spec!r} (looked in {[str(c) for c in candidates]})")
+        mod_spec = importlib.util.spec_from_file_location(f"tracetrain_task_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ImportError as e:
+            raise ConfigError(f"config key 'task': cannot import {spec!r}: {e}") from None
+    if needs_tasks and not callable(getattr(module, "tasks", None)):
+        raise ConfigError(f"config key 'task': {spec!r} defines no function 'tasks' (or give "
+                          "data.train: tasks from a dataset file)")
+    return module
+
+
+def open_task_data(cfg, base_dir: Path | None = None):
+    """The run's dataset (dataset.TaskData) when `data.train` names one, else None; paths are
+    relative to the config file, then the working directory. Every row is checked for
+    `data.fields` here, before any training."""
+    from tracetrain.agents.dataset import DatasetError, TaskData, open_rows
+
+    dc = cfg.data
+    if dc.train is None:
+        return None
+
+    def path(key: str, value: str) -> Path:
+        candidates = [Path(value)] if Path(value).is_absolute() else [
+            *([base_dir / value] if base_dir else []), Path.cwd() / value]
+        found = next((p for p in candidates if p.exists()), None)
+        if found is None:
+            raise ConfigError(f"config key 'data.{key}': no file {value!r} (looked in "
+                              f"{[str(c) for c in candidates]})")
+        return found
+
+    try:
+        return TaskData(open_rows(path("train", dc.train)),
+                        eval_rows=None if dc.eval is None else open_rows(path("eval", dc.eval)),
+                        eval_fraction=dc.eval_fraction, split_seed=dc.split_seed,
+                        seed=cfg.trainer.seed, shuffle=dc.shuffle, fields=dc.fields)
+    except DatasetError as e:
+        raise ConfigError(f"config key 'data': {e}") from None
+
+
+def resolve_agent(task_module: Any, name: str):
+    """The task module's function `name`, else a `module:function` or a command (runner.load_agent)."""
+    fn = getattr(task_module, name, None)
+    if callable(fn):
+        return fn
+    if ":" in name or " " in name:
+        return load_agent(name)
+    raise ConfigError(f"config key 'agent': the task module has no function {name!r}")

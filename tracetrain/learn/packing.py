@@ -1,0 +1,262 @@
+"""Rows packed into one sequence, every shared prefix computed once, logprobs without full logits.
+
+A micro-batch's rows (their real tokens; left and right padding dropped) go into a prefix tree
+keyed by token id: rows whose first k tokens are equal share those k nodes (the step's system
+prompt, a group's question, a rollout's earlier turns). The nodes, in insertion order, are one
+sequence of N tokens, with
+
+    input_ids[n]    = the token of node n
+    position_ids[n] = the depth of node n: its position in every row that passes through it
+    allowed[n, m]   = m is n or an ancestor of n                      (attention mask, [N, N])
+
+A causal LM's hidden state at a position depends only on the tokens up to it and their positions,
+so node n's hidden state is the one every row through it would compute there: one forward over the
+N nodes gives each row's logprobs as the padded batch does (up to float reassociation), and its
+backward gives the sum of the rows' gradients, each shared node's once with every row's share
+added. With `share=False` every row is its own chain: plain packing, no padding, no sharing.
+
+The logprob of response column t of row i is read at the node of the row's token just before it:
+
+    logprob[i, t] = z[y] - logsumexp(z),   z = lm_head(h[node(i, P_i + t - 1)]) / T,  y its token
+    entropy[i, t] = logsumexp(z) - sum_v softmax(z)_v z_v
+
+computed `chunk` positions at a time under activation checkpointing: the logits held at once are
+[chunk, V], never [rows, R, V]; the backward recomputes one chunk's logits at a time.
+
+On a GPU the same tree mask is a FlexAttention block mask (blocks off the tree are skipped); with
+`share=False` it is block-diagonal, which is what flash-attention's varlen kernel takes as
+cu_seqlens. On the CPU here it goes to SDPA or eager attention as a dense [N, N] mask, so the
+attention over a pack costs N^2: packs are kept to `pack_tokens` (see minibatch.plan_step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tracetrain.learn.logprobs import autocast, logprobs_from_logits
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # [1, N] int64: one token per tree node
+    position_ids: torch.Tensor  # [1, N] int64: the node's depth
+    allowed: torch.Tensor  # [N, N] bool: allowed[n, m] = m is n or an ancestor of n
+    node: torch.Tensor  # [rows, P+R] int64: the node of each real token of each row, -1 on padding
+    n_row_tokens: int  # real tokens over all rows (what a forward without sharing computes)
+
+    @property
+    def n_tokens(self) -> int:
+        """N: the tokens this pack's forward computes."""
+        return self.input_ids.shape[1]
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> Packed:
+    """Pack rows [rows, P+R] (real tokens where attention_mask is 1, contiguous in each row) into
+    one tree-shaped sequence; see the module docstring."""
+    ids = input_ids.tolist()
+    real = attention_mask.bool()
+    node = torch.full(input_ids.shape, -1, dtype=torch.int64)
+    tokens: list[int] = []
+    depth: list[int] = []
+    children: dict[tuple[int, int], int] = {}
+    paths = []
+    for i, row in enumerate(ids):
+        cols = real[i].nonzero().squeeze(1)
+        if cols.numel() and int(cols[-1] - cols[0]) + 1 != cols.numel():
+            raise ValueError(f"row {i}: its real tokens (attention_mask 1) are not contiguous")
+        path = []
+        parent = -1
+        for d, c in enumerate(cols.tolist()):
+            key = (parent, row[c])
+            n = children.get(key) if share else None
+            if n is None:
+                n = len(tokens)
+                tokens.append(row[c])
+                depth.append(d)
+                if share:
+                    children[key] = n
+            path.append(n)
+            parent = n
+        path_t = torch.tensor(path, dtype=torch.int64)
+        node[i, cols] = path_t
+        paths.append(path_t)
+    N = len(tokens)
+    allowed = torch.zeros(N, N, dtype=torch.bool)
+    for p in paths:  # each row's chain: a token sees itself and every token before it in the row
+        k = p.numel()
+        if k:
+            q, kv = torch.tril_indices(k, k)
+            allowed[p[q], p[kv]] = True
+    return Packed(
+        input_ids=torch.tensor([tokens], dtype=torch.int64),
+        position_ids=torch.tensor([depth], dtype=torch.int64),
+        allowed=allowed,
+        node=node,
+        n_row_tokens=int(real.sum()),
+    )
+
+
+def base_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM inside DDP (`.module`) and peft (`get_base_model()`) wrappers."""
+    lm = getattr(model, "module", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def split_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(decoder, lm_head) of a transformers causal LM (also under peft's PeftModel): the decoder
+    maps ids to the final normed hidden states, lm_head those to logits. ValueError when the model
+    does not split that way or scales its logits (softcapping, logit_scale), which the chunked
+    head would miss."""
+    lm = base_lm(model)
+    cfg = getattr(lm, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"the model scales its logits ({attr}); packed logprobs need a plain lm_head")
+    get_decoder = getattr(lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if decoder is None or not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(lm).__name__} has no decoder + linear lm_head to pack rows through")
+    return decoder, head
+
+
+def attention_mask_4d(allowed: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype):
+    """[1, 1, N, N]: bool for SDPA and flex (True = attend), additive float for eager."""
+    if attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)[None, None]
+    return allowed[None, None]
+
+
+def _head_logprobs(h, weight, bias, target, temperature: float, with_entropy: bool):
+    return logprobs_from_logits(torch.nn.functional.linear(h, weight, bias).float(), target,
+                                temperature, with_entropy)
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [M, H], target [M] -> (logprob [M], entropy [M] or None), `chunk` positions at a
+    time; with gradients on, each chunk is checkpointed (its [chunk, V] logits are recomputed in
+    the backward instead of kept)."""
+    lps, ents = [], []
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    for s in range(0, hidden.shape[0], chunk):
+        args = (hidden[s : s + chunk], head.weight, head.bias, target[s : s + chunk], temperature,
+                with_entropy)
+        if grad:
+            lp, ent = checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def row_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    need: torch.Tensor,
+    *,
+    pack: bool = True,
+    share: bool = True,
+    chunk: int = 512,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    precision: str = "fp32",
+    packed: Packed | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, Packed | None]:
+    """Rows [rows, P+R] as in TrainingBatch -> (logprobs [rows, R], entropy [rows, R] or None,
+    the pack or None), computed where `need` [rows, R] (bool) is True and 0 elsewhere.
+
+    pack: one tree-shaped sequence (shared prefixes once when `share`), else the padded rows.
+    chunk: positions per lm_head chunk (0: all at once). A model wrapped for data parallelism
+    (it has `.module`) is called whole, so that DDP sees the forward: the logits of the needed
+    positions only (transformers' logits_to_keep), not chunked. `packed` reuses a pack of the same
+    rows (e.g. the reference model's pass after the policy's)."""
+    rows, width = input_ids.shape
+    R = response_length
+    dev = input_ids.device
+    need = need.bool().cpu()
+    r_idx, t_idx = need.nonzero(as_tuple=True)
+    target = input_ids[r_idx.to(dev), (width - R + t_idx).to(dev)]
+    if pack and packed is None:
+        packed = pack_rows(input_ids.cpu(), attention_mask.cpu(), share=share)
+    if pack:
+        pred = packed.node[r_idx, width - R + t_idx - 1]  # the node before each needed token
+        if (pred < 0).any():
+            raise ValueError("a needed response token has no real token before it in its row")
+        ids, pos = packed.input_ids.to(dev), packed.position_ids.to(dev)
+    else:
+        pred = r_idx * width + (width - R + t_idx - 1)  # flat index into [rows * width]
+        ids, pos = input_ids, position_ids
+    pred = pred.to(dev)
+    wrapped = hasattr(model, "module")
+    impl = getattr(getattr(base_lm(model), "config", None), "_attn_implementation", None)
+    with autocast(precision, dev):
+        mask = attention_mask_4d(packed.allowed.to(dev), impl, torch.float32) if pack else attention_mask
+        if wrapped:
+            if not pack:
+                keep = torch.unique(pred % width)  # the columns any row needs
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep)
+                col = torch.searchsorted(keep, pred % width)
+                z = out.logits[pred // width, col]
+            else:
+                z = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                          logits_to_keep=pred).logits[0]
+            lp, ent = logprobs_from_logits(z.float(), target, temperature, with_entropy)
+        else:
+            decoder, head = split_lm(model)
+            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos,
+                             use_cache=False).last_hidden_state
+            hidden = hidden.reshape(-1, hidden.shape[-1])[pred]
+            lp, ent = chunked_logprobs(hidden, head, target, temperature=temperature,
+                                       with_entropy=with_entropy, chunk=chunk or max(1, len(pred)))
+    index = (r_idx.to(dev), t_idx.to(dev))
+    logprobs = torch.zeros(rows, R, dtype=torch.float32, device=dev).index_put(index, lp.float())
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(rows, R, dtype=torch.float32, device=dev).index_put(index, ent.float())
+    return logprobs, entropy, packed
+
+
+def row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> torch.Tensor:
+    """[rows] int64: the tokens each row adds to a pack that holds the rows before it: its real
+    tokens, less (with `share`) those it shares from its start with the previous row. Summed over
+    consecutive rows this bounds the pack's N from above (a row may share more with an earlier one)."""
+    real = attention_mask.bool()
+    counts = real.sum(1)
+    if not share or input_ids.shape[0] < 2:
+        return counts.to(torch.int64)
+    costs = [int(counts[0])]
+    prev = input_ids[0][real[0]]
+    for i in range(1, input_ids.shape[0]):
+        cur = input_ids[i][real[i]]
+        k = min(prev.numel(), cur.numel())
+        diff = (prev[:k] != cur[:k]).nonzero()
+        common = int(diff[0]) if diff.numel() else k
+        costs.append(cur.numel() - common)
+        prev = cur
+    return torch.tensor(costs, dtype=torch.int64)
+
+
+def default_pack_tokens(model: torch.nn.Module) -> int:
+    """4 x the model's hidden size d (2304 for SmolLM2-135M): per token and layer a pack's dense
+    attention costs 2*N*d multiply-adds against ~12*d^2 for the matmuls, 2/3 of them at N = 4d."""
+    hidden = getattr(getattr(base_lm(model), "config", None), "hidden_size", None)
+    return 4 * int(hidden) if hidden else 4096

@@ -1,0 +1,147 @@
+"""`tracetrain eval CONFIG --policy PATH`: a policy on the run's eval tasks, k tries each.
+
+    pass_at_k(n, c, k)     unbiased pass@k of one task: 1 - C(n - c, k) / C(n, k)
+                           (n tries, c successes; Chen et al. 2021, "Evaluating Large Language
+                           Models Trained on Code")
+    evaluate(cfg, task, data, policy=..., k=4, temperature=1.0)   -> (summary, per-task rows)
+
+The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.eval_fraction),
+else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
+`k` times through the same gateway, agents and engine as training (`engine.kind`: the local
+engine, or vLLM launched on the policy's weights or pushed to a running server). A try succeeds when
+its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
+reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
+
+The policy: a `policy/` folder (checkpoint.write_policy: a transformers directory), a
+`checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracetrain.config import ConfigError, TrainConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k tries drawn without replacement from n (c of them
+    successes) succeeds; needs k <= n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bool = False):
+    """(model, tokenizer) for `policy` (module docstring). Under LoRA (model.lora) a checkpoint
+    holds the adapter alone: it is loaded onto the config's base; a policy/ folder holds the merged
+    model; `adapter=True` (sft, which trains one) puts a fresh adapter on whatever was loaded."""
+    from tracetrain.models import lora
+    from tracetrain.models.load import load_policy
+
+    model, tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+    path = None if policy is None else Path(policy)
+    weights = path is not None and path.is_file()  # a checkpoint (a run's, or sft's weights only)
+    if path is not None and path.is_dir():
+        from transformers import AutoModelForCausalLM
+
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--policy {str(path)!r}: not a transformers directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    elif path is not None and not weights:
+        raise ConfigError(f"--policy {str(path)!r}: no such file or directory")
+    if cfg.model.lora is not None and (adapter or weights):
+        torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
+        model = lora.wrap(model, cfg.model.lora)
+    if weights:
+        try:
+            ck = torch.load(path, weights_only=False, map_location="cpu")
+            lora.load_weights(model, ck["model"])
+        except Exception as e:  # not a checkpoint of this config's model: say which and why
+            raise ConfigError(f"--policy {str(path)!r}: not a checkpoint of this config's model "
+                              f"({type(e).__name__}: {e})") from None
+    return model.eval(), tokenizer
+
+
+def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
+    """The first n eval tasks (the same for every pass, and for `tracetrain eval` and a run's
+    eval passes): the dataset's held-out rows, else the task module's `tasks` with a seed no
+    training step uses."""
+    held = data.eval_tasks(n) if data is not None else None
+    if held is not None:
+        return held
+    if not callable(getattr(task, "tasks", None)):
+        raise ConfigError("config key 'data': no held-out rows (data.eval or data.eval_fraction) "
+                          "and the task module has no `tasks` to make eval tasks")
+    return task.tasks(n, seed=-(cfg.trainer.seed * 1_000_003 + 1), **cfg.task_args)
+
+
+async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4,
+                   temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
+                   store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
+    """Play each eval task k times with the policy; (summary, one row per task)."""
+    from tracetrain.agents.runner import GatewayClient, agent_http_client
+    from tracetrain.agents.tasks import resolve_agent
+    from tracetrain.engines.start import start_engine
+    from tracetrain.gateway.app import create_app
+    from tracetrain.gateway.inprocess import serve_in_loop
+    from tracetrain.models import lora
+    from tracetrain.run.step import collect, rollout_specs
+    from tracetrain.store import SQLiteStore
+
+    if k < 1:
+        raise ConfigError(f"--k must be >= 1, got {k}")
+    if cfg.engine.python is not None:  # before loading anything: the interpreter must run vLLM
+        from tracetrain.engines.vllm_server import check_interpreter
+
+        check_interpreter(cfg.engine.python)
+    tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
+    model, tokenizer = load_eval_policy(cfg, policy)
+    if cfg.model.lora is not None and not lora.is_lora(model):
+        # a merged policy/ or the untrained base: an engine serves it whole, not base + adapter
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+    agent = resolve_agent(task, cfg.agent)
+    with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
+        store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
+        engine = await start_engine(cfg, model, tokenizer, version=0, run_dir=Path(tmp),
+                                    threads=cfg.trainer.threads, log=log)
+        admin_key = secrets.token_urlsafe(24)
+        app = create_app(store, {"default": engine}, admin_key=admin_key)
+        try:
+            async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
+                gateway = GatewayClient(url, admin_key)
+                try:
+                    specs = rollout_specs(tasks, k, f"eval-{secrets.token_hex(3)}")
+                    results = await collect(gateway, specs, agent, cfg, temperature=temperature,
+                                            step=0, http_client=http)
+                finally:
+                    await gateway.aclose()
+        finally:
+            await engine.aclose()
+            store.close()
+    rows = []
+    for j, t in enumerate(tasks):
+        mine = results[j * k:(j + 1) * k]
+        scored = [r.reward for r in mine if r.state == "succeeded" and r.reward is not None]
+        c = sum(x >= success for x in scored)
+        errors = [r.error for r in mine if r.state != "succeeded" and r.error]
+        rows.append({"task": t, "rewards": scored, "failed": len(mine) - len(scored),
+                     "errors": errors,
+                     "successes": c,
+                     "pass@1": pass_at_k(len(scored), c, 1) if scored else None,
+                     f"pass@{k}": pass_at_k(len(scored), c, k) if len(scored) >= k else None})
+    rewards = [x for r in rows for x in r["rewards"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    summary = {"tasks": len(rows), "tries": len(rows) * k, "failed": sum(r["failed"] for r in rows),
+               "reward_mean": mean(rewards),
+               "pass@1": mean([r["pass@1"] for r in rows if r["pass@1"] is not None]),
+               f"pass@{k}": mean([r[f"pass@{k}"] for r in rows if r[f"pass@{k}"] is not None]),
+               "temperature": temperature, "policy": str(policy) if policy else "untrained"}
+    return summary, rows

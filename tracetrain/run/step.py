@@ -1,0 +1,192 @@
+"""One training step, as stages over plain data, shared by every backend and engine.
+
+    collect   step_tasks -> rollout_specs -> the runner plays each rollout's agent through the
+              gateway, whose engine (local, vLLM, verl's servers) answers and records the turns
+    rows      the store's rollouts -> stale ones dropped -> aggregate -> advantages   (`rows`)
+    learn     mini-batches of whole rollouts -> optimizer updates
+    sync      the engine takes the new weights; the model version goes up by one
+
+`collect` runs the agents (runner.run_rollouts, runner_ray, agent_workers), `learn` and `sync` are
+the backend's (the embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor
+and checkpoint manager). What every backend logs of a step comes from `rows` and `throughput`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from tracetrain.agents.runner import run_rollouts
+from tracetrain.config import TrainConfig
+from tracetrain.objective.credit import batch_credit
+from tracetrain.rows.aggregate import aggregate
+from tracetrain.rows.batch import TrainingBatch
+from tracetrain.rows.context import context_metrics
+from tracetrain.rows.roles import role_metrics, trains
+from tracetrain.types import Rollout
+
+
+def step_seed(cfg: TrainConfig, step: int) -> int:
+    """The seed of step `step`'s tasks and sampling: a function of (trainer.seed, step) only, so a
+    resumed run sees the same."""
+    return cfg.trainer.seed * 1_000_003 + step
+
+
+def step_tasks(task_module: Any, cfg: TrainConfig, step: int, data=None) -> list[dict]:
+    """The tasks of step `step`: from the run's dataset (`data`: dataset.TaskData, epochs in a
+    seeded order) when it has one, else the task module's `tasks`."""
+    if data is not None:
+        return data.train_tasks(step, cfg.rollout.tasks_per_step)
+    return task_module.tasks(cfg.rollout.tasks_per_step, seed=step_seed(cfg, step), **cfg.task_args)
+
+
+def rollout_specs(
+    tasks: list[dict], n_per_task: int, prefix: str, engines: Sequence[str] = ()
+) -> list[dict]:
+    """n_per_task rollouts of each task, one group per task; with `engines`, the groups are dealt
+    to them in turn (a group stays on one engine)."""
+    return [
+        {"rollout_id": f"{prefix}-t{j}-n{m}", "group_id": f"{prefix}-t{j}", "task": task,
+         **({"engine": engines[j % len(engines)]} if engines else {})}
+        for j, task in enumerate(tasks)
+        for m in range(n_per_task)
+    ]
+
+
+async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temperature: float,
+                  step: int, http_client=None, workers=None, first_position: int = 0) -> list:
+    """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
+    calls sampled at `temperature` with step `step`'s seed; results in the order of `specs`.
+    runner "ray": the agents are Ray tasks; `workers` (agent_workers.AgentWorkers): they run in
+    those processes; else as coroutines here (on `http_client`'s connections when given).
+    `first_position`: where `specs` start among the step's rollouts (their sampling seeds)."""
+    rc = cfg.rollout
+    extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
+             "seed": step_seed(cfg, step)}
+    limits = {"concurrency": rc.concurrency, "timeout_s": rc.timeout_s, "client_extra": extra,
+              "first_position": first_position}
+    if cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
+        from tracetrain.agents.runner_ray import run_rollouts_ray
+
+        return await run_rollouts_ray(gateway, specs, agent, **limits)
+    if workers is not None:
+        from tracetrain.agents.workers import run_rollouts_in_workers
+
+        return await run_rollouts_in_workers(gateway, specs, workers, **limits)
+    return await run_rollouts(gateway, specs, agent, **limits, http_client=http_client)
+
+
+def drop_stale(
+    rollouts: list[Rollout], current_version: int, max_staleness: int,
+    train_roles: Collection[str] | None = None,
+) -> tuple[list[Rollout], int]:
+    """Drop rollouts with a trained turn made by a model more than max_staleness versions old
+    (counted). The turns of roles that do not train (e.g. served by a frozen copy, whose version
+    never moves) do not count."""
+    keep, n_stale = [], 0
+    for r in rollouts:
+        versions = [t.model_version for t in r.turns
+                    if t.model_version is not None and trains(t.role, train_roles)]
+        if versions and current_version - min(versions) > max_staleness:
+            n_stale += 1
+        else:
+            keep.append(r)
+    return keep, n_stale
+
+
+def staleness_counts(rollouts: list, version: int, train_roles) -> dict[str, Any]:
+    """staleness/... of the rollouts a step trains at `version`: a histogram of the rollouts by
+    version - their oldest trained turn's version (rollouts_<d>), of the trained tokens by
+    version - their turn's version (tokens_<d>), and mixed_version_rollouts (trained turns from
+    more than one version)."""
+    out: dict[str, Any] = {"staleness/mixed_version_rollouts": 0}
+    for r in rollouts:
+        turns = [t for t in r.turns if t.model_version is not None and trains(t.role, train_roles)]
+        if not turns:
+            continue
+        versions = {t.model_version for t in turns}
+        key = f"staleness/rollouts_{version - min(versions)}"
+        out[key] = out.get(key, 0) + 1
+        out["staleness/mixed_version_rollouts"] += len(versions) > 1
+        for t in turns:
+            key = f"staleness/tokens_{version - t.model_version}"
+            out[key] = out.get(key, 0) + len(t.response_ids)
+    return out
+
+
+# engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "prefix_cache_tokens",
+               "attempts", "retries", "failures")
+
+
+@dataclass
+class Collected:
+    """The rollouts of one step: results, seconds, the engine's work and the oldest model version
+    that generated them (the engine's at the start of the collect, or at a group's launch), and
+    what the collect measured (`metrics`)."""
+
+    step: int
+    results: list
+    seconds: float
+    engine_work: dict[str, int]
+    engine_version: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Rows(NamedTuple):
+    batch: TrainingBatch
+    # [n_rollouts] one per rollout, or [rows, R] one per token of a turn-level estimator
+    # (credit.batch_credit); None when there is no row
+    advantages: Any
+    metrics: dict[str, Any]
+
+
+def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: int) -> Rows:
+    """The rows stage: the step's rollouts (`results`: the runner's, with rollout_id, state and
+    reward) read from the store, those older than trainer.max_staleness versions behind `version`
+    dropped, aggregated into rows, and given their advantages.
+
+    metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
+    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were built), roles/* and
+    turn_rewards/* (roles.role_metrics), advantage/*, time/rows_s."""
+    t0 = time.perf_counter()
+    ids = [r.rollout_id for r in results]
+    ac, train_roles = cfg.aggregate, cfg.roles.train
+    rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
+                                   cfg.trainer.max_staleness, train_roles)
+    batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
+                           max_response_length=ac.max_response_length,
+                           pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
+                           overlong=ac.overlong, train_roles=train_roles)
+    states = [r.state for r in results]
+    rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+    metrics: dict[str, Any] = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "n_failed": states.count("failed"),
+        "n_timed_out": states.count("timed_out"),
+        "n_stale_rollouts": n_stale,
+        **{f"aggregate/{k}": v for k, v in agg.items() if isinstance(v, (int, float))},
+        **context_metrics(store.turn_contexts(ids)),
+        **role_metrics(rollouts, train_roles),
+        **staleness_counts(rollouts, version, train_roles),
+    }
+    adv = None
+    if batch.n_rows:
+        ad = cfg.advantage
+        batch, adv, adv_metrics = batch_credit(
+            batch, rollouts, estimator=ad.estimator, train_roles=train_roles, gamma=ad.gamma,
+            step_weight=ad.step_weight, eps=ad.eps, failed_rollouts=ad.failed_rollouts)
+        metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+    metrics["time/rows_s"] = time.perf_counter() - t0
+    return Rows(batch, adv, metrics)
+
+
+def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s: float) -> dict:
+    """time/collect_s, time/train_s, rollouts_per_s, trained_tokens_per_s, rows_per_rollout."""
+    n_tokens = int(batch.response_mask.sum()) if batch.n_rows else 0
+    return {"time/collect_s": collect_s, "time/train_s": train_s,
+            "rollouts_per_s": n_rollouts / max(collect_s, 1e-9),
+            "trained_tokens_per_s": n_tokens / max(train_s, 1e-9),
+            "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)}
