@@ -505,3 +505,46 @@ def test_turn_rewards_for_a_missing_turn_or_an_ended_rollout_are_refused(store):
     run(store.create_rollouts([new("a")]))
     run(store.add_turn("a", [1], [2], None, 0, "stop"))
     assert store.get_turns("a")[0].reward is None  # deleted with its rollout
+
+
+def test_a_reader_beside_a_store_being_created_sees_it_not_ready_or_whole(tmp_path):
+    """`tracetrain view` polls a run whose trainer is creating traces.db: a read-only open then
+    fails only as StoreNotReady (the viewer's 'not written yet'), never as a store of an old
+    schema. The schema of a new store is written in one transaction, and the reader takes the
+    version and the tables from one snapshot."""
+    import threading
+
+    from tracetrain.store.records import StoreNotReady
+    from tracetrain.store.schema import check_readable
+
+    paths = [str(tmp_path / f"s{i}.db") for i in range(20)]
+    done, seen, wrong = threading.Event(), [], []
+
+    def create():
+        for p in paths:
+            SQLiteStore(p).close()
+        done.set()
+
+    def read():  # until a pass that began after the last store was made
+        while True:
+            last = done.is_set()
+            for p in paths:
+                if not os.path.exists(p):
+                    continue
+                try:
+                    seen.append(check_readable(p))
+                except StoreNotReady:
+                    seen.append("not ready")
+                except StoreError as e:
+                    wrong.append(str(e))
+            if last:
+                return
+
+    threads = [threading.Thread(target=create), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not wrong, wrong[:3]
+    assert seen.count(SCHEMA_VERSION) >= len(paths)
+    assert all(check_readable(p) == SCHEMA_VERSION for p in paths)

@@ -33,7 +33,9 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig, resumed: list[dict] | None) -
         metrics.unlink(missing_ok=True)
     else:
         refuse_earlier_run(run_dir, resumable=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    tmp = run_dir / "config.json.tmp"
+    tmp.write_text(cfg.model_dump_json(indent=2))
+    tmp.replace(run_dir / "config.json")  # whole or absent to a reader (tracetrain view)
 
 
 def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:

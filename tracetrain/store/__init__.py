@@ -28,7 +28,8 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
   A prompt that continues an earlier turn of its rollout (the gateway's exact context:
   `add_turn(..., prompt_from=k)`) is stored as the ids it adds to turn k's prompt + response, so
   a long conversation takes O(turns) bytes, not O(turns²); reads join it back.
-- Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1.
+- Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1; the
+  pending ones run in one transaction (a reader never sees a store half created).
 
 A rollout's reward is its `reward_override` when the trainer set one, else the value of its last
 `reward` event, else None. Rewards given to turns while a rollout runs (`add_turn_reward`) are

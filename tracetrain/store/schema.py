@@ -133,6 +133,7 @@ def check_readable(path: str) -> int:
     try:
         conn = _connect_read_only(path)
         try:
+            conn.execute("BEGIN")  # the version and the tables from one snapshot
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 0 and conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
                 raise StoreNotReady(f"{path}: an empty file (a store being created?)")
@@ -150,15 +151,18 @@ def check_readable(path: str) -> int:
 
 
 def migrate(conn: sqlite3.Connection, path: str = "") -> int:
-    """Bring the schema to SCHEMA_VERSION, one migration per transaction. Returns the version."""
+    """Bring the schema to SCHEMA_VERSION: every pending migration in one transaction, so a
+    reader sees the store before or after, never between (a new store: empty, then whole).
+    Returns the version."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         raise StoreError(
             f"{path}: schema version {version} is newer than this tracetrain knows "
             f"({SCHEMA_VERSION}); upgrade tracetrain"
         )
-    for v in range(version, SCHEMA_VERSION):
+    if version < SCHEMA_VERSION:
+        steps = ";\n".join(MIGRATIONS[v] for v in range(version, SCHEMA_VERSION))
         conn.executescript(
-            f"BEGIN IMMEDIATE; {MIGRATIONS[v]}; PRAGMA user_version = {v + 1}; COMMIT;"
+            f"BEGIN IMMEDIATE; {steps}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
         )
     return SCHEMA_VERSION
