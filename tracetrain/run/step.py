@@ -6,7 +6,7 @@
     learn     mini-batches of whole rollouts -> optimizer updates
     sync      the engine takes the new weights; the model version goes up by one
 
-`collect` runs the agents (runner.run_rollouts, runner_ray, agent_workers), `learn` and `sync` are
+`collect` runs the agents (agents/runner.py, runner_ray.py, workers.py), `learn` and `sync` are
 the backend's (the embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor
 and checkpoint manager). What every backend logs of a step comes from `rows` and `throughput`.
 """
@@ -59,7 +59,7 @@ async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temper
                   step: int, http_client=None, workers=None, first_position: int = 0) -> list:
     """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
     calls sampled at `temperature` with step `step`'s seed; results in the order of `specs`.
-    runner "ray": the agents are Ray tasks; `workers` (agent_workers.AgentWorkers): they run in
+    runner "ray": the agents are Ray tasks; `workers` (agents/workers.py AgentWorkers): they run in
     those processes; else as coroutines here (on `http_client`'s connections when given).
     `first_position`: where `specs` start among the step's rollouts (their sampling seeds)."""
     rc = cfg.rollout

@@ -429,11 +429,11 @@ class Trainer:
             self.engine_version = self.version
         engine = await self.start_engine()
         engines = {"default": engine, **await self.start_role_engines()}
-        if cfg.rollout.agent_workers:  # agents in their own processes (agent_workers.py)
+        if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
             self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
-        sock = bind(cfg.gateway)  # agents get gateway.public_url (inprocess.py)
+        sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
         app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
                          **app_options(cfg.gateway, sock.getsockname()[1]))
         app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
