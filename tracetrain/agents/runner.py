@@ -39,7 +39,7 @@ import aiohttp
 import httpx
 
 AgentFn = Callable[[dict, dict], Awaitable[float | None]]
-log = logging.getLogger("tracetrain.agents.runner")
+log = logging.getLogger("tracetrain.runner")
 MAX_BATCH = 10_000  # rollouts per create or bulk patch call (the gateway's limit)
 
 

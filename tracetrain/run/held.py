@@ -8,7 +8,7 @@ import logging
 from tracetrain.agents.runner import GatewayClient
 from tracetrain.gateway.slots import EngineSlot
 
-log = logging.getLogger("tracetrain.run.trainer")
+log = logging.getLogger("tracetrain.trainer")
 
 
 @contextlib.asynccontextmanager

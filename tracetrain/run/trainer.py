@@ -67,7 +67,7 @@ from tracetrain.run.step import (
     throughput,
 )
 
-log = logging.getLogger("tracetrain.run.trainer")
+log = logging.getLogger("tracetrain.trainer")
 
 
 # ----------------------------------------------------------------------------- the loop (I/O)
