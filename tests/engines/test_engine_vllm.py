@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -523,6 +524,9 @@ def test_cancelling_a_stream_aborts_the_request_in_vllm(served, tok):
         if generated < params.max_tokens - 200:
             assert after[0] - before[0] < params.max_tokens, (before, after, seen)  # tokens decoded
             assert after[1:] == before[1:], (before, after, seen)
+            if len(seen) > 1:  # shown in the run's warnings summary: how long the stalls were
+                warnings.warn(f"cancel test: inconclusive trials before this one: {seen}",
+                              stacklevel=1)
             return
     raise AssertionError(f"vLLM had the whole answer before every cancel: (s, tokens) {seen}")
 
