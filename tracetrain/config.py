@@ -524,10 +524,8 @@ class EngineConfig(_Section):
         return self
 
 
-class VerlConfig(BaseModel):
+class VerlConfig(_Section):
     """`verl:` section of a tracetrain config (used when `backend: verl`)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(8, ge=1)
