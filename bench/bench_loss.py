@@ -91,6 +91,15 @@ def time_all(fns: dict, repeat: int) -> dict:
     return {k: 1e3 * stat(v) for k, v in times.items()}
 
 
+def loss_api(loss_module, weights_module) -> SimpleNamespace:
+    """What the benchmark calls: a loss module's policy_loss and a weights module's row_scales,
+    with this tree's RowWeights (the class every loss.py here imports)."""
+    from tracetrain.objective.weights import RowWeights
+
+    return SimpleNamespace(policy_loss=loss_module.policy_loss, RowWeights=RowWeights,
+                           row_scales=weights_module.row_scales)
+
+
 def load_loss(path: str):
     """A loss.py file as a module of its own (to time it next to this tree's); a loss_cpu.py file:
     this tree's loss.py and weights.py on that loss_cpu (the CPU paths of another commit)."""
@@ -107,9 +116,7 @@ def load_loss(path: str):
         compared_loss = load("loss_compared", loss.__file__)
         compared_weights = load("weights_compared", weights.__file__)
         compared_loss.loss_cpu = compared_weights.loss_cpu = other_cpu
-        return SimpleNamespace(policy_loss=compared_loss.policy_loss,
-                               RowWeights=weights.RowWeights,
-                               row_scales=compared_weights.row_scales)
+        return loss_api(compared_loss, compared_weights)
     import tracetrain
     from tracetrain.objective import loss_cpu
 
@@ -119,8 +126,7 @@ def load_loss(path: str):
         return module
     from tracetrain.objective import weights
 
-    return SimpleNamespace(policy_loss=module.policy_loss, RowWeights=weights.RowWeights,
-                           row_scales=weights.row_scales)
+    return loss_api(module, weights)
 
 
 def peer_main(n: int, repeat: int, threads: int | None) -> None:
@@ -157,8 +163,7 @@ def bench_size(n: int, repeat: int, other=None) -> dict:
     """tracetrain's timings at one size (ms); with `other` (a loss module), its timings too."""
     from tracetrain.objective import loss, weights
 
-    here = SimpleNamespace(policy_loss=loss.policy_loss, RowWeights=weights.RowWeights,
-                           row_scales=weights.row_scales)
+    here = loss_api(loss, weights)
     x = make_inputs(n)
     g = torch.Generator().manual_seed(1)
     mask, ri, adv_tok, adv_row = x["mask"], x["rollout_index"], x["advantages"], x["adv_row"]
