@@ -521,9 +521,11 @@ def test_a_reader_beside_a_store_being_created_sees_it_not_ready_or_whole(tmp_pa
     done, seen, wrong = threading.Event(), [], []
 
     def create():
-        for p in paths:
-            SQLiteStore(p).close()
-        done.set()
+        try:
+            for p in paths:
+                SQLiteStore(p).close()
+        finally:  # the reader's loop ends even when a store fails (then the counts below do)
+            done.set()
 
     def read():  # until a pass that began after the last store was made
         while True:
@@ -540,7 +542,7 @@ def test_a_reader_beside_a_store_being_created_sees_it_not_ready_or_whole(tmp_pa
             if last:
                 return
 
-    threads = [threading.Thread(target=create), threading.Thread(target=read)]
+    threads = [threading.Thread(target=f, daemon=True) for f in (create, read)]
     for t in threads:
         t.start()
     for t in threads:
