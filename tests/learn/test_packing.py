@@ -1,5 +1,5 @@
 """Packed rows, shared prefixes computed once and chunked logprobs give the plain padded
-computation's logprobs, loss and gradients (DESIGN.md invariant 10), and invariants 1-3 hold on
+computation's logprobs, loss and gradients (docs/invariants.md invariant 10), and invariants 1-3 hold on
 that path.
 
 Tolerance: both sides compute the same per-token terms in fp32 through matmuls of other shapes

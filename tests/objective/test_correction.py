@@ -1,4 +1,4 @@
-"""Importance corrections (tracetrain/objective/correction.py) and DESIGN.md's invariant 9: by hand; a
+"""Importance corrections (tracetrain/objective/correction.py) and invariant 9 (docs/invariants.md): by hand; a
 rollout's correction is the same however it is cut into rows (and so are L and its gradient);
 rollout-mean's mass is 1 over the kept rollouts; with equal engine and trainer logprobs every
 correction is the identity, the loss bit for bit the uncorrected one; the update's gradient does

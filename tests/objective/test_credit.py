@@ -1,4 +1,4 @@
-"""Roles and credit per turn, as properties (DESIGN.md invariants 1-3, 7, 8): rows per trained role,
+"""Roles and credit per turn, as properties (docs/invariants.md invariants 1-3, 7, 8): rows per trained role,
 each turn's tokens carrying its own advantage wherever it landed, turn-level estimators that reduce
 to the rollout-level ones without turn rewards, and a loss that calls of a role that does not train
 cannot move."""

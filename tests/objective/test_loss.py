@@ -31,7 +31,7 @@ def masses(w: torch.Tensor, rollout_ids) -> dict:
 
 
 def reference_weights(mask, rollout_ids, mode, norm_length=None):
-    """DESIGN.md's table read literally, token by token, in exact fractions. Empty rows / rollouts
+    """docs/invariants.md weight table read literally, in exact fractions. Empty rows / rollouts
     carry no weight and are not counted in R or B."""
     rows = mask.tolist()
     t_row = [sum(r) for r in rows]

@@ -14,7 +14,7 @@ For rollout r with reward x_r in group g (n_g members, mean mu_g, unbiased std s
 A group of one member, or whose rewards are all equal, gives advantage exactly 0 for each of its
 members (no eps noise) and is counted: `n_singleton_groups`, `n_zero_variance_groups` (disjoint).
 
-Rollouts in state failed / timed_out say nothing about the policy (DESIGN.md invariant 6): by
+Rollouts in state failed / timed_out say nothing about the policy (docs/invariants.md invariant 6): by
 default they are excluded before grouping (`failed_rollouts="exclude"`; they neither get an
 advantage nor move their group's mean), with `"zero_reward"` to train them as reward 0 instead.
 A rollout that succeeded without a reward (NaN) is an error: training it as 0 would be a silent

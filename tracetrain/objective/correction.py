@@ -1,7 +1,7 @@
 """Importance corrections: the engine sampled each token from its own distribution (a policy some
 versions old, or the same weights with other numerics); the update learns the trainer's.
 
-Notation for one step's rows (DESIGN.md, "Loss accounting"): m[i,t] marks trained tokens, rows
+Notation for one step's rows (docs/invariants.md): m[i,t] marks trained tokens, rows
 i in rows(r) of rollout r, T_r = sum_{i in r, t} m[i,t].
 
     mu[i,t]    the behaviour log-probability the engine recorded (each turn's own model version)

@@ -6,7 +6,7 @@ turn reward x_{r,k}: the sum of the rewards given to it while the rollout ran, p
 calls of roles that do not train between it and the next trained turn (what came of its action);
 0 when none. A reward given before the first trained turn counts only in gigpo's episode return.
 Turns are counted, for the discount, among the trained ones: calls of a role that does not train
-change no advantage (DESIGN.md invariant 7). Estimators, by name (TURN_ESTIMATORS):
+change no advantage (docs/invariants.md invariant 7). Estimators, by name (TURN_ESTIMATORS):
 
 | estimator      | A_{r,k} for k in C_r                                                         |
 |----------------|------------------------------------------------------------------------------|
@@ -25,7 +25,7 @@ change no advantage (DESIGN.md invariant 7). Estimators, by name (TURN_ESTIMATOR
 
 A group of one rollout, or whose values are all equal, gives 0 (a step group likewise, for A^S).
 With no turn rewards (x = 0) return-to-go gives every turn R_r - mu_g over sigma_g + eps, grpo's
-A_r, and gigpo's S is 0: each reduces to grpo (DESIGN.md invariant 8). The final reward is not
+A_r, and gigpo's S is 0: each reduces to grpo (docs/invariants.md invariant 8). The final reward is not
 discounted: it is the outcome every turn shares, as with rollout-level credit; the discount
 gamma spreads a turn reward back over the turns before it. (GiGPO's paper also counts the final
 reward in S; here the step level compares only what turns earned along the way, which keeps

@@ -1,7 +1,7 @@
 """Optimizer-step partitioning: a step's rows -> mini-batches -> (ranks) -> micro-batches.
 
 1. Mini-batches are made of whole rollouts (or whole groups), balanced by token count: a rollout
-   never spans two optimizer updates (DESIGN.md invariant 4).
+   never spans two optimizer updates (docs/invariants.md invariant 4).
 2. The token weights of a mini-batch are computed once, on the whole mini-batch (invariant 3):
    w[i,t] = m[i,t] * s_i with s from `weights.row_scales`. Its loss is L = sum_{i,t} w[i,t] l[i,t].
 3. Data parallelism: the mini-batch's rows are sharded over the ranks after the scales are fixed.

@@ -1,6 +1,6 @@
 """Token weights from the aggregation mode: every rollout weighs the same, however many rows it spans.
 
-Notation (DESIGN.md, "Loss accounting"): a mini-batch holds rollouts r = 1..R spread over rows
+Notation (docs/invariants.md): a mini-batch holds rollouts r = 1..R spread over rows
 i = 1..B; m[i,t] marks trained tokens, T_i = sum_t m[i,t], T_r = sum_{i in r} T_i. Every mode is a
 set of token weights w[i,t] = m[i,t] * s_i (the mask times one scale per row) and
 

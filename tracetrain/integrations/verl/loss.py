@@ -130,7 +130,7 @@ def weighted_policy_loss(
     if config.get("use_kl_loss", False) or config.get("entropy_coeff", 0.0) != 0.0:
         raise ValueError(
             "verl's ppo_loss aggregates its KL and entropy terms by loss_agg_mode, not by "
-            "tracetrain's token weights (DESIGN.md invariant 5): with actor.use_kl_loss or "
+            "tracetrain's token weights (docs/invariants.md invariant 5): with actor.use_kl_loss or "
             "actor.entropy_coeff != 0 set tracetrain.integrations.verl.loss.ppo_loss as the "
             "actor's loss function instead (actor_rollout_wg.set_loss_fn)"
         )
