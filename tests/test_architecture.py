@@ -23,7 +23,7 @@ TESTS = Path(__file__).resolve().parent
 
 # Low to high. A module may import modules of its own layer and of the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("tracetrain.types",),  # the data model: turns, rollouts, states
+    ("tracetrain.types", "tracetrain.registry"),  # the data model; the names a config can choose
     ("tracetrain.config",),  # the typed run config
     ("tracetrain.agents",),  # tasks, datasets, the runner (agents call the gateway over HTTP)
     ("tracetrain.models",),  # the policy and its tokenizer, LoRA
@@ -248,9 +248,11 @@ def test_the_rules_catch_a_planted_long_module(package_copy):
 
 
 def test_every_engine_kind_the_config_accepts_has_a_starter_and_no_other():
-    from typing import get_args
-
     from tracetrain.config import EngineConfig
-    from tracetrain.engines.start import ENGINE_KINDS
+    from tracetrain.engines.start import ENGINE_KINDS, start_local, start_vllm
 
-    assert set(get_args(EngineConfig.model_fields["kind"].annotation)) == set(ENGINE_KINDS)
+    assert dict(ENGINE_KINDS) == {"local": start_local, "vllm": start_vllm}
+    assert EngineConfig(kind="local").kind == "local"
+    assert EngineConfig(kind="vllm", python="python").kind == "vllm"
+    with pytest.raises(ValueError, match="engine.kind: unknown engine kind 'upstream'; known: local, vllm"):
+        EngineConfig(kind="upstream")

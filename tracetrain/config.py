@@ -8,16 +8,40 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from tracetrain import registry
 from tracetrain.types import check_role
 
 
 class ConfigError(ValueError):
     """A bad configuration; the message names the key."""
+
+
+class Registered:
+    """Field metadata: the value is a name registered for config key `key` (tracetrain/registry.py;
+    docs/config.md lists the names)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def registered(key: str) -> Any:
+    """The type of a key whose value names a registered piece: a str that must be a registered
+    name or an alias, stored as the registered name the alias stands for."""
+    return Annotated[str, Registered(key), AfterValidator(lambda name: registry.resolve(key, name))]
 
 
 class _Section(BaseModel):
@@ -156,8 +180,14 @@ class RolloutConfig(_Section):
     """Sampling temperature handed to each agent (`client["temperature"]`); the trainer's
     logprobs are computed at the same temperature. Eval passes use 0 (greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus-sampling threshold, written into verl's rollout config (backend `verl`); the
-    embedded trainer does not hand it to the agents."""
+    """Nucleus sampling, handed to each agent (`client["top_p"]`): each token is drawn from the
+    most likely tokens whose mass before it is < top_p, renormalised. The engine records, and the
+    trainer computes, the token's logprob p under the full temperature-scaled distribution (the
+    PPO ratio is 1 on-policy): the tokens come from the nucleus (mass S), the update
+    differentiates log p, a bias of E[A sum_t grad log S_t] against the truncated policy's own
+    gradient (none at 1; tracetrain/engines/sampling.py). < 1 only with engine.kind `local` (or
+    correction.old `trainer` and no correction): vLLM's logprobs are renormalised over the
+    nucleus."""
     max_tokens: int = Field(16, gt=0)
     """Response-token limit of one model call, handed to each agent (`client["max_tokens"]`)."""
     agent_workers: int = Field(0, ge=0)
@@ -230,13 +260,14 @@ class AdvantageConfig(_Section):
     """The advantage each trained token carries: its rollout's (tracetrain/objective/advantage.py) or its
     turn's (tracetrain/objective/credit.py)."""
 
-    estimator: Literal["grpo", "dr-grpo", "rloo", "reinforce++", "return-to-go", "gigpo"] = "grpo"
+    estimator: registered("advantage.estimator") = "grpo"
     """Per rollout, from its final reward: `grpo`: (r - group mean) / (group std + eps);
     `dr-grpo`: r - group mean; `rloo`: r - mean of the group's others; `reinforce++`: r - group
     mean, over the batch std of those + eps. Per turn, with turn rewards: `return-to-go`: the
     turn's discounted turn rewards from it on plus the final reward, normalised in its group;
     `gigpo`: grpo on the episode's return plus `step_weight` times the turn's discounted turn
-    rewards normalised among the group's turns from the same prompt."""
+    rewards normalised among the group's turns from the same prompt. Or an estimator registered
+    by a module of `plugins` (docs/architecture.md, "Adding a piece")."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of later turn rewards per turn (`return-to-go`, `gigpo`)."""
     step_weight: float = Field(1.0, ge=0)
@@ -251,16 +282,12 @@ class AdvantageConfig(_Section):
 class LossConfig(_Section):
     """The PPO objective and how its tokens are weighted (tracetrain/objective/loss.py, docs/objective.md)."""
 
-    mode: Literal[
-        "rollout-mean",
-        "token-mean",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-sum-norm",
-    ] = "rollout-mean"
-    """Token weights of the loss: `rollout-mean` every rollout counts the same; `token-mean` every
-    token; `seq-mean-token-mean` every row; `seq-mean-token-sum` token sums averaged over rows;
-    `seq-mean-token-sum-norm` the same divided by `norm_length` (docs/objective.md)."""
+    mode: registered("loss.mode") = "rollout-mean"
+    """Token weights of the loss: `rollout-mean` every rollout counts the same (alias
+    `per_rollout_mean`, Agent Lightning's name; the config stores `rollout-mean`); `token-mean`
+    every token; `seq-mean-token-mean` every row; `seq-mean-token-sum` token sums averaged over
+    rows; `seq-mean-token-sum-norm` the same divided by `norm_length` (docs/objective.md); or a
+    mode registered by a module of `plugins`."""
     norm_length: float | None = Field(None, gt=0)
     """The constant token count `seq-mean-token-sum-norm` divides by: required for that mode,
     refused by the loss for the others."""
@@ -274,7 +301,7 @@ class LossConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the per-token KL to a reference policy (a frozen copy of the policy after the warm
     start); 0: no KL term and no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: registered("loss.kl_estimator") = "k3"
     """Schulman's KL estimators, with x = ref - logprob: `k1` -x; `k2` x^2 / 2; `k3` exp(x) - x - 1
     (clamped as verl's low_var_kl)."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -290,12 +317,12 @@ class CorrectionConfig(_Section):
     token (its turn's model version); `trainer`, the proximal policy: the trainer's own logprobs
     under the weights before the step's first update (one no-grad forward over the step's rows),
     the decoupled PPO of AReaL. The corrections below need `trainer`."""
-    weight: Literal["none", "token", "rollout"] = "none"
+    weight: registered("correction.weight") = "none"
     """Truncated importance weight on each token's PPO term: `token`, min(pi/mu, cap) per token;
     `rollout`, min(prod pi/mu, cap) over all the rollout's trained tokens in all its rows."""
     cap: float = Field(2.0, ge=1)
     """The truncation C of `weight`."""
-    mask: Literal["none", "token", "rollout"] = "none"
+    mask: registered("correction.mask") = "none"
     """Masked IS: `token`, tokens whose pi/mu is outside `band` get no PPO term (IcePop);
     `rollout`, every token of a rollout whose per-token geometric mean of pi/mu is outside it."""
     band: list[float] = Field(default_factory=lambda: [0.5, 2.0])
@@ -471,9 +498,10 @@ class EngineConfig(_Section):
     stopped at the end and its log kept in the run dir. After every update the new weights are
     pushed to it (engines/vllm.py)."""
 
-    kind: Literal["local", "vllm"] = "local"
+    kind: registered("engine.kind") = "local"
     """`local`: the trainer's own transformers loop, in this process; `vllm`: a vLLM server (one
-    of `base_url` and `python`)."""
+    of `base_url` and `python`); or a kind registered by a module of `plugins`
+    (engines/start.py)."""
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
     """A running vLLM server (started with VLLM_SERVER_DEV_MODE=1) the new weights are pushed to
     (kind `vllm`; not with `python`)."""
@@ -547,6 +575,12 @@ class TrainConfig(_Section):
     name) with `tasks(n, seed=...)`, the agent function named by `agent`, and optionally the
     warm-start transcripts function named by `warm_start.transcripts`."""
 
+    plugins: list[str] = Field(default_factory=list)
+    """Modules imported before the rest of the config is checked, so that the names they register
+    (advantage estimators, loss modes, KL estimators, corrections, engine kinds: docs/architecture.md,
+    "Adding a piece") are accepted: each a module name or a .py path (relative to the config file,
+    then the working directory; stored as its absolute path). Every process that builds the config
+    imports them (the trainer, each DDP rank, the viewer). Backend `embedded`."""
     task: str = "examples/guess/task.py"
     """The task module: a .py path (relative to the config file, then the working directory) or a
     module name."""
@@ -578,8 +612,21 @@ class TrainConfig(_Section):
     verl: VerlConfig = Field(default_factory=VerlConfig)
     """For backend `verl` only."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any, info: ValidationInfo) -> Any:
+        """Import `plugins` first: the keys below are checked against what they register."""
+        plugins = data.get("plugins") if isinstance(data, dict) else None
+        if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):
+            # a .py path is kept absolute: the run's config.json is read from elsewhere
+            data = {**data, "plugins": registry.import_plugins(plugins, (info.context or {}).get("base_dir"))}
+        return data  # (a malformed value is reported by the field's own check)
+
     @model_validator(mode="after")
     def _embedded_only(self) -> TrainConfig:
+        if self.plugins and self.backend != "embedded":
+            raise ValueError("plugins: for backend 'embedded' (verl's workers would not import "
+                             "them: the names they register would be unknown there)")
         if self.trainer.precision != "fp32" and self.backend != "embedded":
             raise ValueError(f"trainer.precision: {self.trainer.precision!r} is for backend 'embedded' "
                              "(verl's workers take their precision from the verl section)")
@@ -711,7 +758,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[a-z_]+)+): (.*)$", re.S)
+_KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[a-z_]+)*): (.*)$", re.S)
 
 
 def _explain(err: ValidationError) -> str:
@@ -719,6 +766,8 @@ def _explain(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
         keyed = _KEYED.match(e["msg"])
+        if keyed and "." not in keyed[1] and e["loc"]:  # a field's own check: its key is the loc
+            keyed = None
         if keyed:  # a check across keys ("KEY: why"): the input is a whole section, not shown
             lines.append(f"config key {keyed[1]!r}: {keyed[2]}")
         elif e["type"] == "extra_forbidden":
@@ -728,10 +777,13 @@ def _explain(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def build_config(data: dict[str, Any] | None = None, overrides: list[str] | None = None, *,
+                 base_dir: str | Path | None = None) -> TrainConfig:
+    """The config `data` with `overrides` applied; `plugins` given as .py paths are looked for in
+    `base_dir` (the config file's folder), then the working directory."""
     tree = _merge(data or {}, parse_overrides(overrides or []))
     try:
-        return TrainConfig.model_validate(tree)
+        return TrainConfig.model_validate(tree, context={"base_dir": base_dir})
     except ValidationError as e:
         raise ConfigError(_explain(e)) from None
 
@@ -750,7 +802,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return build_config(data, overrides)
+    return build_config(data, overrides, base_dir=path.resolve().parent)
 
 
 # ------------------------------------------------------------- the reference (docs/config.md)
@@ -854,6 +906,11 @@ _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
 def _constraints(field: Any) -> list[str]:
     out = []
     for m in field.metadata:
+        if isinstance(m, Registered):
+            aliases = {a: n for r in registry.KEYS[m.key] for a, n in r.aliases.items()}
+            names = [f"`{n}`" + (f" (= `{aliases[n]}`)" if n in aliases else "")
+                     for n in registry.known(m.key, builtin=True)]
+            out.append("a registered name: " + ", ".join(names))
         for attr, op in _BOUNDS:
             if getattr(m, attr, None) is not None:
                 out.append(f"{op} {getattr(m, attr)}")

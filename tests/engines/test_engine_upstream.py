@@ -409,20 +409,13 @@ def test_fake_speaks_the_openai_sdk_protocol(clean):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_make_engine_builds_by_kind(clean):
-    from tracetrain.engines import make_engine
-
-    eng = make_engine("upstream", base_url=clean.url, model="fake", tokenizer=None, max_context=64)
-    assert isinstance(eng, UpstreamEngine) and eng.max_context == 64
-    with pytest.raises(ValueError, match="'vllm' is unknown; known kinds: local, upstream"):
-        make_engine("vllm")
+def test_upstream_engine_checks_its_arguments(clean):
+    eng = UpstreamEngine(base_url=clean.url, model="fake", tokenizer=None, max_context=64)
+    assert eng.max_context == 64
     with pytest.raises(ValueError, match="api 'tgi' is unknown; known: vllm, sglang"):
-        make_engine(
-            "upstream", base_url=clean.url, model="m", tokenizer=None, max_context=8, api="tgi"
-        )
+        UpstreamEngine(base_url=clean.url, model="m", tokenizer=None, max_context=8, api="tgi")
     with pytest.raises(ValueError, match="timeout must be a number > 0, got nan"):
-        make_engine(
-            "upstream",
+        UpstreamEngine(
             base_url=clean.url,
             model="m",
             tokenizer=None,
@@ -430,7 +423,7 @@ def test_make_engine_builds_by_kind(clean):
             timeout=float("nan"),
         )
     with pytest.raises(ValueError, match="base_url"):
-        make_engine("upstream", base_url="localhost:1", model="m", tokenizer=None, max_context=8)
+        UpstreamEngine(base_url="localhost:1", model="m", tokenizer=None, max_context=8)
 
 
 # ----------------------------------------------------------------------------- streaming (vLLM SSE)

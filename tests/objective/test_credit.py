@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tracetrain.objective.advantage import batch_advantages, broadcast_to_tokens
 from tracetrain.objective.credit import (
-    TURN_LEVEL,
+    TURN_ESTIMATORS,
     batch_credit,
     returns_to_go,
     token_advantages,
@@ -26,6 +26,9 @@ from tracetrain.objective.weights import RowWeights, row_scales
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.roles import role_metrics, role_orders
 from tracetrain.types import Rollout, Turn
+
+TURN_LEVEL = ("return-to-go", "gigpo")  # the built-in turn-level estimators
+assert set(TURN_LEVEL) <= set(TURN_ESTIMATORS)
 
 LIMITS = {"max_prompt_length": 512, "max_response_length": 512}
 

@@ -468,7 +468,7 @@ def test_policy_loss_errors():
         policy_loss(lp, lp.detach(), torch.zeros(2), w, kl_coef=0.1)
     with pytest.raises(ValueError, match="entropy_coef != 0 needs entropy"):
         policy_loss(lp, lp.detach(), torch.zeros(2), w, entropy_coef=0.1)
-    with pytest.raises(ValueError, match="unknown kl_estimator 'k9'; known: k1, k2, k3"):
+    with pytest.raises(ValueError, match="loss.kl_estimator: unknown KL estimator 'k9'; known: k1, k2, k3"):
         policy_loss(lp, lp.detach(), torch.zeros(2), w, ref_logprobs=lp.detach(), kl_estimator="k9")
     with pytest.raises(ValueError, match="advantages must have shape"):
         policy_loss(lp, lp.detach(), torch.zeros(3), w)

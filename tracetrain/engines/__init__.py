@@ -1,15 +1,14 @@
 """Engines generate a response for exact prompt token ids and return its ids and logprobs.
 
-    make_engine("local", model=model, tokenizer=tok)                       # transformers, in-process
-    make_engine("upstream", base_url=url, model="m", tokenizer=tok, max_context=4096)  # vLLM server
+    LocalEngine(model, tokenizer)                                      # engines/local.py, in-process
+    UpstreamEngine(base_url=url, model="m", tokenizer=tok, max_context=4096)  # engines/upstream.py
+    start_engine(cfg, weights, tokenizer, ...)    # engines/start.py: the kind a run's config names
 
-Implementations are imported on first use, so importing this package stays light.
+This package holds the contract (engines/base.py); implementations are imported where used, so
+importing it stays light.
 """
 
 from __future__ import annotations
-
-import importlib
-from typing import Any
 
 from tracetrain.engines.base import (
     Engine,
@@ -20,29 +19,11 @@ from tracetrain.engines.base import (
     check_sampling_params,
 )
 
-ENGINES: dict[str, str] = {
-    "local": "tracetrain.engines.local:LocalEngine",
-    "upstream": "tracetrain.engines.upstream:UpstreamEngine",
-}
-
-
-def make_engine(kind: str, **config: Any) -> Engine:
-    """Build the engine registered under `kind` with `config` as its keyword arguments."""
-    if kind not in ENGINES:
-        raise ValueError(
-            f"engine kind {kind!r} is unknown; known kinds: {', '.join(sorted(ENGINES))}"
-        )
-    module, cls = ENGINES[kind].split(":")
-    return getattr(importlib.import_module(module), cls)(**config)
-
-
 __all__ = [
-    "ENGINES",
     "Engine",
     "EngineError",
     "Generation",
     "PromptTooLong",
     "SamplingParams",
     "check_sampling_params",
-    "make_engine",
 ]

@@ -3,8 +3,8 @@
     ENGINE_KINDS[kind](cfg, weights, tokenizer, version=..., run_dir=..., threads=..., log=...)
         -> an engine (engines/base.py's contract)
 
-A new kind is one function registered with `@register_engine("kind")` (and the kind added to
-`EngineConfig.kind`, which validates the config).
+A new kind is one function registered with `@register_engine("kind")` (registry.ENGINE_KINDS:
+the names `engine.kind` accepts; a user's module registers one through the config's `plugins`).
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ from typing import Any
 
 import torch
 
+from tracetrain import registry
 from tracetrain.config import TrainConfig
 from tracetrain.models import lora
 
 StartEngine = Callable[..., Awaitable[Any]]
-ENGINE_KINDS: dict[str, StartEngine] = {}
-
-
-def register_engine(kind: str) -> Callable[[StartEngine], StartEngine]:
-    def add(fn: StartEngine) -> StartEngine:
-        ENGINE_KINDS[kind] = fn
-        return fn
-
-    return add
+ENGINE_KINDS = registry.ENGINE_KINDS
+register_engine = ENGINE_KINDS.register
 
 
 async def start_engine(cfg: TrainConfig, weights: torch.nn.Module, tokenizer, *, version: int,

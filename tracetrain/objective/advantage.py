@@ -29,21 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tracetrain import registry
 from tracetrain.rows.batch import TrainingBatch
 from tracetrain.types import RolloutState
 
 # An estimator maps (rewards float64 [n], group index [n], n_groups, eps) -> advantages [n].
 # Singleton and zero-variance groups are set to 0 afterwards, by compute_advantages.
 Estimator = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-ESTIMATORS: dict[str, Estimator] = {}
-
-
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    def deco(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+ESTIMATORS = registry.ADVANTAGE_ESTIMATORS
+register_estimator = ESTIMATORS.register
 
 
 def _group_sum(x: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -148,10 +142,7 @@ def compute_advantages(
 
 
 def _advantages(rewards, group_ids, estimator, eps):
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}"
-        )
+    ESTIMATORS.resolve(estimator)
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
     n = rewards.numel()

@@ -45,19 +45,17 @@ from typing import NamedTuple
 
 import torch
 
+from tracetrain import registry
+
 # (log ratio [rows, R] float64 masked to 0 off m, per-token broadcast of LR_r and G_r [rows, R],
 #  option) -> v [rows, R] float64
 CorrectionFn = Callable[..., torch.Tensor]
-WEIGHTS: dict[str, CorrectionFn] = {}
-MASKS: dict[str, CorrectionFn] = {}
+WEIGHTS = registry.CORRECTION_WEIGHTS
+MASKS = registry.CORRECTION_MASKS
 
 
-def register(table: dict[str, CorrectionFn], name: str) -> Callable[[CorrectionFn], CorrectionFn]:
-    def add(fn: CorrectionFn) -> CorrectionFn:
-        table[name] = fn
-        return fn
-
-    return add
+def register(table: registry.Registry, name: str) -> Callable[[CorrectionFn], CorrectionFn]:
+    return table.register(name)
 
 
 class LogRatios(NamedTuple):
@@ -141,10 +139,8 @@ def correct(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ma
     metrics (correction/...): log_ratio_mean and abs_log_ratio_max over trained tokens (the
     engine-trainer gap), weight_mean and weight_max of v over kept trained tokens, capped_frac
     (tokens whose v was capped at C), masked_token_frac, masked_rollouts, rejected_rollouts."""
-    if weight not in WEIGHTS:
-        raise ValueError(f"unknown correction weight {weight!r}; known: {', '.join(WEIGHTS)}")
-    if mask_mode not in MASKS:
-        raise ValueError(f"unknown correction mask {mask_mode!r}; known: {', '.join(MASKS)}")
+    WEIGHTS.resolve(weight)
+    MASKS.resolve(mask_mode)
     m = mask.bool()
     n_rollouts = int(rollout_index.max()) + 1 if rollout_index.numel() else 0
     r = log_ratios(trainer_logprobs, behaviour_logprobs, m, rollout_index, n_rollouts)

@@ -6,7 +6,8 @@ turn reward x_{r,k}: the sum of the rewards given to it while the rollout ran, p
 calls of roles that do not train between it and the next trained turn (what came of its action);
 0 when none. A reward given before the first trained turn counts only in gigpo's episode return.
 Turns are counted, for the discount, among the trained ones: calls of a role that does not train
-change no advantage (docs/invariants.md invariant 7). Estimators, by name (TURN_ESTIMATORS):
+change no advantage (docs/invariants.md invariant 7). Estimators, by name (the rollout-level ones of
+advantage.py, and the turn-level ones registered here in TURN_ESTIMATORS):
 
 | estimator      | A_{r,k} for k in C_r                                                         |
 |----------------|------------------------------------------------------------------------------|
@@ -38,18 +39,36 @@ tokens share that; only the advantage a token carries varies by turn (`token_adv
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from tracetrain import registry
 from tracetrain.objective.advantage import ESTIMATORS, batch_advantages, rollout_advantages
 from tracetrain.rows.batch import TrainingBatch
 from tracetrain.rows.roles import trains
 from tracetrain.types import Rollout
 
-TURN_LEVEL = ("return-to-go", "gigpo")
-TURN_ESTIMATORS = (*ESTIMATORS, *TURN_LEVEL)
+TURN_ESTIMATORS = registry.TURN_ESTIMATORS
+register_turn_estimator = TURN_ESTIMATORS.register
+
+
+class TurnRewards(NamedTuple):
+    """What a turn-level estimator sees of the batch's trained rollouts (module docstring)."""
+
+    rollouts: Sequence[Rollout]
+    trained: list[list[int]]  # C_r: the indices of each rollout's trained turns
+    x: list[np.ndarray]  # x_{r,k} [K_r] float64
+    before: list[float]  # the turn rewards given before each rollout's first trained turn
+    final: list[float]  # R_r
+    groups: list[str]  # group ids
+
+
+# A turn-level estimator: (TurnRewards, gamma, step_weight, eps) -> (A_{r,k} [K_r] per rollout,
+# metrics).
+TurnEstimator = Callable[[TurnRewards, float, float, float], tuple[list[np.ndarray], dict[str, float]]]
 
 
 def returns_to_go(rewards: Sequence[float], gamma: float) -> np.ndarray:
@@ -84,6 +103,35 @@ def _normalise(members: list[np.ndarray], eps: float) -> list[np.ndarray]:
     return [(m - mu) / (sd + eps) for m in members]
 
 
+def _per_rollout(t: TurnRewards, values: Sequence[float], estimator: str, eps: float) -> list[np.ndarray]:
+    """Each trained turn of rollout r gets the rollout-level `estimator`'s A_r from `values`."""
+    a_r = rollout_advantages(values, t.groups, estimator=estimator, eps=eps).values.double().numpy()
+    return [np.full(len(c), a) for c, a in zip(t.trained, a_r, strict=True)]
+
+
+@register_turn_estimator("return-to-go")
+def return_to_go(t: TurnRewards, gamma: float, step_weight: float, eps: float):
+    """(G_{r,k} - mu_g) / (sigma_g + eps), G_{r,k} = sum_{j>=k} gamma^(j-k) x_{r,j} + R_r."""
+    adv = [np.zeros(len(c)) for c in t.trained]
+    by_group: dict[str, list[int]] = {}
+    for i, g in enumerate(t.groups):
+        if t.trained[i]:
+            by_group.setdefault(g, []).append(i)
+    for members in by_group.values():
+        g_vals = [returns_to_go(t.x[i], gamma) + t.final[i] for i in members]
+        for i, a in zip(members, _normalise(g_vals, eps), strict=True):
+            adv[i] = a
+    return adv, {}
+
+
+@register_turn_estimator("gigpo")
+def gigpo(t: TurnRewards, gamma: float, step_weight: float, eps: float):
+    """A^E_r + step_weight * A^S_{r,k}: grpo on the episode return, plus the step level."""
+    episode = [f + b + float(xs.sum()) for f, b, xs in zip(t.final, t.before, t.x, strict=True)]
+    adv, n_step_groups = _step_level(t, _per_rollout(t, episode, "grpo", eps), gamma, step_weight, eps)
+    return adv, {"n_step_groups": n_step_groups}
+
+
 def turn_advantages(
     rollouts: Sequence[Rollout],
     final: Sequence[float],
@@ -98,10 +146,10 @@ def turn_advantages(
 
     `rollouts` are the ones that train, in any order, `final` their final rewards R_r (the
     batch's: failed rollouts excluded or given 0 by the caller); groups are their group_ids.
-    metrics: n_step_groups (gigpo: step groups of two or more turns), turn_adv_spread (mean over
-    rollouts of max - min of A over their turns)."""
-    if estimator not in TURN_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(TURN_ESTIMATORS)}")
+    `estimator`: a rollout-level one (advantage.ESTIMATORS: outcome-only credit) or a turn-level
+    one (TURN_ESTIMATORS). metrics: the estimator's (gigpo: n_step_groups, step groups of two or
+    more turns), turn_adv_spread (mean over rollouts of max - min of A over their turns)."""
+    registry.resolve("advantage.estimator", estimator)  # an unknown name: every known one listed
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
     trained, x, before = [], [], []
@@ -110,28 +158,12 @@ def turn_advantages(
         trained.append(c)
         x.append(xs)
         before.append(early)
-    final = [float(f) for f in final]
-    groups = [r.group_id for r in rollouts]
-    metrics: dict[str, float] = {}
-    if estimator in ESTIMATORS or estimator == "gigpo":
-        episode = final if estimator in ESTIMATORS else [
-            f + b + float(xs.sum()) for f, b, xs in zip(final, before, x, strict=True)]
-        base = "grpo" if estimator == "gigpo" else estimator
-        a_r = rollout_advantages(episode, groups, estimator=base, eps=eps).values.double().numpy()
-        adv = [np.full(len(c), a) for c, a in zip(trained, a_r, strict=True)]
-        if estimator == "gigpo":
-            adv, metrics["n_step_groups"] = _step_level(rollouts, trained, x, adv, gamma,
-                                                        step_weight, eps)
-    else:  # return-to-go
-        adv = [np.zeros(len(c)) for c in trained]
-        by_group: dict[str, list[int]] = {}
-        for i, g in enumerate(groups):
-            if trained[i]:
-                by_group.setdefault(g, []).append(i)
-        for members in by_group.values():
-            g_vals = [returns_to_go(x[i], gamma) + final[i] for i in members]
-            for i, a in zip(members, _normalise(g_vals, eps), strict=True):
-                adv[i] = a
+    t = TurnRewards(rollouts, trained, x, before, [float(f) for f in final],
+                    [r.group_id for r in rollouts])
+    if estimator in ESTIMATORS:
+        adv, metrics = _per_rollout(t, t.final, estimator, eps), {}
+    else:
+        adv, metrics = TURN_ESTIMATORS[estimator](t, gamma, step_weight, eps)
     spreads = [float(a.max() - a.min()) for a in adv if len(a)]
     metrics["turn_adv_spread"] = sum(spreads) / len(spreads) if spreads else 0.0
     out = [dict(zip(c, map(float, a), strict=True)) for c, a in zip(trained, adv, strict=True)]
@@ -158,13 +190,13 @@ def _trained_rewards(r: Rollout, train_roles) -> tuple[list[int], np.ndarray, fl
     return c, np.asarray(xs, dtype=np.float64), early
 
 
-def _step_level(rollouts, trained, x, adv, gamma, step_weight, eps):
+def _step_level(t: TurnRewards, adv, gamma, step_weight, eps):
     """adv + step_weight * A^S (gigpo), and the number of step groups of two or more turns."""
     steps: dict[tuple[str, bytes], list[tuple[int, int]]] = {}  # (group, observation) -> (i, j)
     s_vals = []
-    for i, r in enumerate(rollouts):
-        s_vals.append(returns_to_go(x[i], gamma))
-        for j, k in enumerate(trained[i]):
+    for i, r in enumerate(t.rollouts):
+        s_vals.append(returns_to_go(t.x[i], gamma))
+        for j, k in enumerate(t.trained[i]):
             ids = np.asarray(r.turns[k].prompt_ids, dtype=np.int64)
             steps.setdefault((r.group_id, ids.tobytes()), []).append((i, j))  # exact ids
     out = [a.copy() for a in adv]
@@ -207,8 +239,9 @@ def batch_credit(
     """(batch without excluded rollouts, advantages, metrics) for `batch`, built from `rollouts`.
 
     A rollout-level estimator gives advantage.batch_advantages' answer, one per rollout
-    ([n_rollouts]). A turn-level one (TURN_LEVEL) excludes the same rollouts, then gives
+    ([n_rollouts]). A turn-level one (TURN_ESTIMATORS) excludes the same rollouts, then gives
     [rows, R] token advantages: each trained turn's tokens its A_{r,k}."""
+    registry.resolve("advantage.estimator", estimator)
     batch, values, metrics = batch_advantages(
         batch, estimator=estimator if estimator in ESTIMATORS else "grpo", eps=eps,
         failed_rollouts=failed_rollouts)

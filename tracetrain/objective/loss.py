@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tracetrain import registry
 from tracetrain.objective import loss_cpu
 from tracetrain.objective.weights import RowWeights, as_mask
 
@@ -48,15 +49,8 @@ def ppo_surrogate(
 
 
 KlFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATORS: dict[str, KlFn] = {}
-
-
-def register_kl(name: str) -> Callable[[KlFn], KlFn]:
-    def deco(fn: KlFn) -> KlFn:
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+KL_ESTIMATORS = registry.KL_ESTIMATORS
+register_kl = KL_ESTIMATORS.register
 
 
 @register_kl("k1")
@@ -173,7 +167,8 @@ def policy_loss(
     (k3 of the new policy against old_logprobs), and kl_ref / entropy when given.
 
     The math is `policy_loss_sums`. On CPU from loss_cpu.LOSS_MIN tokens, or whenever
-    `chunk_tokens` is given (its block size), loss_cpu.policy_loss_sums computes the same.
+    `chunk_tokens` is given (its block size), loss_cpu.policy_loss_sums computes the same (with a
+    KL estimator that has no derivative in loss_cpu.KL_GRADS, the plain version runs).
     """
     weights = _check_tensors(logprobs, old_logprobs, advantages, weights, is_weights, ref_logprobs, entropy)
     _check_options(clip_low, clip_high, dual_clip, kl_coef, entropy_coef, chunk_tokens)
@@ -181,8 +176,8 @@ def policy_loss(
         raise ValueError("kl_coef != 0 needs ref_logprobs")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
-    if ref_logprobs is not None and kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+    if ref_logprobs is not None:
+        KL_ESTIMATORS.resolve(kl_estimator)
 
     def const(x):  # the gradient flows to logprobs and entropy only
         return None if x is None else x.detach()
@@ -199,7 +194,8 @@ def policy_loss(
         entropy=entropy,
         entropy_coef=float(entropy_coef),
     )
-    if chunk_tokens is not None or loss_cpu.loss_pays(logprobs):
+    fast = ref_logprobs is None or kl_estimator in loss_cpu.KL_GRADS  # (a plugin's KL: plain)
+    if fast and (chunk_tokens is not None or loss_cpu.loss_pays(logprobs)):
         loss, s = loss_cpu.policy_loss_sums(*args, **kw, chunk_tokens=chunk_tokens or loss_cpu.BLOCK)
     else:
         loss, s = policy_loss_sums(*args, **kw)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from tracetrain import registry
 from tracetrain.objective import loss_cpu
 
 # ---------------------------------------------------------------------------------------------
@@ -86,17 +87,9 @@ def rollout_inverse(rollout_ids: RolloutIds, rows: int, device=None) -> tuple[to
 
 # A mode maps (T_i float [rows], rollout inverse [rows], n_rollouts, norm_length) -> s_i [rows].
 ScaleFn = Callable[[torch.Tensor, torch.Tensor, int, float | None], torch.Tensor]
-MODES: dict[str, ScaleFn] = {}
-MODE_ALIASES = {"per_rollout_mean": "rollout-mean"}  # Agent Lightning's name for rollout-mean
+MODES = registry.LOSS_MODES  # aliases: per_rollout_mean (Agent Lightning's name for rollout-mean)
+register_mode = MODES.register
 NORM_MODES = {"seq-mean-token-sum-norm"}  # modes that need norm_length
-
-
-def register_mode(name: str) -> Callable[[ScaleFn], ScaleFn]:
-    def deco(fn: ScaleFn) -> ScaleFn:
-        MODES[name] = fn
-        return fn
-
-    return deco
 
 
 def _inv_or_zero(denom: torch.Tensor) -> torch.Tensor:
@@ -142,10 +135,7 @@ def _seq_mean_token_sum_norm(t_row, inverse, n_rollouts, norm_length):
 
 
 def _resolve_mode(mode: str, norm_length: float | None) -> str:
-    name = MODE_ALIASES.get(mode, mode)
-    if name not in MODES:
-        known = ", ".join(list(MODES) + list(MODE_ALIASES))
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; known modes: {known}")
+    name = MODES.resolve(mode)
     if name in NORM_MODES:
         if (
             isinstance(norm_length, bool)
