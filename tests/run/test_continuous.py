@@ -236,3 +236,70 @@ def test_corrections_in_a_run_see_the_gap_that_staleness_makes(tmp_path):
         assert m["correction/abs_log_ratio_max"] > 1e-3
         assert m["correction/weight_max"] <= 3.0 and m["correction/weight_mean"] != pytest.approx(1.0, abs=1e-6)
         assert m["n_failed"] == 0 and m["correction/rejected_rollouts"] == 0
+
+
+def records(run: Path) -> dict:
+    """rollout id -> its record in the run's traces.db."""
+    from tracetrain.store import SQLiteStore
+
+    with SQLiteStore(run / "traces.db", read_only=True) as store:
+        return {r.rollout_id: r for r in store.list_rollouts(limit=1_000_000)}
+
+
+@pytest.mark.slow
+def test_rollouts_still_running_when_the_run_ends_are_failed_never_trained_and_counted(tmp_path, monkeypatch):
+    """Task 0 of each step waits 60 s after each call: its groups are still running when a run
+    ends. A run stopped by an error after its first step's checkpoint, and the run resumed from
+    that checkpoint for one step (it plays the untrained groups again, the slow ones among them,
+    and ends with them running): neither leaves a rollout queued or running in traces.db. Those
+    were failed with the error NEVER_TRAINED and no reward, none was trained, the viewer and
+    `tracetrain inspect` show them failed, and the resumed run's summary.json counts its own."""
+    from fastapi.testclient import TestClient
+
+    from tracetrain.run.step import NEVER_TRAINED
+    from tracetrain.run.trainer import Trainer, train
+    from tracetrain.view.app import create_view_app
+    from tracetrain.view.inspection import inspect_rollout
+
+    def check(rs: dict, trained_groups: list[str]) -> list[str]:
+        assert rs and not [r for r in rs.values() if not r.state.terminal]
+        ended = sorted(i for i, r in rs.items() if r.error == NEVER_TRAINED)
+        slow = sorted(i for i, r in rs.items() if r.group_id.endswith("-t0"))
+        assert len(slow) == 3 * 3 and set(slow) <= set(ended)  # the three steps' task 0
+        for i in ended:
+            assert rs[i].state.value == "failed" and rs[i].reward is None
+            assert rs[i].group_id not in trained_groups
+        return ended
+
+    saved = Trainer.save_checkpoint
+
+    def save_then_fail(self, *args):
+        saved(self, *args)
+        raise RuntimeError("stopped after the checkpoint")
+
+    run = tmp_path / "run"
+    cfg = config(run, 3, "trainer.collect=continuous", "trainer.max_staleness=2",
+                 "trainer.checkpoint_every=1", "rollout.timeout_s=300")
+    cfg = build_config({**json.loads(cfg.model_dump_json()), "task_args": {"slow_every": 4, "slow_s": 60.0}}, [])
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "save_checkpoint", save_then_fail)
+        with pytest.raises(RuntimeError, match="stopped after the checkpoint"):
+            train(cfg, base_dir=TESTS, log=lambda *_: None)
+    first = records(run)
+    check(first, metrics(run)[0]["collect/groups"])
+
+    resumed = json.loads(cfg.model_dump_json())
+    resumed["trainer"].update(steps=2, resume=True)  # (the checkpoint's next step is 1)
+    out = train(build_config(resumed, []), base_dir=TESTS, log=lambda *_: None)
+    assert [m["step"] for m in metrics(run)] == [0, 1]
+    second = {i: r for i, r in records(run).items() if i not in first}
+    ended = check(second, metrics(run)[1]["collect/groups"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["cancelled_at_end_rollouts"] == out["cancelled_at_end_rollouts"] == len(ended)
+
+    with TestClient(create_view_app(run)) as client:
+        page = client.get(f"/rollout/{ended[0]}")
+    assert page.status_code == 200 and 'id="state">failed<' in page.text and NEVER_TRAINED in page.text
+    shown: list[str] = []
+    inspect_rollout(run, ended[0], out=shown.append)
+    assert "state failed" in shown[0] and "excluded from training" in shown[-1]

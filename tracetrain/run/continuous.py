@@ -157,6 +157,17 @@ def start(tr, gateway, engine) -> Collector:
     return c
 
 
+async def stop(tr) -> None:
+    """The end of trainer `tr`'s continuous collection: what a resumed run launches again kept
+    (tr.collector_state), the groups still running cancelled."""
+    if tr.collector is None:
+        return
+    tr.collector_state = tr.collector.state()
+    if n := await tr.collector.aclose():
+        tr.log(f"continuous collection: {n} groups still running at the end, cancelled")
+    tr.collector = None
+
+
 async def take_step(c: Collector, engine, step: int, version: int, before: dict):
     """step.Collected for step `step` at policy version `version`: the taken groups' results, the
     seconds since the last take (the step's share of the collection's wall time: rollouts/s is

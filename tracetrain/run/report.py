@@ -47,8 +47,10 @@ def plot_curves(history: list[dict], path: str | Path, *, window: int = 10, titl
     return path
 
 
-def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) -> dict:
-    """First and last `window`-step mean reward, the gain, the best moving average, totals, and
+def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3,
+            cancelled_at_end: int = 0) -> dict:
+    """First and last `window`-step mean reward, the gain, the best moving average, totals (with
+    `cancelled_at_end`: the rollouts still running when the run ended, failed and never trained), and
     the first step whose `window`-step mean is >= the first window's mean + `target_gain`
     (with its `time/elapsed_s`: seconds since the run started, warm start included), or None;
     likewise over `reward_untrained`, the mean reward of the steps whose rollouts the untrained
@@ -67,6 +69,7 @@ def summary(history: list[dict], *, window: int = 10, target_gain: float = 0.3) 
         "first_full_window": first,
         "failed_rollouts": sum(m.get("n_failed", 0) for m in history),
         "timed_out_rollouts": sum(m.get("n_timed_out", 0) for m in history),
+        "cancelled_at_end_rollouts": cancelled_at_end,
     }
     def reached(base: float) -> int | None:  # the first full window at base + target_gain
         return next((k for k, v in enumerate(ma) if k >= window - 1 and v >= base + target_gain - 1e-9), None)

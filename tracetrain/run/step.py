@@ -78,6 +78,40 @@ async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temper
     return await run_rollouts(gateway, specs, agent, **limits, http_client=http_client)
 
 
+# The error of a rollout still queued or running when its run ended (`end_unfinished`).
+NEVER_TRAINED = "cancelled: the run ended before this rollout finished; never trained"
+
+
+async def end_unfinished(store, prefix: str, log=print) -> int:
+    """Fail every rollout of the groups `prefix`-* (`prefix`: no glob characters) still queued or
+    running, with the error NEVER_TRAINED, and `log` how many; returns how many. For the end of a
+    run, after its collects are cancelled: nothing else ends them. Failed is an infrastructure
+    state: such a rollout is never trained, nor counted as reward 0."""
+    import asyncio
+
+    from tracetrain.store import IllegalTransition
+
+    unfinished = []
+    for state in ("queued", "running"):
+        after = 0
+        while page := store.list_rollouts(state=state, group_glob=f"{prefix}-*", after=after, limit=1000):
+            unfinished += [r.rollout_id for r in page]
+            after = page[-1].seq
+
+    async def fail(rollout_id: str) -> bool:
+        try:
+            await store.set_state(rollout_id, "failed", NEVER_TRAINED)
+        except IllegalTransition:  # it ended meanwhile (its runner's finish was on its way)
+            return False
+        return True
+
+    # (the store commits the writes of one event-loop turn together)
+    n = sum(await asyncio.gather(*map(fail, unfinished)))
+    if n:
+        log(f"{n} rollouts still running at the end of the run: failed, {NEVER_TRAINED!r}")
+    return n
+
+
 def drop_stale(
     rollouts: list[Rollout], current_version: int, max_staleness: int,
     train_roles: Collection[str] | None = None,

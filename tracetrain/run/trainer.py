@@ -61,6 +61,7 @@ from tracetrain.run.step import (
     ENGINE_WORK,
     Collected,
     collect,
+    end_unfinished,
     rollout_specs,
     rows,
     step_tasks,
@@ -305,14 +306,12 @@ class Trainer:
                 bar.write(format_step(m))
                 if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
                     self.save_checkpoint(await pending if pending is not None else None)
-        finally:
+        finally:  # the collection ends: what is still running is cancelled, its rollouts failed
             if pending is not None and not pending.done():
                 pending.cancel()
-            if self.collector is not None:  # what a resumed run launches again
-                self.collector_state = self.collector.state()
-                if n := await self.collector.aclose():
-                    self.log(f"continuous collection: {n} groups still running at the end, stopped")
-                self.collector = None
+                await asyncio.gather(pending, return_exceptions=True)
+            await continuous.stop(self)
+            self.cancelled_at_end = await end_unfinished(self.store, self.nonce, self.log)
 
     def follow(self) -> None:
         """A rank other than 0: take each step's rows from rank 0 and join its update."""
@@ -486,7 +485,7 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
         distributed.close(dp)
     if not dp.is_main:
         return {}
-    out = summary(history, target_gain=cfg.trainer.target_gain)
+    out = summary(history, target_gain=cfg.trainer.target_gain, cancelled_at_end=trainer.cancelled_at_end)
     out["wall_s"] = time.perf_counter() - t
     task_file = getattr(task, "__file__", None) if cfg.task.endswith(".py") else None
     name = Path(task_file).resolve().parent.name if task_file else cfg.task
