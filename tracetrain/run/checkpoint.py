@@ -34,6 +34,13 @@ import torch
 from tracetrain.models import lora
 
 
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` that never trains: every module in eval mode, no parameter requiring a
+    gradient. The KL reference and the roles.serve "frozen" copy, of a fresh run and of a resumed
+    one alike (a resumed run's then takes the checkpoint's weights)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
 def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
     """Write trainer `tr`'s checkpoint to `path` (through a temporary file and a rename)."""
     tmp = path.with_suffix(".tmp")
@@ -92,10 +99,10 @@ def restore(tr: Any, path: Path) -> None:
     tr.optimizer.load_state_dict(ck["optimizer"])
     tr.scheduler.load_state_dict(ck["scheduler"])
     if ck["ref_model"] is not None:
-        tr.ref_model = copy.deepcopy(tr.model)
+        tr.ref_model = frozen_copy(tr.model)
         tr.ref_model.load_state_dict(ck["ref_model"])
     if ck.get("frozen") is not None:
-        tr.frozen_model = copy.deepcopy(tr.model).eval().requires_grad_(False)
+        tr.frozen_model = frozen_copy(tr.model)
         lora.load_weights(tr.frozen_model, ck["frozen"])
     torch.set_rng_state(ck["rng"]["torch"])
     random.setstate(ck["rng"]["python"])

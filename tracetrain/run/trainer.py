@@ -348,10 +348,15 @@ class Trainer:
         if "frozen" not in self.cfg.roles.serve.values():
             return {}
         if self.frozen_model is None:
-            self.frozen_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.frozen_model = checkpoint.frozen_copy(self.model)
         return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
                                              run_dir=self.run_dir, threads=self.threads,
                                              log=self.log)}
+
+    def start_reference(self) -> None:
+        """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
+        if self.cfg.loss.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = checkpoint.frozen_copy(self.model)
 
     async def resolve_precision(self) -> TrainConfig:
         """The config with trainer.precision "auto" resolved: the checkpoint's choice when resuming,
@@ -413,8 +418,7 @@ class Trainer:
             self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                      f"in {time.perf_counter() - t:.1f} s")
         self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
-        if cfg.loss.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.start_reference()
         if not self.dp.is_main:
             await self.on_update_thread(self.update_threads, self.follow)
             return self.history
