@@ -1,7 +1,10 @@
 """Command line: `tracetrain <command>` (also `python -m tracetrain <command>`).
 
 Commands are registered by name in COMMANDS: (add_arguments, run, help); `run(args) -> int` returns
-the exit status. A bad config, trace file or option is reported in one line with status 2.
+the exit status. What the user gave wrong (config.ConfigError, types.UsageError: a config key, a
+dataset file or row, a task file, a trace file, an option, a path) is reported in one line naming
+it, status 2; an engine that failed mid-run in one line, status 1; any other error is a bug or the
+machine's (a full disk) and keeps its traceback.
 
     train   : run the main job from a YAML config (+ key=value overrides)
     inspect : one rollout of a run down the path of the data
@@ -15,13 +18,45 @@ the exit status. A bad config, trace file or option is reported in one line with
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 from pathlib import Path
 
+from tracetrain.config import ConfigError
 from tracetrain.engines.base import EngineError
 from tracetrain.rows.demo import add_demo_arguments, run_demo
+from tracetrain.types import UsageError
+
+
+def whole(low: int, high: int | None = None):
+    """argparse type: an int in [low, high] (argparse names the option when it is not)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value"
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def number(low: float | None = None, *, above: bool = False):
+    """argparse type: a finite float, >= low (> low with `above`) when low is given."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if low is not None and (value <= low if above else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low:g}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,10 +108,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="the run's config (YAML): model, task, data, agent")
     p.add_argument("--policy", default=None,
                    help="a policy/ folder or a checkpoint.pt (default: the config's model, untrained)")
-    p.add_argument("--k", type=int, default=4, help="tries per task (pass@1 and pass@k); default 4")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; default 1")
-    p.add_argument("--tasks", type=int, default=None, help="eval tasks (default trainer.eval_tasks)")
-    p.add_argument("--success", type=float, default=1.0,
+    p.add_argument("--k", type=whole(1), default=4, help="tries per task (pass@1 and pass@k); default 4")
+    p.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature; default 1")
+    p.add_argument("--tasks", type=whole(1), default=None, help="eval tasks (default trainer.eval_tasks)")
+    p.add_argument("--success", type=number(), default=1.0,
                    help="a try succeeds when its reward is >= this (default 1)")
     p.add_argument("--out", type=Path, default=None, help="write one JSON line per task here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -91,13 +126,16 @@ def run_eval(args: argparse.Namespace) -> int:
     from tracetrain.run.evaluate import evaluate
 
     cfg = load_config(args.config, list(args.overrides))
+    if args.out is not None:
+        writable_dir("--out", args.out.parent)
+        if args.out.is_dir():
+            raise UsageError(f"--out {str(args.out)!r} is a folder; it names the file to write")
     base = args.config.resolve().parent
     task = load_task(cfg.task, base, needs_tasks=cfg.data.train is None)
     summary, rows = asyncio.run(evaluate(
         cfg, task, open_task_data(cfg, base), policy=args.policy, k=args.k,
         temperature=args.temperature, n_tasks=args.tasks, success=args.success))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps(summary))
     return 0
@@ -107,14 +145,14 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="the run's config (YAML or a run's config.json)")
     p.add_argument("--from", dest="runs", type=Path, nargs="+", required=True, metavar="RUN_DIR",
                    help="runs whose traces.db hold the rollouts to learn from")
-    p.add_argument("--min-reward", type=float, default=None, help="rollouts with at least this reward")
-    p.add_argument("--best-per-group", type=int, default=None, help="the k best rollouts of each group")
-    p.add_argument("--max-version", type=int, default=None,
+    p.add_argument("--min-reward", type=number(), default=None, help="rollouts with at least this reward")
+    p.add_argument("--best-per-group", type=whole(1), default=None, help="the k best rollouts of each group")
+    p.add_argument("--max-version", type=whole(0), default=None,
                    help="only rollouts made by policies up to this version (0: the untrained one's)")
     p.add_argument("--policy", default=None, help="start from this policy/ folder or checkpoint "
                    "(default: the config's model)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--epochs", type=whole(1), default=3)
+    p.add_argument("--lr", type=number(0, above=True), default=1e-5)
     p.add_argument("--out", type=Path, required=True,
                    help="writes OUT/policy, OUT/checkpoint.pt (weights only) and OUT/sft.json")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -123,17 +161,20 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     import json
 
-    from tracetrain.config import ConfigError, load_config
+    from tracetrain.config import load_config
     from tracetrain.learn.sft import dedupe, fine_tune, select, sft_rows
     from tracetrain.run import checkpoint
     from tracetrain.run.evaluate import load_eval_policy
     from tracetrain.store import SQLiteStore
 
+    if args.min_reward is None and args.best_per_group is None:
+        raise UsageError("choose the rollouts to learn from: --min-reward and/or --best-per-group")
     cfg = load_config(args.config, list(args.overrides))
+    writable_dir("--out", args.out)
     seen, chosen = 0, []
     for run in args.runs:
         if not (run / "traces.db").is_file():
-            raise ConfigError(f"--from {str(run)!r}: no traces.db there")
+            raise UsageError(f"--from {str(run)!r}: no traces.db there")
         with SQLiteStore(run / "traces.db", read_only=True) as store:
             rollouts = store.load_rollouts()
         seen += len(rollouts)
@@ -141,7 +182,7 @@ def run_sft(args: argparse.Namespace) -> int:
                          max_version=args.max_version)
     unique = dedupe(chosen)
     if not unique:
-        raise ConfigError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
+        raise UsageError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
     model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
     batch = sft_rows(unique, cfg, tokenizer.pad_token_id or 0)
     losses = fine_tune(model, batch, cfg, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
@@ -156,9 +197,20 @@ def run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def writable_dir(option: str, path: Path) -> None:
+    """The folder `path` an option writes into, made now (before any work); a UsageError naming
+    the option if it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{option}: cannot write into {str(path)!r} ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"{option}: cannot write into {str(path)!r} (permission denied)")
+
+
 def add_view_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory")
-    p.add_argument("--port", type=int, default=8765, help="port (0: a free one); default 8765")
+    p.add_argument("--port", type=whole(0, 65535), default=8765, help="port (0: a free one); default 8765")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other host needs a token)")
     p.add_argument("--token", default=None,
@@ -212,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (OSError, ValueError) as e:  # bad config, trace file or option value: say what, no traceback
+    except (ConfigError, UsageError) as e:  # what the user gave wrong: say what, no traceback
         print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except EngineError as e:  # the engine failed mid-run (a vLLM server that died): what and why

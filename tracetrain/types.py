@@ -36,6 +36,11 @@ TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not 
 REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
 
 
+class UsageError(ValueError):
+    """Something the user gave is wrong (an option, a file, a dataset row): the message names it.
+    The command line reports it in one line with status 2; any other error keeps its traceback."""
+
+
 class TraceError(ValueError):
     """Bad input in a trace; the message names the rollout, the turn and the field."""
 

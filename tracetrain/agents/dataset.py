@@ -28,10 +28,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from tracetrain.types import UsageError
+
 FORMATS = (".jsonl", ".parquet", ".csv")
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError):
     """A dataset file that cannot be used; the message names the file (and the row and field)."""
 
 

@@ -27,7 +27,7 @@ import torch
 from tracetrain.objective.minibatch import plan_step
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
-from tracetrain.types import Rollout
+from tracetrain.types import Rollout, UsageError
 
 
 def select(rollouts: Sequence[Rollout], *, min_reward: float | None = None,
@@ -66,13 +66,14 @@ def dedupe(rollouts: Sequence[Rollout]) -> list[Rollout]:
 
 
 def sft_rows(rollouts: Sequence[Rollout], cfg: Any, pad_token_id: int) -> TrainingBatch:
-    """The rows the RL path builds for these rollouts (aggregate with the run's config)."""
+    """The rows the RL path builds for these rollouts (aggregate with the run's config); a
+    UsageError if none is left (the chosen rollouts do not fit the config's lengths)."""
     ac = cfg.aggregate
     batch, _ = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                          max_response_length=ac.max_response_length, pad_token_id=pad_token_id,
                          overlong=ac.overlong, train_roles=cfg.roles.train)
     if batch.n_rows == 0:
-        raise ValueError("no rows to fine-tune on: every chosen rollout was dropped (too long, "
+        raise UsageError("no rows to fine-tune on: every chosen rollout was dropped (too long, "
                          "or no trained tokens)")
     return batch
 

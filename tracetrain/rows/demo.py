@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tracetrain.types import Rollout, TraceError, Turn, UsageError
+
 DEFAULT_TRACES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 SPECIAL_TOKENS = ["<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
 
@@ -37,25 +39,31 @@ def build_demo_tokenizer(texts: list[str], vocab_size: int = 400):
 
 
 def read_trace_files(path: Path) -> list[dict[str, Any]]:
-    """The raw rollout dicts of one JSON file, or of every *.json in a folder (sorted by name)."""
+    """The raw rollout dicts of one JSON file, or of every *.json in a folder (sorted by name);
+    a UsageError naming the file if one is missing or not such JSON."""
     files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     if not files:
-        raise FileNotFoundError(f"no *.json trace files in {path}")
+        raise UsageError(f"no *.json trace files in {path}")
     out = []
     for f in files:
-        data = json.loads(f.read_text())
+        try:
+            data = json.loads(f.read_text())
+        except OSError as e:
+            raise UsageError(f"{f}: {e.strerror or e}") from None
+        except ValueError as e:  # not JSON, not UTF-8
+            raise UsageError(f"{f}: not JSON ({e})") from None
         if not isinstance(data, dict) or not isinstance(data.get("rollouts"), list):
-            raise ValueError(f"{f}: expected an object with a 'rollouts' list")
+            raise UsageError(f"{f}: expected an object with a 'rollouts' list")
         out.extend(data["rollouts"])
     return out
 
 
 def _get(d: Any, key: str, where: str, kind: type | tuple[type, ...]) -> Any:
-    """d[key], checked to be of `kind`; a ValueError naming the place otherwise."""
+    """d[key], checked to be of `kind`; a UsageError naming the place otherwise."""
     if not isinstance(d, dict) or key not in d:
-        raise ValueError(f"{where}: missing field {key!r}")
+        raise UsageError(f"{where}: missing field {key!r}")
     if not isinstance(d[key], kind):
-        raise ValueError(f"{where}.{key}: expected {kind}, got {type(d[key]).__name__}")
+        raise UsageError(f"{where}.{key}: expected {kind}, got {type(d[key]).__name__}")
     return d[key]
 
 
@@ -67,7 +75,7 @@ def _turn_texts(raw: list[dict[str, Any]]):
             response = _get(t, "response", where, (str, list))
             pieces = [response] if isinstance(response, str) else response
             if not all(isinstance(p, str) for p in pieces):
-                raise ValueError(f"{where}.response: expected a str or a list of str")
+                raise UsageError(f"{where}.response: expected a str or a list of str")
             yield i, t, _get(t, "prompt", where, str), pieces
 
 
@@ -76,26 +84,32 @@ def _texts(raw: list[dict[str, Any]]) -> list[str]:
 
 
 def traces_to_rollouts(raw: list[dict[str, Any]], tokenizer) -> list:
-    """Tokenize the text traces into Rollouts (validated by their constructors)."""
-    from tracetrain.types import Rollout, Turn
+    """Tokenize the text traces into Rollouts (validated by their constructors: a UsageError
+    naming the rollout, the turn and the field)."""
 
     def enc(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     rollouts = []
-    for r in raw:
+    for n, r in enumerate(raw):
+        for key in ("rollout_id", "group_id"):
+            _get(r, key, f"rollouts[{n}]", object)
         turns = []
         for t in r["turns"]:
             pieces = [t["response"]] if isinstance(t["response"], str) else t["response"]
             response = [i for piece in pieces for i in enc(piece)]
             # Stand-in sampling logprobs: the demo has no model; any finite value <= 0 works.
             logprobs = [-0.1 * (1 + j % 5) for j in range(len(response))]
-            turns.append(Turn(enc(t["prompt"]), response, logprobs, t.get("model_version")))
-        rollouts.append(
-            Rollout(
+            try:
+                turns.append(Turn(enc(t["prompt"]), response, logprobs, t.get("model_version")))
+            except TraceError as e:
+                raise UsageError(f"rollouts[{n}]: {e}") from None
+        try:
+            rollouts.append(Rollout(
                 r["rollout_id"], r["group_id"], turns, r.get("reward"), r.get("state", "succeeded")
-            )
-        )
+            ))
+        except TraceError as e:
+            raise UsageError(str(e)) from None  # it names the rollout
     return rollouts
 
 
@@ -167,19 +181,26 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from tracetrain.rows.aggregate import aggregate
 
+    for option, value in (("--max-prompt-length", args.max_prompt_length),
+                          ("--max-response-length", args.max_response_length)):
+        if value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value}")
     raw = read_trace_files(args.traces)
     tokenizer = build_demo_tokenizer(_texts(raw))
     rollouts = traces_to_rollouts(raw, tokenizer)
-    batch, metrics, breaks = aggregate(
-        rollouts,
-        level=args.level,
-        max_prompt_length=args.max_prompt_length,
-        max_response_length=args.max_response_length,
-        pad_token_id=tokenizer.pad_token_id,
-        tokenizer=tokenizer,
-        overlong=args.overlong,
-        return_breaks=True,
-    )
+    try:
+        batch, metrics, breaks = aggregate(
+            rollouts,
+            level=args.level,
+            max_prompt_length=args.max_prompt_length,
+            max_response_length=args.max_response_length,
+            pad_token_id=tokenizer.pad_token_id,
+            tokenizer=tokenizer,
+            overlong=args.overlong,
+            return_breaks=True,
+        )
+    except TraceError as e:  # --overlong error: a rollout of the traces is too long
+        raise UsageError(str(e)) from None
     print(
         f"{len(rollouts)} rollouts from {args.traces} -> {batch.n_rows} rows, level {args.level!r}"
     )

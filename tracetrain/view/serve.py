@@ -15,6 +15,7 @@ import secrets
 from pathlib import Path
 
 from tracetrain.config import ConfigError
+from tracetrain.types import UsageError
 
 
 def serve_view(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8765,
@@ -32,7 +33,10 @@ def serve_view(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8765
         token = secrets.token_urlsafe(18)
     app = create_view_app(run_dir, token=token)
     app.state.run.tokenizer()  # loaded before the ready line: the first page is as fast as the rest
-    sock = listen_socket(host, port)
+    try:
+        sock = listen_socket(host, port)
+    except OSError as e:  # the port is taken, the address is not this machine's
+        raise UsageError(f"cannot listen on {host!r} port {port}: {e}") from None
     bound, bound_port = sock.getsockname()[:2]
     shown = f"[{bound}]" if ":" in bound else bound
     url = f"http://{shown}:{bound_port}/" + (f"?token={token}" if token else "")

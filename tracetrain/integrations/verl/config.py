@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tracetrain.config import VerlConfig
+from tracetrain.config import ConfigError, VerlConfig
 
 LOSS_MODULE = (
     "tracetrain.integrations.verl.loss"  # imported by verl's workers: registers the losses
@@ -32,28 +32,28 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
     v = v or VerlConfig()
     m, rc, ac, lc, oc, tc = cfg.model, cfg.rollout, cfg.aggregate, cfg.loss, cfg.optim, cfg.trainer
     if m.kind != "pretrained" or not m.path:
-        raise ValueError(
+        raise ConfigError(
             "config key 'model.kind': backend verl needs 'pretrained' with model.path, a Hugging "
             "Face model directory that verl's workers and rollout servers load "
             f"(got kind {m.kind!r}); tracetrain.models.tiny.save_tiny writes one for the tiny model"
         )
     if not Path(m.path).is_dir():
-        raise ValueError(
+        raise ConfigError(
             f"config key 'model.path': {m.path!r} is not a directory (backend verl loads a Hugging "
             "Face model directory; tracetrain.models.tiny.save_tiny writes one for the tiny model)"
         )
     if oc.decay not in ("constant", "cosine"):
-        raise ValueError(
+        raise ConfigError(
             f"config key 'optim.decay': verl has no {oc.decay!r} schedule; use constant or cosine"
         )
     if rc.tasks_per_step % oc.mini_batches:
-        raise ValueError(
+        raise ConfigError(
             f"config key 'optim.mini_batches': {oc.mini_batches} must divide "
             f"rollout.tasks_per_step ({rc.tasks_per_step}) for verl's batch-size checks"
         )
     gpus = v.nnodes * v.n_gpus_per_node
     if gpus % v.rollout_tp:
-        raise ValueError(
+        raise ConfigError(
             f"config key 'verl.rollout_tp': {v.rollout_tp} must divide the {gpus} GPUs"
         )
     max_len = ac.max_prompt_length + ac.max_response_length
@@ -163,7 +163,7 @@ def verl_defaults():
 def build_verl_config(cfg: Any, v: VerlConfig | None = None):
     """verl's composed `ppo_trainer` config (an OmegaConf DictConfig) for this tracetrain run.
 
-    Raises ValueError naming the key when a value is refused (by tracetrain's checks above, by
+    Raises ConfigError naming the key when a value is refused (by tracetrain's checks above, by
     OmegaConf for an unknown key in `verl.overrides`, or by verl's config dataclasses).
     """
     from hydra.errors import HydraException
@@ -179,7 +179,7 @@ def build_verl_config(cfg: Any, v: VerlConfig | None = None):
         if key.startswith("+"):
             added.add(key[1:])
         elif not _has_key(conf, key):
-            raise ValueError(
+            raise ConfigError(
                 f"config key 'verl.overrides': verl's config has no key {key!r} "
                 "(write '+key' to add one)"
             )
@@ -192,12 +192,12 @@ def build_verl_config(cfg: Any, v: VerlConfig | None = None):
             else:  # struct mode: a key verl's config lacks is an error
                 OmegaConf.update(conf, key, value, merge=True)
         except OmegaConfBaseException as e:
-            raise ValueError(f"verl config key {key!r} = {value!r}: {e}") from None
+            raise ConfigError(f"verl config key {key!r} = {value!r}: {e}") from None
     try:
         OmegaConf.resolve(conf)
         # (the model section is checked by verl's workers: HFModelConfig loads the model's files)
         for section in ("actor_rollout_ref.actor", "actor_rollout_ref.rollout"):
             omega_conf_to_dataclass(OmegaConf.select(conf, section))
     except (HydraException, OmegaConfBaseException, ValueError, TypeError, AssertionError) as e:
-        raise ValueError(f"verl refused the config: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"verl refused the config: {type(e).__name__}: {e}") from None
     return conf
