@@ -59,11 +59,25 @@ def number(low: float | None = None, *, above: bool = False):
     return parse
 
 
+def override(text: str) -> str:
+    """argparse type: a config override `key=value` (config.parse_overrides reads it)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected key=value (a config override), got {text!r}")
+    return text
+
+
+def add_overrides(p: argparse.ArgumentParser, example: str = "") -> None:
+    """The command's config overrides: `key=value` words, before, between or after its options."""
+    p.add_argument("overrides", nargs="*", type=override, default=[], metavar="key=value",
+                   help="config overrides, anywhere among the options" + example)
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="run config (YAML)")
     p.add_argument("--backend", choices=["embedded", "verl"], default=None,
                    help="override the config's backend (verl: docs/scaling.md)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. optim.lr=3e-4 trainer.steps=50")
+    add_overrides(p, " (e.g. optim.lr=3e-4 trainer.steps=50)")
 
 
 def terminate(signum, frame) -> None:
@@ -114,7 +128,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--success", type=number(), default=1.0,
                    help="a try succeeds when its reward is >= this (default 1)")
     p.add_argument("--out", type=Path, default=None, help="write one JSON line per task here")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    add_overrides(p)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -143,8 +157,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="the run's config (YAML or a run's config.json)")
-    p.add_argument("--from", dest="runs", type=Path, nargs="+", required=True, metavar="RUN_DIR",
-                   help="runs whose traces.db hold the rollouts to learn from")
+    p.add_argument("--from", dest="runs", type=Path, nargs="+", action="extend", required=True,
+                   metavar="RUN_DIR", help="runs whose traces.db hold the rollouts to learn from "
+                   "(the list ends at the next option or key=value)")
     p.add_argument("--min-reward", type=number(), default=None, help="rollouts with at least this reward")
     p.add_argument("--best-per-group", type=whole(1), default=None, help="the k best rollouts of each group")
     p.add_argument("--max-version", type=whole(0), default=None,
@@ -155,7 +170,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=number(0, above=True), default=1e-5)
     p.add_argument("--out", type=Path, required=True,
                    help="writes OUT/policy, OUT/checkpoint.pt (weights only) and OUT/sft.json")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    add_overrides(p)
 
 
 def run_sft(args: argparse.Namespace) -> int:
@@ -246,6 +261,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`tracetrain`'s parser: the commands (its help lists them; parse_args uses it when argv does
+    not start with a command)."""
     parser = argparse.ArgumentParser(prog="tracetrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (add_arguments, run, help_text) in COMMANDS.items():
@@ -255,13 +272,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of `tracetrain NAME`."""
+    add_arguments, run, help_text = COMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"tracetrain {name}", description=help_text,
+                                add_help=name != "serve")
+    add_arguments(p)
+    p.set_defaults(run=run, command=name)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command and its arguments. A command's options and its words (the config, key=value
+    overrides) come in any order (argparse's intermixed parsing); a list-valued option
+    (`sft --from A B`) takes the words up to the next option or key=value."""
+    if not argv or argv[0] not in COMMANDS or argv[0] == "serve":
+        return build_parser().parse_args(argv)  # --help, no or an unknown command: it says so
+    parser = command_parser(argv[0])
+    return parser.parse_intermixed_args(_end_lists(parser, argv[1:]))
+
+
+def _looks_like_override(word: str) -> bool:
+    key, sep, _ = word.partition("=")
+    return bool(sep and key.strip()) and "/" not in key and os.sep not in key
+
+
+def _end_lists(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
+    """`words` with each value of a list-valued option written `--opt=value`, the list ending at
+    the first key=value after a value: `--from a b k=v` -> `--from=a --from=b k=v` (the option
+    accumulates its values: action "extend")."""
+    lists = {o for a in parser._actions if a.nargs in ("+", "*") for o in a.option_strings}
+    out, k = [], 0
+    while k < len(words):
+        word = words[k]
+        k += 1
+        if word == "--":
+            return out + words[k - 1:]
+        if word not in lists:
+            out.append(word)
+            continue
+        start = k
+        while k < len(words) and not words[k].startswith("-") and (
+                k == start or not _looks_like_override(words[k])):
+            out.append(f"{word}={words[k]}")
+            k += 1
+        if k == start:
+            out.append(word)  # no value: argparse says what the option needs
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the gateway parses its own options (and its own --help)
         from tracetrain.gateway.serve import main as serve_main
 
         return serve_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.run(args)
     except (ConfigError, UsageError) as e:  # what the user gave wrong: say what, no traceback
