@@ -1,19 +1,17 @@
-"""LocalEngine on the tiny model: exact logprobs, sampling math, batching, stops, seeds, weights."""
+"""LocalEngine on the tiny model: exact logprobs, batching, stops, seeds, weights (the sampling
+math and top_p: test_engine_sampling.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
-from hypothesis import strategies as st
 
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
-from tracetrain.engines.local import LocalEngine, sample_tokens, uniform
+from tracetrain.engines.local import LocalEngine
 from tracetrain.models.tiny import build_model, build_tokenizer
 
 
@@ -336,60 +334,6 @@ def test_update_weights_swaps_in_place_and_waits_for_decoding(tok, prompts):
     hook.remove()
     assert at_swap == len(forwards) > 1
     assert {g.model_version for g in out} == {4} and eng.model_version == 9
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    st.lists(st.floats(-5, 5), min_size=2, max_size=12),
-    st.sampled_from([0.5, 1.0, 2.0]),
-    st.sampled_from([1.0, 0.9, 0.5, 0.1]),
-)
-@example([0.0] * 6, 0.5, 0.5)  # a nucleus edge exactly at top_p: excluded below, not by luck
-def test_sampler_draws_from_the_nucleus_of_the_tempered_softmax(logits, temperature, top_p):
-    """Inverse-CDF sampling on a uniform grid of N points hits each token with frequency
-    p_v / (nucleus mass) up to 1/N per boundary, and never leaves the nucleus. (A cumulative
-    mass within float32 rounding of top_p, or tied tokens across the nucleus edge, make the nucleus
-    ambiguous: such draws are skipped.)"""
-    n = 2000
-    z = torch.tensor(logits) / temperature
-    probs = torch.log_softmax(z, -1).exp()  # as the sampler computes them
-    edges = probs.sort(descending=True).values.cumsum(0)
-    assume(bool(((edges - top_p).abs() > 1e-5).all()))
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    y, lp = sample_tokens(
-        torch.tensor([logits] * n), torch.full((n,), temperature), torch.full((n,), top_p), u
-    )
-    sp, order = probs.sort(descending=True)
-    in_nucleus = (sp.cumsum(0) - sp) < top_p
-    k = int(in_nucleus.sum())  # tied tokens across the nucleus edge: which ones are in is sort order
-    assume(k == len(sp) or float(sp[k - 1] - sp[k]) > 1e-6)
-    nucleus = set(order[in_nucleus].tolist())
-    assert set(y.tolist()) <= nucleus
-    mass = sp[in_nucleus].sum()
-    freq = torch.bincount(y, minlength=len(logits)).double() / n
-    for v in nucleus:
-        assert abs(freq[v].item() - probs[v].item() / mass.item()) <= 2 / n + 1e-6
-    torch.testing.assert_close(lp, torch.log_softmax(z, -1)[y])
-
-
-def test_sampler_greedy_rows_take_the_argmax_with_its_untempered_logprob():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
-    y, lp = sample_tokens(
-        logits,
-        torch.tensor([0.0, 0.0]),
-        torch.tensor([1.0, 0.3]),
-        torch.tensor([0.99, 0.01], dtype=torch.float64),
-    )
-    assert y.tolist() == [1, 0]
-    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
-
-
-@given(st.integers(0, 2**64 - 1), st.integers(0, 10_000))
-def test_uniform_is_in_unit_interval_and_varies_by_step(seed, step):
-    a, b = uniform(seed, step), uniform(seed, step + 1)
-    assert 0.0 <= a < 1.0 and 0.0 <= b < 1.0
-    assert a != b and uniform(seed, step) == a
-    assert not math.isnan(a)
 
 
 def test_a_failing_model_fails_its_batch_with_503_and_the_engine_recovers(tok, prompts):

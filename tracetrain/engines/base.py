@@ -35,6 +35,8 @@ class PromptTooLong(ValueError):
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
+    # Nucleus sampling: draw from the most likely tokens whose mass before each is < top_p,
+    # renormalised (engines/sampling.py); 1: the whole distribution.
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()  # generation also ends at the tokenizer's eos
     seed: int | None = None
@@ -103,7 +105,10 @@ def stop_string_in(tokenizer: Any, ids: list[int], stop: tuple[str, ...]) -> boo
 @dataclass(frozen=True)
 class Generation:
     response_ids: list[int]
-    response_logprobs: list[float]  # log-prob of each response id under the sampling distribution
+    # log-prob of each response id: the local engine's is log_softmax(logits / T)[id], before
+    # top-p (what the trainer computes); an upstream server's is its own kind (vLLM started by
+    # tracetrain: after temperature and top-p, renormalised over the nucleus; engines/sampling.py)
+    response_logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     model_version: int
     extra: dict[str, Any] = field(default_factory=dict)

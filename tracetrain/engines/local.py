@@ -8,16 +8,10 @@ late does not count: it was busy, or its thread was stopped, and requests may be
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
 while a batch is decoding form the next batch.
 
-One decode step for the rows b of the batch, with logits l_b of the next token:
-
-    T_b = temperature (1 where temperature == 0)      z_b = l_b / T_b      logp_b = log_softmax(z_b)
-    temperature == 0:  y_b = argmax z_b
-    otherwise:         y_b ~ softmax(z_b) restricted to the top-p nucleus (the most likely tokens
-                       whose mass, before the last one, is < top_p), renormalised; drawn by inverse
-                       CDF at u_b = uniform(seed_b, step), so a seeded request gives the same ids
-                       whatever else is in its batch (up to float ties)
-    recorded logprob:  logp_b[y_b]  -- under the full temperature-scaled distribution (before
-                       top-p), the quantity `tracetrain.learn.logprobs.response_logprobs` recomputes
+One decode step samples each row from its logits with the request's temperature and top_p and
+records the token's logprob under the full temperature-scaled distribution, log_softmax(l / T),
+before top-p: the quantity the trainer recomputes (tracetrain/engines/sampling.py: the formulas,
+the seeded draw, and the bias the choice implies when top_p < 1).
 
 A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
 request's stop_token_ids; the stop id is kept in the response, finish "stop"), after the token that
@@ -51,21 +45,7 @@ from tracetrain.engines.base import (
     check_sampling_params,
     stop_string_in,
 )
-
-_M64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def uniform(seed: int, step: int) -> float:
-    """A uniform in [0, 1) that depends only on (seed, step): 53 bits of splitmix64."""
-    return (_splitmix64(_splitmix64(seed & _M64) ^ step) >> 11) * 2.0**-53
-
+from tracetrain.engines.sampling import sample_tokens, uniform
 
 MIN_SHARED_PREFIX = 8  # a shorter common prefix is not worth a separate forward pass
 
@@ -78,27 +58,6 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
             k += 1
         n = k
     return n
-
-
-def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step for a batch: logits [B, V] fp32, temperature [B] (0 = greedy), top_p [B], u [B]
-    uniforms (float64). Returns (token ids [B], their logprobs under log_softmax(logits / T) [B])."""
-    greedy = temperature == 0
-    z = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logp = torch.log_softmax(z, dim=-1)
-    p = logp.exp()
-    if bool((top_p < 1).any()):
-        p, order = p.sort(dim=-1, descending=True)
-        p = p * ((p.cumsum(-1) - p) < top_p[:, None])  # the nucleus; the top token always stays
-    else:
-        order = None
-    cdf = p.double().cumsum(-1)
-    j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[-1] - 1)
-    y = j if order is None else order.gather(-1, j)
-    y = torch.where(greedy, z.argmax(-1), y.squeeze(-1))
-    return y, logp.gather(-1, y[:, None]).squeeze(-1)
 
 
 def _mark_cancelled(req: _Request):
