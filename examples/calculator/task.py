@@ -75,7 +75,8 @@ async def agent(task: dict, client: dict) -> float:
     for turn in range(task["max_turns"]):
         out = await openai.chat.completions.create(
             model=client["model"], messages=messages,
-            temperature=client.get("temperature", 1.0), max_tokens=client.get("max_tokens", 24),
+            temperature=client.get("temperature", 1.0), top_p=client.get("top_p", 1.0),
+            max_tokens=client.get("max_tokens", 24),
             seed=None if client.get("seed") is None else client["seed"] + turn,
         )
         text = out.choices[0].message.content or ""

@@ -62,6 +62,7 @@ async def play(task: dict, client: dict, prompt) -> float:
             model=client["model"],
             messages=prompt(task["high"], history),
             temperature=client.get("temperature", 1.0),
+            top_p=client.get("top_p", 1.0),
             max_tokens=client.get("max_tokens", 4),
             seed=None if client.get("seed") is None else client["seed"] + turn,
         )
@@ -156,7 +157,7 @@ async def checked_agent(task: dict, client: dict) -> dict:
     and the guesser's turn rewards ({turn index: reward}, the gateway's index of each call)."""
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
                          http_client=client.get("http_client"))
-    sampling = {"temperature": client.get("temperature", 1.0),
+    sampling = {"temperature": client.get("temperature", 1.0), "top_p": client.get("top_p", 1.0),
                 "max_tokens": client.get("max_tokens", 4)}
     seed = client.get("seed")
     lo, hi = 1, task["high"]

@@ -3,8 +3,9 @@
 An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
 (or {"reward": ..., "turn_rewards": {turn index: reward}}: rewards along the way, `call_agent`)
 (`client` = {"base_url", "api_key", "model", "rollout_id", "rollout_url", "temperature",
-"max_tokens", "seed", "http_client"}; `http_client` is an HTTP client for the openai SDK shared by
-the call's agents, not to be closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't
+"top_p", "max_tokens", "seed", "http_client"}: the agent passes temperature, top_p, max_tokens and
+seed on to its model calls; `http_client` is an HTTP client for the openai SDK shared by the
+call's agents, not to be closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't
 call its `close()`; `seed`, when the caller gives one, is made distinct per rollout, see
 `rollout_seed`) or a command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and
 TRACETRAIN_* variables and reports its reward through the gateway (POST
@@ -208,7 +209,8 @@ class CommandAgent:
             "TRACETRAIN_ROLLOUT_ID": client["rollout_id"],
             "TRACETRAIN_ROLLOUT_URL": client["rollout_url"],
             "TRACETRAIN_TASK": json.dumps(task),
-            "TRACETRAIN_SAMPLING": json.dumps({k: client[k] for k in ("temperature", "max_tokens") if k in client}),
+            "TRACETRAIN_SAMPLING": json.dumps(
+                {k: client[k] for k in ("temperature", "top_p", "max_tokens") if k in client}),
         }
         proc = await asyncio.create_subprocess_exec(
             *self.argv,

@@ -7,9 +7,9 @@
 
 The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.eval_fraction),
 else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
-`k` times through the same gateway, agents and engine as training (`engine.kind`: the local
-engine, or vLLM launched on the policy's weights or pushed to a running server). A try succeeds when
-its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
+`k` times (at `temperature` and the config's rollout.top_p) through the same gateway, agents and
+engine as training (`engine.kind`: the local engine, or vLLM launched on the policy's weights or
+pushed to a running server). A try succeeds when its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
 reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
 
 The policy: a `policy/` folder (checkpoint.write_policy: a transformers directory), a
@@ -120,7 +120,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                 try:
                     specs = rollout_specs(tasks, k, f"eval-{secrets.token_hex(3)}")
                     results = await collect(gateway, specs, agent, cfg, temperature=temperature,
-                                            step=0, http_client=http)
+                                            step=0, http_client=http, trains=False)
                 finally:
                     await gateway.aclose()
         finally:
@@ -143,5 +143,6 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                "reward_mean": mean(rewards),
                "pass@1": mean([r["pass@1"] for r in rows if r["pass@1"] is not None]),
                f"pass@{k}": mean([r[f"pass@{k}"] for r in rows if r[f"pass@{k}"] is not None]),
-               "temperature": temperature, "policy": str(policy) if policy else "untrained"}
+               "temperature": temperature, "top_p": cfg.rollout.top_p,
+               "policy": str(policy) if policy else "untrained"}
     return summary, rows

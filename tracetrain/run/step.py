@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from tracetrain.agents.runner import run_rollouts
-from tracetrain.config import TrainConfig
+from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.objective.credit import batch_credit
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
@@ -55,16 +55,43 @@ def rollout_specs(
     ]
 
 
+def check_top_p(cfg: TrainConfig) -> None:
+    """ConfigError naming rollout.top_p when it is < 1 and the PPO ratio would be taken against
+    logprobs of another kind than the trainer's. The local engine records log p(y) of the full
+    temperature-scaled distribution, the trainer's own; vLLM and SGLang (engine.kind vllm, verl's
+    rollout servers) record them after top-p, renormalised over the nucleus: log p(y) - log S,
+    which starts the ratio at S < 1 (engines/sampling.py). Allowed: top_p 1; engine.kind local;
+    backend embedded with correction.old trainer and no correction (the ratio is then against
+    the trainer's own logprobs and the engine's feed only the logged gap)."""
+    rc, cc = cfg.rollout, cfg.correction
+    if rc.top_p == 1 or cfg.backend == "embedded" and (cfg.engine.kind == "local" or (
+            cc.old == "trainer" and cc.weight == "none" and cc.mask == "none" and cc.reject is None)):
+        return
+    where = f"backend {cfg.backend!r}" if cfg.backend != "embedded" else f"engine.kind {cfg.engine.kind!r}"
+    raise ConfigError(
+        f"config key 'rollout.top_p': {rc.top_p} < 1 is not supported with {where}: its engine "
+        "records logprobs renormalised over the top-p nucleus (log p - log S), not the full "
+        "temperature-scaled log p the trainer computes, and the PPO ratio against them would "
+        "start at S < 1 instead of 1. Use rollout.top_p: 1"
+        + (", engine.kind: local, or correction.old: trainer with no correction"
+           if cfg.backend == "embedded" else ""))
+
+
 async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temperature: float,
-                  step: int, http_client=None, workers=None, first_position: int = 0) -> list:
+                  step: int, http_client=None, workers=None, first_position: int = 0,
+                  trains: bool = True) -> list:
     """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
-    calls sampled at `temperature` with step `step`'s seed; results in the order of `specs`.
+    calls sampled at `temperature` and rollout.top_p (the agents get client["temperature"],
+    client["top_p"] and client["max_tokens"]) with step `step`'s seed; results in the order of
+    `specs`. `trains`: the rollouts will be trained on (check_top_p; false for an eval).
     runner "ray": the agents are Ray tasks; `workers` (agents/workers.py AgentWorkers): they run in
     those processes; else as coroutines here (on `http_client`'s connections when given).
     `first_position`: where `specs` start among the step's rollouts (their sampling seeds)."""
+    if trains:
+        check_top_p(cfg)
     rc = cfg.rollout
-    extra = {"model": "policy", "temperature": temperature, "max_tokens": rc.max_tokens,
-             "seed": step_seed(cfg, step)}
+    extra = {"model": "policy", "temperature": temperature, "top_p": rc.top_p,
+             "max_tokens": rc.max_tokens, "seed": step_seed(cfg, step)}
     limits = {"concurrency": rc.concurrency, "timeout_s": rc.timeout_s, "client_extra": extra,
               "first_position": first_position}
     if cfg.runner == "ray":  # agents as Ray tasks (RAY_ADDRESS, else a local Ray)
