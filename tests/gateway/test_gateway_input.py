@@ -429,3 +429,35 @@ def test_one_parse_of_a_chat_body_accepts_and_refuses_as_pydantic_parsing_the_js
         return
     got, data = parse_json_body(ChatCompletionIn, raw)
     assert got == want and data == json.loads(raw)
+
+
+BIG = 2**64  # one past orjson's integer range: orjson.loads read it as a float, rounded
+
+
+@pytest.mark.parametrize("big", [BIG, -(2**63) - 1, 2**70 + 1, 10**40 + 7])
+def test_a_chat_body_reads_integers_beyond_64_bits_exactly(big):
+    raw = (f'{{"messages": [{{"role": "user", "content": "hi", "x": [{big}, 1.5]}}], '
+           f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": '
+           f'{{"maximum": {big}}}}}}}], "extra_field": {big}}}').encode()
+    body, data = parse_json_body(ChatCompletionIn, raw)
+    assert data == json.loads(raw) and body == parse_body(ChatCompletionIn, raw)
+    assert data["messages"][0]["x"][0] == big and type(data["messages"][0]["x"][0]) is int
+    assert body.tools[0]["function"]["parameters"]["maximum"] == big
+
+
+def test_a_big_integer_reaches_the_prompt_and_the_store_with_its_digits(tmp_path):
+    with live_gateway(tmp_path) as g:
+        (r,) = g.create(1)
+        big = 2**70 + 1
+        raw = (f'{{"model": "p", "max_tokens": 4, "messages": [{{"role": "user", "content": "hi", '
+               f'"x": {big}}}], "tools": [{{"type": "function", "function": {{"name": "f", '
+               f'"parameters": {{"type": "object", "properties": {{"n": {{"type": "integer", '
+               f'"maximum": {big}}}}}}}}}}}]}}')
+        got = httpx.post(r["base_url"] + "/chat/completions", content=raw, timeout=30,
+                         headers={"Authorization": f"Bearer {r['api_key']}",
+                                  "Content-Type": "application/json"})
+        assert got.status_code == 200, got.text
+        (turn,) = g.store.get_turns(r["rollout_id"])
+        assert json.loads(turn.messages) == [{"role": "user", "content": "hi", "x": big}]
+        assert str(big) in g.engine.tokenizer.decode(turn.prompt_ids)  # the tool schema, exact
+        g.admin.close()

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from tracetrain.engines.base import (
     EngineError,
@@ -54,6 +54,7 @@ from tracetrain.types import (
 )
 
 _ID = re.compile(ID_PATTERN)
+_REFUSED = object()  # a body pydantic's JSON parser refused
 
 
 def rollout_of(gw, authorization: str | None, rid: str) -> RolloutHead:
@@ -88,16 +89,23 @@ def parse_body(model: type[BaseModel], raw: bytes):
 
 
 def parse_json_body(model: type[BaseModel], raw: bytes) -> tuple[Any, Any]:
-    """(the route's request model, the body as Python values) from one parse of the JSON: orjson,
-    then pydantic checks the values (for a route that reads the body as sent too: chat's messages
-    reach the template with every field). A body either refuses is parsed again by pydantic from
-    the JSON, so the error names the fault in JSON's words ("an object", "an array")."""
+    """(the route's request model, the body as Python values) from one parse of the JSON, by
+    pydantic's own JSON parser (so it accepts what parse_body accepts and reads numbers alike:
+    integers of any size exact, NaN and Infinity as floats), then pydantic checks the values (for
+    a route that reads the body as sent too: chat's messages reach the template with every
+    field). A body either refuses is parsed again by parse_body, so the error names the fault in
+    JSON's words ("an object", "an array")."""
     try:
-        data = orjson.loads(raw)
-        return model.model_validate(data), data
-    except (orjson.JSONDecodeError, ValidationError):
-        body = parse_body(model, raw)  # raises, unless it is JSON only orjson refuses
-        return body, json.loads(raw)  # (an integer over 64 bits)
+        data = from_json(raw)
+    except ValueError:
+        data = _REFUSED
+    else:
+        try:
+            return model.model_validate(data), data
+        except ValidationError:
+            pass
+    body = parse_body(model, raw)  # raises, unless its JSON-mode validation accepts the values
+    return body, (json.loads(raw) if data is _REFUSED else data)
 
 
 async def generate_turn(
