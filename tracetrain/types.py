@@ -29,8 +29,8 @@ LOGPROB_TOLERANCE = 1e-3
 EXACT, RENDERED = "exact", "rendered"
 # Why a turn's prompt was rendered in full:
 POLICY = "policy"  # context: template
-FIRST_TURN = "first_turn"  # the rollout's first call
-FORGOTTEN = "forgotten"  # earlier turns exist but the gateway holds none (restart, eviction)
+FIRST_TURN = "first_turn"  # the first call of its role in the rollout
+FORGOTTEN = "forgotten"  # its role's earlier turns exist but the gateway holds none (restart, eviction)
 NO_MATCH = "no_match"  # no earlier turn's conversation is a prefix of the messages
 TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not a prefix
 REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)

@@ -12,6 +12,9 @@ import openai
 import pytest
 from gateway_fixtures import FakeEngine, gateway, live_gateway  # noqa: F401
 
+from tracetrain.gateway.app import create_app
+from tracetrain.gateway.serve import ThreadedServer
+
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -154,3 +157,54 @@ def test_a_role_can_be_served_by_its_own_engine(tmp_path):
         assert len(main.calls) == len(frozen.calls) == 1
         assert [t.role for t in gw.store.get_turns(r["rollout_id"])] == ["solver", "checker"]
         gw.admin.close()
+
+
+def chat(client: openai.OpenAI, role: str, history: list[dict]) -> None:
+    """One call of `role` with its whole history, as an agent makes it; the answer and a next
+    user message are appended to the history."""
+    out = client.chat.completions.create(model=role, messages=history, max_tokens=16)
+    history += [{"role": "assistant", "content": out.choices[0].message.content},
+                {"role": "user", "content": "and?"}]
+
+
+def test_a_roles_first_call_is_its_first_turn_whichever_engine_serves_it(tmp_path):
+    """A role's first call, after another role's turns, renders in full as first_turn (on its own
+    engine, whose memory holds nothing of the rollout, and on the same engine); forgotten is a
+    call whose role made earlier calls the gateway no longer holds (a restart)."""
+    main, frozen = FakeEngine(reply=lambda k, p: "main"), FakeEngine(reply=lambda k, p: "ok")
+    serve = {"checker": "frozen", "judge": "frozen"}
+    with live_gateway(tmp_path, main) as gw:
+        gw.app.state.gateway.add_engine("frozen", frozen)
+        gw.app.state.gateway.role_engines.update(serve)
+        (r,) = gw.create(1)
+        rid = r["rollout_id"]
+        client = openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
+        solver = [{"role": "user", "content": "What is 6*7?"}]
+        checker = [{"role": "system", "content": "Reply ok or redo."}, {"role": "user", "content": "42"}]
+        for role, history in [("solver", solver), ("solver", solver), ("checker", checker),
+                              ("checker", checker), ("planner", [{"role": "user", "content": "plan"}])]:
+            chat(client, role, history)
+        assert len(main.calls) == 3 and len(frozen.calls) == 2
+
+        # A new gateway process on the same store: it holds no turn of the running rollout.
+        app = create_app(gw.store, {"default": main, "frozen": frozen}, admin_key=gw.admin_key)
+        app.state.gateway.role_engines.update(serve)
+        with ThreadedServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/rollouts/{rid}/v1", api_key=r["api_key"],
+                                   max_retries=0)
+            for role, history in [("checker", checker), ("judge", [{"role": "user", "content": "?"}]),
+                                  ("solver", solver), ("solver", solver)]:
+                chat(client, role, history)
+        got = [(t.role, t.context, t.context_reason) for t in gw.store.get_turns(rid)]
+        gw.admin.close()
+    assert got == [
+        ("solver", "rendered", "first_turn"),
+        ("solver", "exact", None),
+        ("checker", "rendered", "first_turn"),  # on the frozen engine: its memory was empty
+        ("checker", "exact", None),
+        ("planner", "rendered", "first_turn"),  # on the solver's engine, its own conversation
+        ("checker", "rendered", "forgotten"),  # after the restart
+        ("judge", "rendered", "first_turn"),  # a role new after the restart (read from the store)
+        ("solver", "rendered", "forgotten"),
+        ("solver", "exact", None),
+    ]

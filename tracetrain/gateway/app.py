@@ -33,6 +33,7 @@ from tracetrain.gateway import (
     rollout_routes,
 )
 from tracetrain.gateway.context import CONTEXT_POLICIES
+from tracetrain.gateway.first_calls import RoleCalls
 from tracetrain.gateway.limits import BodySizeLimit
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.tool_calls import PARSERS
@@ -60,6 +61,10 @@ class Gateway:
     # role -> the engine (slot name) that serves its calls, whatever the rollout's engine (a role
     # that does not train, served by a frozen copy of the policy or an upstream model)
     role_engines: dict[str, str] = field(default_factory=dict)
+    calls: RoleCalls = field(init=False)  # which roles of each rollout have called (first_calls.py)
+
+    def __post_init__(self) -> None:
+        self.calls = RoleCalls(self.store)
 
     def add_engine(self, name: str, engine: Engine, *, spec: dict | None = None) -> EngineSlot:
         missing = [

@@ -23,13 +23,18 @@ whose conversation is a prefix of the request's messages and builds
 
 The model is then trained on the ids it saw: nothing it generated is decoded, re-serialized or
 re-tokenized, and earlier reasoning stays even where the template would drop it. When no earlier
-turn matches (the harness truncated, summarised or edited its history), or the template fails the
-prefix check, the prompt is the template's full render and the turn records why (types.REASONS). Under
-`context: template` every prompt is the full render.
+turn matches, or the template fails the prefix check, the prompt is the template's full render and
+the turn records why (types.REASONS): the first call of its role in the rollout (first_turn: a
+rollout's first call, or a checker's first call after the solver's turns); earlier calls of its
+role exist but none is held here (forgotten); some are held but none is a prefix (no_match: the
+harness truncated, summarised or edited its history); template_prefix. Under `context: template`
+every prompt is the full render.
 
-Memory: the last KEEP answered turns of each rollout (their messages, answer, ids), in an LRU over
-rollouts bounded by `max_bytes`. A gateway restart forgets them: the next turn of a rollout that was
-running renders in full (reason "forgotten").
+Memory: the last KEEP answered turns of each rollout on this engine (their messages, answer, ids,
+role), in an LRU over rollouts bounded by `max_bytes`. A gateway restart forgets them: the next
+turn of a rollout that was running renders in full (reason "forgotten"). Whether a call is its
+role's first is the caller's to say (first_calls.RoleCalls): a role served by another engine has
+its first call where this memory holds nothing of the rollout.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import orjson
 from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.types import (
+    DEFAULT_ROLE,
     EXACT,
     FIRST_TURN,
     FORGOTTEN,
@@ -87,6 +93,7 @@ class _Answered:
     ids: array  # prompt_ids + response_ids
     response_tail: tuple[int, ...]
     turn: int  # its index in the rollout
+    role: str  # the role that made the call
 
     @property
     def size(self) -> int:  # bytes, roughly
@@ -197,8 +204,8 @@ class ExactContext:
     """Exact prompts for one engine's tokenizer (module docstring). Not thread-safe: one per
     event loop.
 
-    build(rollout_id, messages, tools, full, first, sent)   -> Built
-    answered(rollout_id, turn, messages, tools, answer, prompt_ids, response_ids, sent)
+    build(rollout_id, messages, tools, full, first, sent, role)   -> Built
+    answered(rollout_id, turn, messages, tools, answer, prompt_ids, response_ids, sent, role)
                                                                         remember turn `turn`
 
     `prompts` encodes for the engine's tokenizer; `render(messages, tools, generation_prompt)` is
@@ -230,17 +237,26 @@ class ExactContext:
         *,
         first: bool,
         sent: bytes | None,
+        role: str = DEFAULT_ROLE,
     ) -> Built:
         """The prompt of a chat request under `context: exact`. `full()`: the template's full render
-        (ids); `first`: the rollout has made no model call yet; `sent`: `messages_json(messages)`."""
-        seen = self._rollouts.get(rollout_id)
-        if not seen:
-            return Built(full(), RENDERED, FIRST_TURN if first else FORGOTTEN, 0)
-        self._rollouts.move_to_end(rollout_id)
-        tools_json = _json(tools)
-        entry = next((e for e in reversed(seen) if _continues(e, messages, sent, tools_json)), None)
+        (ids); `first`: `role`, which makes the call, has made no chat call in the rollout yet;
+        `sent`: `messages_json(messages)`. Any earlier turn held here may be continued, whichever
+        role made it."""
+        seen = self._rollouts.get(rollout_id) or []
+        entry = None
+        if seen:
+            self._rollouts.move_to_end(rollout_id)
+            tools_json = _json(tools)
+            entry = next((e for e in reversed(seen) if _continues(e, messages, sent, tools_json)), None)
         if entry is None:
-            return Built(full(), RENDERED, NO_MATCH, 0)
+            if first:
+                why = FIRST_TURN
+            elif any(e.role == role for e in seen):
+                why = NO_MATCH
+            else:  # its role's earlier turns: before a restart, evicted, or on another engine
+                why = FORGOTTEN
+            return Built(full(), RENDERED, why, 0)
         suffix = self._suffix(messages, entry.n_sent + 1, tools, entry.response_tail)
         if suffix is None:
             return Built(full(), RENDERED, TEMPLATE_PREFIX, 0)
@@ -308,15 +324,17 @@ class ExactContext:
         response_ids: Sequence[int],
         *,
         sent: bytes | None,
+        role: str = DEFAULT_ROLE,
     ) -> None:
-        """Remember turn `turn`; `sent`: `messages_json(messages)` (None: not JSON, not kept)."""
+        """Remember turn `turn`, made by `role`; `sent`: `messages_json(messages)` (None: not JSON,
+        not kept)."""
         tools_json = _json(tools)
         if sent is None or tools_json is None:
             return
         prompt = prompt_ids if isinstance(prompt_ids, array) else array("i", prompt_ids)
         entry = _Answered(
             sent, len(messages), answer_key(answer), tools_json,
-            prompt + array("i", response_ids), tuple(response_ids[-8:]), turn,
+            prompt + array("i", response_ids), tuple(response_ids[-8:]), turn, role,
         )
         if entry.size > self.max_bytes // 8:
             return

@@ -238,9 +238,11 @@ async def chat_answer(
         return render.full_prompt_ids(tok, messages, tools, slot.prompts)
 
     if gw.context == "exact":
-        first = rollout.state == RolloutState.queued
+        first = await gw.calls.first(rollout, role)
         sent = messages_json(messages)  # one serialization, for the match and the memory
-        built = slot.exact.build(rollout.rollout_id, messages, tools, full, first=first, sent=sent)
+        built = slot.exact.build(
+            rollout.rollout_id, messages, tools, full, first=first, sent=sent, role=role
+        )
     else:
         built = Built(full(), RENDERED, POLICY, 0)
     prompt_ids = built.prompt_ids
@@ -260,6 +262,7 @@ async def chat_answer(
         gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn, role,
         messages_json(new),
     )
+    gw.calls.made(rollout.rollout_id, role)
 
     text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())
     content, tool_calls = parser.parse(text) if parse else (text, [])
@@ -268,7 +271,7 @@ async def chat_answer(
         prompt = prompt_ids if built.ids is None else built.ids
         slot.exact.answered(
             rollout.rollout_id, index, messages, tools, answer.message, prompt, gen.response_ids,
-            sent=sent,
+            sent=sent, role=role,
         )
     return answer
 
