@@ -55,6 +55,9 @@ def test_file_and_overrides(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(path)
+    path.write_text("optim: {lr: 0.01\n")  # a YAML syntax error: the file named, no traceback
+    with pytest.raises(ConfigError, match="c.yaml': not YAML .*flow mapping"):
+        load_config(path)
 
 
 def test_malformed_override():

@@ -1,9 +1,9 @@
 """Command line: `tracetrain <command>` (also `python -m tracetrain <command>`).
 
 Commands are registered by name in COMMANDS: (add_arguments, run, help); `run(args) -> int` returns
-the exit status. What the user gave wrong (config.ConfigError, types.UsageError: a config key, a
-dataset file or row, a task file, a trace file, an option, a path) is reported in one line naming
-it, status 2; an engine that failed mid-run in one line, status 1; any other error is a bug or the
+the exit status. What the user gave wrong (types.UsageError, config.ConfigError among them: a
+config key, a dataset file or row, a task file, a trace file, an option, a path) is reported in
+one line naming it, status 2; an engine that failed mid-run in one line, status 1; any other error is a bug or the
 machine's (a full disk) and keeps its traceback.
 
     train   : run the main job from a YAML config (+ key=value overrides)
@@ -24,7 +24,6 @@ import signal
 import sys
 from pathlib import Path
 
-from tracetrain.config import ConfigError
 from tracetrain.engines.base import EngineError
 from tracetrain.rows.demo import add_demo_arguments, run_demo
 from tracetrain.types import UsageError
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, UsageError) as e:  # what the user gave wrong: say what, no traceback
+    except UsageError as e:  # what the user gave wrong: say what, no traceback
         print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except EngineError as e:  # the engine failed mid-run (a vLLM server that died): what and why
