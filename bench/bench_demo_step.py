@@ -7,13 +7,16 @@ same steps, one setting changed at a time.
 Variants (all on examples/guess/config.yaml, 16 tasks x 8 rollouts, 2 mini-batches + KL):
   fp32 sequential        trainer.precision=fp32, collect then update (the engine shares the weights)
   bf16-mixed sequential  trainer.precision=bf16-mixed, collect then update
-  bf16-mixed overlap     bf16-mixed + trainer.overlap_collect (the demo's config)
+  bf16-mixed overlap     bf16-mixed + trainer.overlap_collect (the demo's config; its batches in
+                         lockstep, trainer.reproducible)
+  ..., by arrival        the same with trainer.reproducible=false: batches close after a quiet
+                         rollout.batch_window_ms (what reproducibility costs)
 
 One warm start is done first (`tracetrain train ... trainer.steps=1`); every variant resumes from
 that checkpoint in its own run directory and trains `--steps` more steps (eval off). Each variant
 runs `--rounds` times, interleaved (A B C A B C), because the shared VM's speed drifts. Printed per
 variant: the median over steps of the step's wall time (from `time/elapsed_s`), collect and update
-seconds, the best round, and the ratio of each variant's best round to fp32 sequential's.
+seconds, the best round, and the ratio of each variant's best round to the first variant's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ VARIANTS = {
                               "trainer.update_threads=2"],
     "bf16-mixed overlap": ["trainer.precision=bf16-mixed", "trainer.overlap_collect=true",
                            "trainer.max_staleness=1"],
+    "bf16-mixed overlap, by arrival": ["trainer.precision=bf16-mixed", "trainer.overlap_collect=true",
+                                       "trainer.max_staleness=1", "trainer.reproducible=false"],
 }
 
 
@@ -87,9 +92,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    metavar="VARIANT", help="run these variants (default: all)")
     args = ap.parse_args()
-    results = run_rounds(VARIANTS, args.steps, args.rounds)
-    base = min(s["step_s"] for s in results["fp32 sequential"])
+    results = run_rounds({k: VARIANTS[k] for k in args.only}, args.steps, args.rounds)
+    base = min(s["step_s"] for s in results[args.only[0]])
     print(f"\n{args.steps} steps per run, {args.rounds} rounds; medians over steps, best round shown")
     print(f"{'variant':24s} {'step s':>8s} {'collect s':>10s} {'update s':>9s} {'speed-up':>9s}")
     for name, rows in results.items():

@@ -23,10 +23,10 @@ from pydantic import (
 )
 
 from tracetrain import registry
-from tracetrain.types import check_role
+from tracetrain.types import UsageError, check_role
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad configuration; the message names the key."""
 
 
@@ -395,6 +395,14 @@ class TrainerConfig(_Section):
     seed: int = 0
     """Seeds torch and Python, the tiny model's weights, each step's tasks and the agents'
     sampling seeds."""
+    reproducible: bool | None = None
+    """Batches formed by the agents' progress, not by timing (tracetrain/agents/lockstep.py): an
+    engine batch closes when every live agent waits on a model call, its calls in a fixed order;
+    so the same config, seed, code, machine and thread counts give the same run: tokens, rewards,
+    every metric but measured times, and weights (docs/reproducibility.md says what is and is not
+    reproduced). null: on where it applies (engine.kind local, agents in this process or in
+    rollout.agent_workers, collect step), off elsewhere; true: on, an error where it cannot
+    be; false: off (a batch closes after a quiet rollout.batch_window_ms)."""
     max_staleness: int = Field(0, ge=0)
     """How many versions (updates) old a trained turn may be. `collect: continuous`: the bound the
     collection keeps (nothing is dropped); `collect: step`: rollouts with an older trained turn
@@ -651,6 +659,32 @@ class TrainConfig(_Section):
                                  "(it trains on rollouts one version old)")
         return self
 
+    def _not_reproducible(self) -> str | None:
+        """Why this run cannot be reproducible (trainer.reproducible), or None."""
+        if self.backend != "embedded" or self.engine.kind != "local":
+            return (f"backend {self.backend!r}" if self.backend != "embedded"
+                    else f"engine.kind {self.engine.kind!r}") + " (its server forms its own batches)"
+        if self.runner == "ray":
+            return "runner 'ray' (its agents are not counted)"
+        if self.trainer.collect == "continuous":
+            return "trainer.collect 'continuous' (the trainer's clock decides which groups a step trains)"
+        if self.trainer.precision == "auto":
+            return "trainer.precision 'auto' (it chooses by timing a pass each way)"
+        return None
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the engine's batches close in lockstep (trainer.reproducible)."""
+        return self.trainer.reproducible is not False and self._not_reproducible() is None
+
+    @model_validator(mode="after")
+    def _reproducible(self) -> TrainConfig:
+        why = self._not_reproducible()
+        if self.trainer.reproducible and why:
+            raise ValueError(f"trainer.reproducible: true is not possible with {why}; leave it "
+                             "null (on where it applies) or set it false")
+        return self
+
     @model_validator(mode="after")
     def _engine(self) -> TrainConfig:
         if self.engine.kind != "local" and self.backend != "embedded":
@@ -799,7 +833,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainCo
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {str(path)!r}: not JSON ({e})") from None
     else:
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r}: not YAML ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return build_config(data, overrides, base_dir=path.resolve().parent)

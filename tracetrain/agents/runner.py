@@ -39,6 +39,8 @@ from typing import Any
 import aiohttp
 import httpx
 
+from tracetrain.agents.lockstep import AgentCount, Lockstep
+
 AgentFn = Callable[[dict, dict], Awaitable[float | None]]
 log = logging.getLogger("tracetrain.runner")
 MAX_BATCH = 10_000  # rollouts per create or bulk patch call (the gateway's limit)
@@ -332,10 +334,14 @@ async def run_one(
     client_extra: dict,
     timeout_s: float,
     position: int = 0,
+    count: AgentCount | None = None,
 ) -> RolloutResult:
+    """Play one rollout and finish it; `count` hears of the agent's return before the finish."""
     start = time.monotonic()
     client = agent_client(created, client_extra, position)
     state, reward, error = await call_agent(agent, task, client, timeout_s)
+    if count is not None:
+        count.ended()
     return await finish_rollout(gateway, created, state, reward, error, time.monotonic() - start)
 
 
@@ -355,9 +361,11 @@ async def run_rollouts(
     client_extra: dict | None = None,
     http_client: Any = None,
     first_position: int = 0,
+    lockstep: Lockstep | None = None,
 ) -> list[RolloutResult]:
     """Create `rollouts` ([{rollout_id, group_id, task}]) on the gateway, run one agent each;
-    rollout k gets the seed of position first_position + k (`rollout_seed`).
+    rollout k gets the seed of position first_position + k (`rollout_seed`). `lockstep`: the
+    live agents are counted in it (agents/lockstep.py).
 
     Results are in the order of `rollouts`. The step never waits longer than about timeout_s per
     wave of `concurrency` agents: every agent is bounded by its timeout. `http_client` (see
@@ -368,18 +376,22 @@ async def run_rollouts(
         async with agent_http_client(concurrency) as own:
             return await run_rollouts(gateway, rollouts, agent, concurrency=concurrency,
                                       timeout_s=timeout_s, client_extra=client_extra, http_client=own,
-                                      first_position=first_position)
+                                      first_position=first_position, lockstep=lockstep)
     created = await gateway.create_rollouts(rollouts)
     sem = asyncio.Semaphore(concurrency)
     extra = {**(client_extra or {}), "http_client": http_client}
+    count = AgentCount(lockstep, len(rollouts), concurrency)
 
     async def bounded(k: int, c: dict, task: Any) -> RolloutResult:
         async with sem:
-            return await run_one(gateway, c, task, agent, extra, timeout_s, k)
+            return await run_one(gateway, c, task, agent, extra, timeout_s, k, count)
 
     runs = (bounded(first_position + k, c, r.get("task"))
             for k, (c, r) in enumerate(zip(created, rollouts, strict=True)))
-    return list(await asyncio.gather(*runs))
+    try:
+        return list(await asyncio.gather(*runs))
+    finally:
+        count.close()
 
 
 def load_agent(spec: str | Sequence[str] | AgentFn) -> AgentFn:

@@ -11,14 +11,17 @@ each worker its share of (task, client, timeout) jobs, and finishes every rollou
 gateway with the state the worker saw: succeeded with the agent's reward, failed with the error
 kept, or timed_out at `timeout_s`. A worker whose event loop is blocked by an agent (past every
 timeout plus a margin) is killed with its pool; its unfinished rollouts are timed_out and the next
-call starts a fresh pool.
+call starts a fresh pool. Each worker also reports each agent's return at once (a queue read by
+a thread of the driver), which keeps a Lockstep's count of live agents (agents/lockstep.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tracetrain.agents.lockstep import AgentCount, Lockstep
 from tracetrain.agents.runner import (
     GatewayClient,
     RolloutResult,
@@ -52,6 +56,7 @@ class AgentRef:
 _agent = None
 _loop: asyncio.AbstractEventLoop | None = None
 _http = None
+_returns = None  # the driver's queue: the share id of each agent that returned
 
 
 def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
@@ -67,8 +72,9 @@ def _exit_with_parent(parent: int, every_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _init(ref: AgentRef, max_connections: int, parent: int) -> None:
-    global _agent, _loop, _http
+def _init(ref: AgentRef, max_connections: int, parent: int, returns) -> None:
+    global _agent, _loop, _http, _returns
+    _returns = returns
     _exit_with_parent(parent)
     from tracetrain.agents.runner import agent_http_client
     from tracetrain.agents.tasks import load_task, resolve_agent
@@ -87,8 +93,9 @@ def _ping() -> int:
 Outcome = tuple[str, float | None, str | None, float]  # state, reward, error, seconds
 
 
-def _run_jobs(jobs: list[tuple[Any, dict, float]], concurrency: int) -> list[Outcome]:
-    """Run (task, client, timeout_s) jobs concurrently on this worker's loop -> outcomes."""
+def _run_jobs(jobs: list[tuple[Any, dict, float]], concurrency: int, share: int) -> list[Outcome]:
+    """Run (task, client, timeout_s) jobs concurrently on this worker's loop -> outcomes; each
+    agent's return is reported to the driver as `share` at once."""
 
     async def run_all():
         sem = asyncio.Semaphore(concurrency)
@@ -97,6 +104,7 @@ def _run_jobs(jobs: list[tuple[Any, dict, float]], concurrency: int) -> list[Out
             async with sem:
                 start = time.monotonic()
                 out = await call_agent(_agent, task, {**client, "http_client": _http}, timeout_s)
+                _returns.put(share)
                 return (*out, time.monotonic() - start)
 
         return await asyncio.gather(*(one(*job) for job in jobs))
@@ -115,14 +123,31 @@ class AgentWorkers:
         self.ref, self.n, self.max_connections = ref, n, max_connections
         self.hang_margin_s = hang_margin_s
         self._pool: ProcessPoolExecutor | None = None
+        self._returns = None  # the workers' queue of agent returns, read by `_reader`
+        self._reader: threading.Thread | None = None
+        self._shares: dict[int, tuple[asyncio.AbstractEventLoop, AgentCount]] = {}
+        self._share_ids = itertools.count()
+
+    def _read_returns(self, queue) -> None:
+        """The driver's thread: each agent return, to its share's count, on its event loop."""
+        while (share := queue.get()) is not None:
+            entry = self._shares.get(share)
+            if entry is not None:
+                loop, count = entry
+                loop.call_soon_threadsafe(count.ended)
 
     async def _get_pool(self) -> ProcessPoolExecutor:
         """The pool, its workers started and initialised (so that start-up, which imports the
         task module, never counts against an agent's timeout)."""
         if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._returns = ctx.Queue()
+            self._reader = threading.Thread(target=self._read_returns, args=(self._returns,),
+                                            name="agent-returns", daemon=True)
+            self._reader.start()
             pool = ProcessPoolExecutor(
-                self.n, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init, initargs=(self.ref, self.max_connections, os.getpid()),
+                self.n, mp_context=ctx, initializer=_init,
+                initargs=(self.ref, self.max_connections, os.getpid(), self._returns),
             )
             loop = asyncio.get_running_loop()
             try:  # n concurrent pings: the pool spawns a process for each while none is idle
@@ -142,9 +167,17 @@ class AgentWorkers:
             for p in list(getattr(pool, "_processes", {}).values()):
                 p.kill()
             pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_reader()
 
-    async def run(self, jobs: list[tuple[Any, dict, float]], concurrency: int) -> list[Outcome]:
-        """Outcomes of `jobs` in order; jobs are dealt round-robin to the workers."""
+    def _stop_reader(self) -> None:
+        if self._returns is not None:
+            self._returns.put(None)
+            self._returns = None
+
+    async def run(self, jobs: list[tuple[Any, dict, float]], concurrency: int,
+                  lockstep: Lockstep | None = None) -> list[Outcome]:
+        """Outcomes of `jobs` in order; jobs are dealt round-robin to the workers. `lockstep`:
+        each worker's live agents are counted in it (agents/lockstep.py)."""
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
@@ -152,9 +185,16 @@ class AgentWorkers:
         shares = [list(range(w, len(jobs), self.n)) for w in range(min(self.n, len(jobs)))]
         per_worker = max(1, -(-concurrency // len(shares)))
         deadline = max(t for _, _, t in jobs) + self.hang_margin_s
-        futures = [loop.run_in_executor(pool, _run_jobs, [jobs[k] for k in share], per_worker)
-                   for share in shares]
-        done, pending = await asyncio.wait(futures, timeout=deadline)
+        ids = [next(self._share_ids) for _ in shares]
+        for i, share in zip(ids, shares, strict=True):
+            self._shares[i] = (loop, AgentCount(lockstep, len(share), per_worker))
+        try:
+            futures = [loop.run_in_executor(pool, _run_jobs, [jobs[k] for k in share], per_worker, i)
+                       for i, share in zip(ids, shares, strict=True)]
+            done, pending = await asyncio.wait(futures, timeout=deadline)
+        finally:
+            for i in ids:
+                self._shares.pop(i)[1].close()
         outcomes: list[Outcome | None] = [None] * len(jobs)
         broken = bool(pending)
         for share, fut in zip(shares, futures, strict=True):
@@ -179,6 +219,7 @@ class AgentWorkers:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        self._stop_reader()
 
 
 async def run_rollouts_in_workers(
@@ -190,6 +231,7 @@ async def run_rollouts_in_workers(
     timeout_s: float,
     client_extra: dict | None = None,
     first_position: int = 0,
+    lockstep: Lockstep | None = None,
 ) -> list[RolloutResult]:
     """`runner.run_rollouts` with the agents in `workers`: same rollouts, states and results."""
     created = await gateway.create_rollouts(rollouts)
@@ -198,7 +240,7 @@ async def run_rollouts_in_workers(
     for k, (c, spec) in enumerate(zip(created, rollouts, strict=True)):
         jobs.append((spec["task"], agent_client(c, extra, first_position + k), timeout_s))
     try:
-        outcomes = await workers.run(jobs, concurrency)
+        outcomes = await workers.run(jobs, concurrency, lockstep)
     except BrokenProcessPool as e:  # the pool died before it took the jobs
         workers._kill()
         outcomes = [("failed", None, f"agent worker process failed: {e!r}", 0.0)] * len(jobs)

@@ -6,7 +6,10 @@ so the event loop keeps serving. Gathering: after the first request, keep collec
 `batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
 late does not count: it was busy, or its thread was stopped, and requests may be half-way through
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
-while a batch is decoding form the next batch.
+while a batch is decoding form the next batch. With a `lockstep` (agents/lockstep.py) a batch
+closes instead when every live agent is waiting on a call, and holds every pending request sorted
+by (seed, prompt ids), requests without a seed drawing theirs in that order: the batches of a run
+do not depend on when requests arrive.
 
 One decode step samples each row from its logits with the request's temperature and top_p and
 records the token's logprob under the full temperature-scaled distribution, log_softmax(l / T),
@@ -60,12 +63,8 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
     return n
 
 
-def _mark_cancelled(req: _Request):
-    def done(future: asyncio.Future) -> None:
-        if future.cancelled():
-            req.cancelled = True
-
-    return done
+def _batch_order(req: _Request) -> tuple:
+    return (req.params.seed is None, req.params.seed or 0, req.prompt_ids)
 
 
 def _deliver(runs: list[tuple[OnTokens, list[int]]]) -> None:
@@ -78,13 +77,14 @@ def _deliver(runs: list[tuple[OnTokens, list[int]]]) -> None:
 class _Request:
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int
+    seed: int | None  # None until its batch is formed (lockstep)
     future: asyncio.Future | None = None
     on_tokens: OnTokens | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
     cancelled: bool = False  # set in the loop's thread when its caller gave up; read by decode
+    unanswered: bool = True  # counted in the engine's unanswered calls (the lockstep's waiting)
 
 
 class LocalEngine:
@@ -114,6 +114,7 @@ class LocalEngine:
         seed: int | None = None,
         threads: int = 0,
         prefix_cache: bool = True,
+        lockstep: Any = None,
     ):
         if (
             isinstance(max_batch_size, bool)
@@ -162,6 +163,10 @@ class LocalEngine:
         self.threads = threads if threads > 0 else torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[_Request] = []
+        self.lockstep = lockstep
+        self.unanswered = 0  # calls of `generate` whose answer is not set yet
+        if lockstep is not None:
+            lockstep.watch(lambda: self.unanswered)
         self._wakeup: asyncio.Event | None = None
         self._collector: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,8 +200,9 @@ class LocalEngine:
 
     def _request(self, prompt_ids: list[int], params: SamplingParams) -> _Request:
         self.check(prompt_ids, params)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return _Request(list(prompt_ids), params, seed)
+        if params.seed is None and self.lockstep is None:  # (under lockstep: when batched)
+            return _Request(list(prompt_ids), params, self._seeds.getrandbits(63))
+        return _Request(list(prompt_ids), params, params.seed)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, on_tokens: OnTokens | None = None
@@ -211,10 +217,40 @@ class LocalEngine:
             self._collector.add_done_callback(self._collector_ended)
         req.future = loop.create_future()
         req.on_tokens = on_tokens
-        req.future.add_done_callback(_mark_cancelled(req))
+        req.future.add_done_callback(self._gave_up(req))
+        self.unanswered += 1
         self._pending.append(req)
         self._wakeup.set()
+        if self.lockstep is not None:
+            self.lockstep.changed()
         return await req.future
+
+    def _answered(self, req: _Request) -> None:
+        """`req` no longer waits (answered, failed or given up): counted out, once."""
+        if req.unanswered:
+            req.unanswered = False
+            self.unanswered -= 1
+            if self.lockstep is not None:
+                self.lockstep.changed()
+
+    def _gave_up(self, req: _Request):
+        def done(future: asyncio.Future) -> None:
+            if future.cancelled():
+                req.cancelled = True
+            self._answered(req)
+
+        return done
+
+    def _settle(self, req: _Request, result: Generation | None = None,
+                error: BaseException | None = None) -> None:
+        """Answer `req` (unless its caller gave up), counted out before its caller runs again."""
+        if req.future.done():
+            return
+        self._answered(req)
+        if error is not None:
+            req.future.set_exception(error)
+        else:
+            req.future.set_result(result)
 
     def generate_batch(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -224,6 +260,9 @@ class LocalEngine:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         reqs = [self._request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        for r in reqs:  # (in the order given: a direct call has no arrival order)
+            if r.seed is None:
+                r.seed = self._seeds.getrandbits(63)
         out: list[Generation] = []
         for k in range(0, len(reqs), self.max_batch_size):
             out += self._worker().submit(self._run, reqs[k : k + self.max_batch_size]).result()
@@ -245,8 +284,14 @@ class LocalEngine:
         assert self._wakeup is not None
         while True:
             await self._wakeup.wait()
+            if self.lockstep is not None:
+                await self.lockstep.wait()
+                self._pending.sort(key=_batch_order)
+                for r in self._pending[: self.max_batch_size]:
+                    if r.seed is None:
+                        r.seed = self._seeds.getrandbits(63)
             start, seen = loop.time(), len(self._pending)
-            while seen < self.max_batch_size and self.batch_window > 0:
+            while self.lockstep is None and seen < self.max_batch_size and self.batch_window > 0:
                 slept = loop.time()
                 await asyncio.sleep(self.batch_window)
                 now = loop.time()
@@ -267,22 +312,17 @@ class LocalEngine:
                 gens = await loop.run_in_executor(self._worker(), self._run, batch)
             except asyncio.CancelledError:  # aclose() while decoding: nobody waits forever
                 for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(
-                            EngineError(f"local engine {self.name!r} closed", 503)
-                        )
+                    self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))
                 raise
             except Exception as e:  # the engine failed, not the request: 503 with the reason
                 err = EngineError(
                     f"local engine {self.name!r} failed: {type(e).__name__}: {e}", 503
                 )
                 for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(err)
+                    self._settle(r, error=err)
                 continue
             for r, g in zip(batch, gens, strict=True):
-                if not r.future.done():
-                    r.future.set_result(g)
+                self._settle(r, g)
 
     def _collector_ended(self, task: asyncio.Task) -> None:
         """If the collector ever dies of a bug, fail its waiting requests instead of hanging them."""
@@ -290,8 +330,8 @@ class LocalEngine:
             return
         err = EngineError(f"local engine {self.name!r} failed: {task.exception()!r}", 503)
         for r in self._pending:
-            if r.future is not None and not r.future.done():
-                r.future.set_exception(err)
+            if r.future is not None:
+                self._settle(r, error=err)
         self._pending = []
 
     # ------------------------------------------------------------------ decoding
@@ -435,8 +475,8 @@ class LocalEngine:
             self._collector.cancel()
             self._collector = None
         for r in self._pending:
-            if r.future is not None and not r.future.done():
-                r.future.set_exception(EngineError(f"local engine {self.name!r} closed", 503))
+            if r.future is not None:
+                self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))
         self._pending = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -1,7 +1,7 @@
 """The engine a run's config names (`engine.kind`), started on the weights the next collect uses.
 
-    ENGINE_KINDS[kind](cfg, weights, tokenizer, version=..., run_dir=..., threads=..., log=...)
-        -> an engine (engines/base.py's contract)
+    ENGINE_KINDS[kind](cfg, weights, tokenizer, version=..., run_dir=..., threads=..., log=...,
+                       lockstep=...) -> an engine (engines/base.py's contract)
 
 A new kind is one function registered with `@register_engine("kind")` (registry.ENGINE_KINDS:
 the names `engine.kind` accepts; a user's module registers one through the config's `plugins`).
@@ -26,25 +26,29 @@ register_engine = ENGINE_KINDS.register
 
 
 async def start_engine(cfg: TrainConfig, weights: torch.nn.Module, tokenizer, *, version: int,
-                       run_dir: Path, threads: int, log=print):
-    """The engine of kind cfg.engine.kind, serving `weights` as model version `version`."""
+                       run_dir: Path, threads: int, log=print, lockstep=None):
+    """The engine of kind cfg.engine.kind, serving `weights` as model version `version`;
+    `lockstep` (agents/lockstep.py, when cfg.lockstep): the engine closes its batches by it."""
     return await ENGINE_KINDS[cfg.engine.kind](cfg, weights, tokenizer, version=version,
-                                               run_dir=run_dir, threads=threads, log=log)
+                                               run_dir=run_dir, threads=threads, log=log,
+                                               lockstep=lockstep)
 
 
 @register_engine("local")
-async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log):
+async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log,
+                      lockstep=None):
     """In this process, decoding with the module itself (shared with the optimizer unless the
     trainer gives it a copy)."""
     from tracetrain.engines.local import LocalEngine
 
     return LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
                        seed=cfg.trainer.seed, threads=threads,
-                       batch_window_ms=cfg.rollout.batch_window_ms)
+                       batch_window_ms=cfg.rollout.batch_window_ms, lockstep=lockstep)
 
 
 @register_engine("vllm")
-async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log):
+async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, threads, log,
+                     lockstep=None):
     """A vLLM server launched on the weights (engine.python), or a running one (engine.base_url)
     they are pushed to; under LoRA the server holds the base and takes the adapter
     (engines/vllm.py)."""

@@ -87,6 +87,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                    temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
                    store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
     """Play each eval task k times with the policy; (summary, one row per task)."""
+    from tracetrain.agents.lockstep import Lockstep
     from tracetrain.agents.runner import GatewayClient, agent_http_client
     from tracetrain.agents.tasks import resolve_agent
     from tracetrain.engines.start import start_engine
@@ -110,8 +111,9 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     agent = resolve_agent(task, cfg.agent)
     with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
+        lockstep = Lockstep() if cfg.lockstep else None  # the same tries on every call
         engine = await start_engine(cfg, model, tokenizer, version=0, run_dir=Path(tmp),
-                                    threads=cfg.trainer.threads, log=log)
+                                    threads=cfg.trainer.threads, log=log, lockstep=lockstep)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(store, {"default": engine}, admin_key=admin_key)
         try:
@@ -120,7 +122,8 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                 try:
                     specs = rollout_specs(tasks, k, f"eval-{secrets.token_hex(3)}")
                     results = await collect(gateway, specs, agent, cfg, temperature=temperature,
-                                            step=0, http_client=http, trains=False)
+                                            step=0, http_client=http, trains=False,
+                                            lockstep=lockstep)
                 finally:
                     await gateway.aclose()
         finally:

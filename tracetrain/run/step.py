@@ -79,14 +79,15 @@ def check_top_p(cfg: TrainConfig) -> None:
 
 async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temperature: float,
                   step: int, http_client=None, workers=None, first_position: int = 0,
-                  trains: bool = True) -> list:
+                  trains: bool = True, lockstep=None) -> list:
     """The collect stage: each rollout of `specs` played by `agent` through the gateway, its model
     calls sampled at `temperature` and rollout.top_p (the agents get client["temperature"],
     client["top_p"] and client["max_tokens"]) with step `step`'s seed; results in the order of
     `specs`. `trains`: the rollouts will be trained on (check_top_p; false for an eval).
     runner "ray": the agents are Ray tasks; `workers` (agents/workers.py AgentWorkers): they run in
     those processes; else as coroutines here (on `http_client`'s connections when given).
-    `first_position`: where `specs` start among the step's rollouts (their sampling seeds)."""
+    `first_position`: where `specs` start among the step's rollouts (their sampling seeds).
+    `lockstep` (agents/lockstep.py): the agents are counted in it (not on Ray)."""
     if trains:
         check_top_p(cfg)
     rc = cfg.rollout
@@ -101,8 +102,9 @@ async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temper
     if workers is not None:
         from tracetrain.agents.workers import run_rollouts_in_workers
 
-        return await run_rollouts_in_workers(gateway, specs, workers, **limits)
-    return await run_rollouts(gateway, specs, agent, **limits, http_client=http_client)
+        return await run_rollouts_in_workers(gateway, specs, workers, **limits, lockstep=lockstep)
+    return await run_rollouts(gateway, specs, agent, **limits, http_client=http_client,
+                              lockstep=lockstep)
 
 
 # The error of a rollout still queued or running when its run ended (`end_unfinished`).

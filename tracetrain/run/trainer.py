@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from tracetrain.agents.lockstep import Lockstep
 from tracetrain.agents.runner import GatewayClient, RolloutResult, agent_http_client
 from tracetrain.agents.tasks import load_task, open_task_data, resolve_agent
 from tracetrain.agents.workers import AgentRef, AgentWorkers
@@ -47,7 +48,6 @@ from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.start import start_engine
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.learn.distributed import DataParallel, from_main, wrap
-from tracetrain.learn.logprobs import faster_precision
 from tracetrain.learn.optim import adamw
 from tracetrain.learn.threads import run_with_threads
 from tracetrain.learn.update import lr_factor, ppo_update
@@ -56,6 +56,7 @@ from tracetrain.rows.roles import role_engines
 from tracetrain.run import checkpoint, continuous
 from tracetrain.run.held import held_engine
 from tracetrain.run.memory import peak_rss_gb, reset_peak
+from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks
 from tracetrain.run.step import (
     ENGINE_WORK,
@@ -127,6 +128,7 @@ class Trainer:
         self.http_client = None
         self.engine_slot: EngineSlot | None = None  # the in-process gateway's slot of the engine
         self.workers = None
+        self.lockstep = Lockstep() if cfg.lockstep else None  # trainer.reproducible
         self.update_executor: ThreadPoolExecutor | None = None  # see on_update_thread
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
@@ -159,7 +161,7 @@ class Trainer:
                       temperature: float, step: int | None = None) -> list[RolloutResult]:
         return await collect(gateway, rollout_specs(tasks, n_per_task, prefix), self.agent, self.cfg,
                              temperature=temperature, step=self.step if step is None else step,
-                             http_client=self.http_client, workers=self.workers)
+                             http_client=self.http_client, workers=self.workers, lockstep=self.lockstep)
 
     async def collect_step(self, gateway: GatewayClient, engine: LocalEngine, step: int) -> Collected:
         """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""
@@ -339,7 +341,8 @@ class Trainer:
         own = self.engine_model is not None
         return await start_engine(self.cfg, self.engine_model if own else self.model,
                                   self.tokenizer, version=self.engine_version if own else self.version,
-                                  run_dir=self.run_dir, threads=self.threads, log=self.log)
+                                  run_dir=self.run_dir, threads=self.threads, log=self.log,
+                                  lockstep=self.lockstep)
 
     async def start_role_engines(self) -> dict:
         """The engines of roles.serve's "frozen" roles: a local engine on a copy of the policy as
@@ -351,26 +354,12 @@ class Trainer:
             self.frozen_model = checkpoint.frozen_copy(self.model)
         return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
                                              run_dir=self.run_dir, threads=self.threads,
-                                             log=self.log)}
+                                             log=self.log, lockstep=self.lockstep)}
 
     def start_reference(self) -> None:
         """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
         if self.cfg.loss.kl_coef > 0 and self.ref_model is None:
             self.ref_model = checkpoint.frozen_copy(self.model)
-
-    async def resolve_precision(self) -> TrainConfig:
-        """The config with trainer.precision "auto" resolved: the checkpoint's choice when resuming,
-        else rank 0's measurement (logprobs.faster_precision, on the update's threads), the same on
-        every rank."""
-        chosen = self.resumed_precision
-        if chosen is None and self.dp.is_main:
-            chosen, seconds = await self.on_update_thread(self.update_threads, faster_precision, self.model)
-            self.log("trainer.precision auto: " + chosen + " (a training pass of the model: "
-                     + ", ".join(f"{p} {s:.3f} s" for p, s in seconds.items()) + ")")
-        if self.dp.enabled:
-            chosen = await self.on_update_thread(0, from_main, chosen, self.dp)
-        trainer = self.cfg.trainer.model_copy(update={"precision": chosen})
-        return self.cfg.model_copy(update={"trainer": trainer})
 
     async def run(self) -> list[dict]:
         import secrets
@@ -401,7 +390,7 @@ class Trainer:
             self.load_checkpoint()
             self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
         if cfg.trainer.precision == "auto":
-            cfg = self.cfg = await self.resolve_precision()
+            cfg = self.cfg = await resolve_precision(self)
         if self.dp.is_main:
             claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
