@@ -233,7 +233,9 @@ def test_auto_precision_is_resolved_once_recorded_and_kept_by_a_resumed_run(tmp_
         return update(*a, **k)
 
     monkeypatch.setattr(T, "ppo_update", spy)
-    monkeypatch.setattr(T, "faster_precision", lambda model: ("bf16-mixed", {"fp32": 2.0, "bf16-mixed": 1.0}))
+    import tracetrain.run.precision as P
+
+    monkeypatch.setattr(P, "faster_precision", lambda model: ("bf16-mixed", {"fp32": 2.0, "bf16-mixed": 1.0}))
     run, lines = tmp_path / "run", []
     overrides = {"trainer.eval_every": 0, "trainer.precision": "auto", "trainer.overlap_collect": "false",
                  "trainer.max_staleness": 0}
@@ -246,7 +248,7 @@ def test_auto_precision_is_resolved_once_recorded_and_kept_by_a_resumed_run(tmp_
     def refuse(model):
         raise AssertionError("a resumed run measured again")
 
-    monkeypatch.setattr(T, "faster_precision", refuse)
+    monkeypatch.setattr(P, "faster_precision", refuse)
     train(small_config(run, 2, **overrides, **{"trainer.resume": "true"}), base_dir=EXAMPLE,
           log=lambda *_: None)
     assert seen == ["bf16-mixed", "bf16-mixed"]
