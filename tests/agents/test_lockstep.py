@@ -143,3 +143,5 @@ def test_the_runner_counts_min_of_unfinished_and_concurrency(n, k, rnd):
         partial.ended()
     partial.close()  # a cancelled call: whatever did not end stops counting
     assert lockstep.agents == 0
+    partial.ended()  # a worker's late news of an agent of a closed call: counted out once only
+    assert lockstep.agents == 0

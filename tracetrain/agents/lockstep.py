@@ -83,7 +83,10 @@ class AgentCount:
             lockstep.add_agents(min(n, k))
 
     def ended(self) -> None:
-        """One agent returned (it calls no more)."""
+        """One agent returned (it calls no more); after `close`, nothing (a worker's news of an
+        agent can arrive after its call ended)."""
+        if self.unfinished <= 0:
+            return
         before = min(self.unfinished, self.k)
         self.unfinished -= 1
         if self.lockstep is not None:
