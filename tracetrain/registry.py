@@ -1,7 +1,8 @@
 """Names a config can choose: one registry per config key, filled by the stages that own the pieces.
 
-    ESTIMATORS = registry("advantage.estimator", "tracetrain.objective.advantage")
-    @ESTIMATORS.register("grpo")            # in the stage's module (objective/advantage.py)
+    ESTIMATORS = Registry("advantage.estimator", "advantage estimator",   # declared here
+                          "tracetrain.objective.advantage")               # its home module
+    @ESTIMATORS.register("grpo")            # in the home module (objective/advantage.py)
     def grpo(rewards, group, n_groups, eps): ...
     ESTIMATORS["grpo"], "grpo" in ESTIMATORS, list(ESTIMATORS)     # a read-only mapping
     ESTIMATORS.resolve("per_rollout_mean")  # the registered name an alias stands for; a name that
@@ -12,7 +13,7 @@ stages) can validate a key against it: `names()` first imports the registry's `h
 where the built-in pieces register, so the names are complete however little of the package a
 process has imported. A user's own pieces register from the modules the config's `plugins` key
 names (`import_plugins`), imported before the config is validated, in every process that builds
-a config (the trainer, each DDP rank, each agent worker).
+a config (the trainer, each DDP rank, the viewer; agent workers build none and need none).
 """
 
 from __future__ import annotations
