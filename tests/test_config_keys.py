@@ -283,6 +283,19 @@ def test_top_p_below_1_is_refused_where_the_engine_records_other_logprobs():
         asyncio.run(collect(None, [], None, vllm(top_p=0.9), temperature=1.0, step=0))
 
 
+def test_the_trainer_refuses_top_p_before_any_work(tmp_path):
+    """Before the warm start, the engine's launch and the interpreter check (a missing one)."""
+    from tracetrain.run.trainer import Trainer
+
+    cfg = build_config({"engine": {"kind": "vllm", "python": str(tmp_path / "no-python")},
+                        "rollout": {"top_p": 0.9}, "trainer": {"run_dir": str(tmp_path / "run")},
+                        "warm_start": {"steps": 50}})
+    trainer = Trainer(cfg, load_example("guess"))
+    with pytest.raises(ConfigError, match=r"config key 'rollout\.top_p'"):
+        asyncio.run(trainer.run())
+    assert not (tmp_path / "run" / "config.json").exists()  # the run directory was not claimed
+
+
 class SpyEngine(FakeEngine):
     """FakeEngine that keeps the SamplingParams of each call."""
 

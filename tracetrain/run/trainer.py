@@ -61,6 +61,7 @@ from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks
 from tracetrain.run.step import (
     ENGINE_WORK,
     Collected,
+    check_top_p,
     collect,
     end_unfinished,
     rollout_specs,
@@ -373,6 +374,7 @@ class Trainer:
 
         cfg = self.cfg
         admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None  # refused before any work
+        check_top_p(cfg)  # likewise (the collects check it again)
         if cfg.engine.python is not None:  # likewise: not after the warm start
             from tracetrain.engines.vllm_server import check_interpreter
 
