@@ -218,6 +218,22 @@ def test_a_lora_run_trains_the_adapter_checkpoints_it_and_resumes(tmp_path):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
 
 
+def test_a_fresh_adapter_decodes_in_eval_mode(tok):
+    """With adapter dropout, a freshly wrapped policy is in eval mode: the engine's first rollouts
+    are drawn without dropout, and two scorings of the same tokens agree."""
+    model = lora.wrap(build_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  seed=0), LoraConfig(dropout=0.5))
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():  # a trained adapter (a fresh one's B is 0: dropout would not show)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+        assert torch.equal(model(ids).logits, model(ids).logits)
+        model.train()  # the control: in training mode the adapter's dropout draws anew
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+
+
 def test_merged_is_a_copy_and_plain_models_pass_through(tok):
     pm = lora_model(tok)
     merged = lora.merged(pm)

@@ -20,14 +20,17 @@ from tracetrain.config import ConfigError, LoraConfig
 
 
 def wrap(model: torch.nn.Module, lc: LoraConfig) -> torch.nn.Module:
-    """`model` with a fresh adapter on `lc.target_modules`; its base parameters frozen."""
+    """`model` with a fresh adapter on `lc.target_modules`; its base parameters frozen; in eval
+    mode, as everything that decodes or scores with it expects (peft leaves the adapter's modules
+    in training mode: the adapter's dropout would act on the first rollouts; the update, the warm
+    start and SFT set training mode around their own passes)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     config = PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
                             target_modules=list(lc.target_modules), task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        return get_peft_model(model, config).eval()
     except ValueError as e:  # e.g. a target module the model does not have
         raise ConfigError(f"config key 'model.lora.target_modules': {e}") from None
 
