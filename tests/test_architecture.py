@@ -25,7 +25,7 @@ TESTS = Path(__file__).resolve().parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("tracetrain.types", "tracetrain.registry"),  # the data model; the names a config can choose
     ("tracetrain.config",),  # the typed run config
-    ("tracetrain.agents",),  # tasks, datasets, the runner (agents call the gateway over HTTP)
+    ("tracetrain.agents", "tracetrain.envs"),  # tasks, datasets, environments, the runner (agents call the gateway over HTTP)
     ("tracetrain.models",),  # the policy and its tokenizer, LoRA
     ("tracetrain.engines",),  # generation with token ids and logprobs
     ("tracetrain.store",),  # turns, rewards, events, durably
@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 PURE = ("tracetrain.rows", "tracetrain.objective", "tracetrain.learn", "tracetrain.view.explain",
         "tracetrain.view.charts", "tracetrain.view.tokens")
-IO = ("tracetrain.store", "tracetrain.gateway", "tracetrain.agents", "tracetrain.engines",
+IO = ("tracetrain.store", "tracetrain.gateway", "tracetrain.agents", "tracetrain.envs", "tracetrain.engines",
       "tracetrain.run", "tracetrain.integrations", "tracetrain.view.read", "tracetrain.view.app",
       "tracetrain.view.serve", "tracetrain.view.inspection")
 MAX_LINES = 500

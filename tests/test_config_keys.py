@@ -42,6 +42,10 @@ CONSUMED_ELSEWHERE: dict[str, tuple[str, str, str]] = {
     "plugins": ("tracetrain/config.py", "registry.import_plugins(plugins",
                 "TrainConfig's own validator imports them while the config is built, before the "
                 "other keys are checked against the names they register"),
+    **{f"env.{kind}": ("tracetrain/envs/base.py", "return cls(getattr(env_config, kind))",
+                       "open_environment hands the section that is given to its kind's adapter, "
+                       "which reads its keys")
+       for kind in ("reasoning_gym", "verifiers", "openenv", "environment_class")},
 }
 
 
@@ -109,16 +113,21 @@ class Reads:
                     walk(c)
 
         walk(node)
+        def annotated(target: str, ann: ast.expr | None) -> None:
+            text = ann.value if isinstance(ann, ast.Constant) else ast.unparse(ann) if ann else ""
+            for name in str(text).replace("|", " ").replace("[", " ").replace("]", " ").split():
+                if name in self.classes:
+                    aliases[target] = self.classes[name]
+                elif name == self.root_class:
+                    aliases[target] = ""
+
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             a = node.args
             for arg in a.posonlyargs + a.args + a.kwonlyargs:
-                ann = arg.annotation
-                text = ann.value if isinstance(ann, ast.Constant) else ast.unparse(ann) if ann else ""
-                for name in str(text).replace("|", " ").replace("[", " ").replace("]", " ").split():
-                    if name in self.classes:
-                        aliases[arg.arg] = self.classes[name]
-                    elif name == self.root_class:
-                        aliases[arg.arg] = ""
+                annotated(arg.arg, arg.annotation)
+        for n in own:  # `c: ReasoningGymConfig = self.config`
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                annotated(n.target.id, n.annotation)
         changed = True
         while changed:  # aliases of aliases, in any order
             changed = False
@@ -235,6 +244,7 @@ def test_the_checker_misses_a_key_nothing_reads_and_finds_each_form_of_read():
         "annotated": "def f(rc: RolloutConfig):\n    return rc.nobody_reads_this",
         "annotated_optional": "def f(lc: LoraConfig | None):\n    return lc.nobody_either",
         "getattr": "def f(cfg):\n    return getattr(cfg.rollout, 'nobody_reads_this')",
+        "annotated_assign": "def f(self):\n    rc: RolloutConfig = self.config\n    return rc.nobody_reads_this",
         "or": "def f(cfg, r=None):\n    x = r or cfg.rollout\n    return x.nobody_reads_this",
     }
     for name, text in forms.items():

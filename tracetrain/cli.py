@@ -134,7 +134,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from tracetrain.agents.tasks import load_task, open_task_data
+    from tracetrain.agents.tasks import load_source, open_task_data
     from tracetrain.config import load_config
     from tracetrain.run.evaluate import evaluate
 
@@ -144,9 +144,9 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out.is_dir():
             raise UsageError(f"--out {str(args.out)!r} is a folder; it names the file to write")
     base = args.config.resolve().parent
-    task = load_task(cfg.task, base, needs_tasks=cfg.data.train is None)
+    task = load_source(cfg, base)
     summary, rows = asyncio.run(evaluate(
-        cfg, task, open_task_data(cfg, base), policy=args.policy, k=args.k,
+        cfg, task, open_task_data(cfg, base, task), policy=args.policy, k=args.k,
         temperature=args.temperature, n_tasks=args.tasks, success=args.success))
     if args.out is not None:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -156,10 +156,157 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _needs_train(self) -> DataConfig:
-        if (self.eval is not None or self.eval_fraction) and self.train is None:
-            raise ValueError("data.eval / data.eval_fraction: need data.train")
         if self.eval is not None and self.eval_fraction:
             raise ValueError("data.eval_fraction: give it or data.eval, not both")
+        return self
+
+
+def _object_spec(value: str, info: ValidationInfo) -> str:
+    """`module:name` as given; `path.py:name` with the path made absolute (relative to the config
+    file, then the working directory), so worker processes and Ray find the same file."""
+    target, sep, name = value.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"{value!r} is not of the form 'module:name' or 'path/to/file.py:name'")
+    if target.endswith(".py") and not Path(target).is_absolute():
+        base = (info.context or {}).get("base_dir")
+        candidates = [*([Path(base) / target] if base is not None else []), Path.cwd() / target]
+        found = next((c.resolve() for c in candidates if c.is_file()), None)
+        if found is None:
+            raise ValueError(f"no file {target!r} (looked in {[str(c) for c in candidates]})")
+        return f"{found}:{name}"
+    return value
+
+
+ObjectSpec = Annotated[str, AfterValidator(_object_spec)]
+"""A Python object named `module:name` or `file.py:name` (the file relative to the config file)."""
+
+
+class ReasoningGymPart(_Section):
+    """One dataset of a reasoning-gym composite."""
+
+    weight: float = Field(1.0, gt=0)
+    """Its share of the rows (weights are normalised)."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Its config options (the fields of the dataset's own config class)."""
+
+
+class ReasoningGymConfig(_Section):
+    """Tasks from reasoning-gym (tracetrain/envs/reasoning_gym.py): `size` rows generated from
+    `seed`; each entry's `question` is the prompt and the dataset's own `score_answer` the reward.
+    `data.eval_fraction` holds rows out as for a dataset file."""
+
+    dataset: str | None = None
+    """A reasoning-gym dataset name (`reasoning_gym.factory.DATASETS`); or give `datasets`."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The dataset's config options (with `dataset`)."""
+    datasets: dict[str, ReasoningGymPart] | None = None
+    """A composite: dataset name -> {weight, config}; each row drawn from one by weight."""
+    size: int = Field(1000, gt=0)
+    """Rows generated (train and held-out together)."""
+    seed: int = 0
+    """The generator's seed: the same seed, the same rows."""
+    system_prompt: str = "default"
+    """A name of `reasoning_gym.utils.SYSTEM_PROMPTS` (default, simple, direct, DeepSeekZero,
+    chain_of_draft), or the system message's text; empty: no system message."""
+    answer: str = "tags"
+    """How the answer is read from the model's reply: `tags`, the last <answer>...</answer>
+    (reasoning_gym.utils.extract_answer); `last_line`, the last non-empty line; `whole`, the whole
+    reply stripped; or `module:function` / `file.py:function`, fn(reply: str) -> str | None."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ReasoningGymConfig:
+        if (self.dataset is None) == (self.datasets is None):
+            raise ValueError("env.reasoning_gym: give `dataset` (one) or `datasets` (a composite)")
+        if self.datasets is not None and self.config:
+            raise ValueError("env.reasoning_gym.config: with `datasets`, each part has its config")
+        if self.datasets is not None and not self.datasets:
+            raise ValueError("env.reasoning_gym.datasets: empty")
+        return self
+
+    @field_validator("answer")
+    @classmethod
+    def _answer(cls, value: str, info: ValidationInfo) -> str:
+        if value in ("tags", "last_line", "whole"):
+            return value
+        return _object_spec(value, info)
+
+
+class VerifiersConfig(_Section):
+    """A verifiers environment (tracetrain/envs/verifiers_env.py), played as it is: its dataset,
+    its harness or rollout, its rubric's reward."""
+
+    env_id: str = Field(min_length=1)
+    """The environment to load (`verifiers.load_environment(env_id, **args)`): an installed
+    environment package's id or module."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of its `load_environment`."""
+    api: Literal["auto", "classic", "v1"] = "auto"
+    """`classic`: the 0.3 `Environment.rollout` API; `v1`: 0.4's `verifiers.v1` (Taskset, Harness,
+    Env.run); `auto`: what the installed verifiers has."""
+    python: str | None = Field(None, min_length=1)
+    """The interpreter of a venv holding verifiers (scripts/install-verifiers.sh), where its pins
+    conflict with tracetrain's; the environment then runs in a worker process there. null: this
+    interpreter."""
+
+
+class OpenEnvConfig(_Section):
+    """An OpenEnv environment (tracetrain/envs/openenv.py): its client played as an environment
+    class whose tool is the environment's step; each step's reward is the turn's reward."""
+
+    client: ObjectSpec
+    """The environment's `EnvClient` subclass, `module:Class`."""
+    app: ObjectSpec | None = None
+    """The environment's FastAPI app (`module:app`, made by openenv's `create_app`), served by
+    tracetrain in-process on loopback; or give `base_url`."""
+    base_url: str | None = Field(None, pattern=r"^(https?|wss?)://[^/?#\s]+(/[^?#\s]*)?$")
+    """A running environment server."""
+    max_turns: int = Field(8, gt=0)
+    """Model calls per rollout at most."""
+    system_prompt: str | None = None
+    """The system message (null: none)."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvConfig:
+        if (self.app is None) == (self.base_url is None):
+            raise ValueError("env.openenv: give `app` (served in-process) or `base_url` (a running server)")
+        return self
+
+
+class EnvironmentClassConfig(_Section):
+    """A TRL-style environment class (`environment_factory`, tracetrain/envs/tools.py): one
+    instance per rollout, `reset(**row)` from the task's dataset row, its public methods the
+    model's tools, the reward functions given the instances."""
+
+    factory: ObjectSpec
+    """The class (or a function returning an instance), `module:Class` or `file.py:Class`."""
+    reward_funcs: list[ObjectSpec] = Field(default_factory=list)
+    """Reward functions in TRL's form, `fn(completions, environments=..., **row columns) ->
+    list[float]`; the rollout's reward is their sum. Empty: the instance's `reward` attribute."""
+    max_turns: int = Field(8, gt=0)
+    """Model calls per rollout at most."""
+    system_prompt: str | None = None
+    """The system message (null: none)."""
+
+
+class EnvConfig(_Section):
+    """Tasks, turns and rewards from an environment standard (docs/environments.md), instead of
+    a task module: give exactly one section."""
+
+    reasoning_gym: ReasoningGymConfig | None = None
+    verifiers: VerifiersConfig | None = None
+    openenv: OpenEnvConfig | None = None
+    environment_class: EnvironmentClassConfig | None = None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in type(self).model_fields if getattr(self, k) is not None)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvConfig:
+        given = [k for k in type(self).model_fields if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"env: give exactly one of {', '.join(type(self).model_fields)} "
+                             f"(got {given or 'none'})")
         return self
 
 
@@ -603,6 +750,8 @@ class TrainConfig(_Section):
     runner: Literal["local", "ray"] = "local"
     """Where the agents run: `local`, in this process (or `rollout.agent_workers` processes);
     `ray`, as Ray tasks (RAY_ADDRESS, else a local Ray)."""
+    env: EnvConfig | None = None
+    """An environment standard as the task source (docs/environments.md); null: the task module."""
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
@@ -629,6 +778,28 @@ class TrainConfig(_Section):
             # a .py path is kept absolute: the run's config.json is read from elsewhere
             data = {**data, "plugins": registry.import_plugins(plugins, (info.context or {}).get("base_dir"))}
         return data  # (a malformed value is reported by the field's own check)
+
+    @model_validator(mode="after")
+    def _task_source(self) -> TrainConfig:
+        d = self.data
+        if self.env is None:
+            if (d.eval is not None or d.eval_fraction) and d.train is None:
+                raise ValueError("data.eval / data.eval_fraction: need data.train")
+            return self
+        kind = self.env.kind
+        for key, field in (("task", "task"), ("task_args", "task_args"), ("agent", "agent")):
+            if getattr(self, field) != type(self).model_fields[field].get_default(call_default_factory=True):
+                raise ValueError(f"{key}: not with env.{kind} (the environment is the task source "
+                                 "and plays the rollouts)")
+        if self.warm_start.steps:
+            raise ValueError(f"warm_start.steps: not with env.{kind} (an environment makes no "
+                             "warm-start transcripts)")
+        if kind in ("reasoning_gym", "verifiers") and (d.train is not None or d.eval is not None):
+            raise ValueError(f"data.train / data.eval: env.{kind} brings its own rows")
+        if kind == "environment_class" and d.train is None:
+            raise ValueError("data.train: env.environment_class needs the dataset whose rows "
+                             "go to reset(**row)")
+        return self
 
     @model_validator(mode="after")
     def _embedded_only(self) -> TrainConfig:

@@ -1,5 +1,6 @@
-"""A run's task module and its agent, resolved from the config (`task`, `agent`): used by the
-trainer, the verl backend and the agent worker processes alike."""
+"""A run's task source and its agent, resolved from the config: a task module (`task`, `agent`)
+or an environment (`env`, tracetrain/envs); used by the trainer, the verl backend, `tracetrain
+eval` and the agent worker processes alike."""
 
 from __future__ import annotations
 
@@ -37,13 +38,32 @@ def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = Tr
     return module
 
 
-def open_task_data(cfg, base_dir: Path | None = None):
-    """The run's dataset (dataset.TaskData) when `data.train` names one, else None; paths are
-    relative to the config file, then the working directory. Every row is checked for
+def load_source(cfg, base_dir: Path | None = None):
+    """The run's task source: its environment (`env`: envs.Environment, whose `agent` plays a
+    task) or its task module (`task`, load_task)."""
+    if cfg.env is not None:
+        from tracetrain.envs import open_environment
+
+        return open_environment(cfg.env)
+    return load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
+
+
+def open_task_data(cfg, base_dir: Path | None = None, source=None):
+    """The run's dataset (dataset.TaskData): `data.train`'s rows, or those of the environment
+    `source` that brings its own; None when the tasks come from the task module's `tasks`. Paths
+    are relative to the config file, then the working directory. Every row is checked for
     `data.fields` here, before any training."""
     from tracetrain.agents.dataset import DatasetError, TaskData, open_rows
 
     dc = cfg.data
+    own = source.rows() if cfg.env is not None and source is not None else None
+    if own is not None:
+        try:
+            return TaskData(own, eval_rows=source.eval_rows(), eval_fraction=dc.eval_fraction,
+                            split_seed=dc.split_seed, seed=cfg.trainer.seed, shuffle=dc.shuffle,
+                            fields=dc.fields)
+        except DatasetError as e:
+            raise ConfigError(f"config key 'env.{cfg.env.kind}': {e}") from None
     if dc.train is None:
         return None
 

@@ -50,6 +50,7 @@ class AgentRef:
     task: str
     base_dir: str | None
     agent: str
+    env: Any = None  # an envs.Environment (pickled as its config section): its agent plays
 
 
 # ----------------------------------------------------------------------------- in the worker
@@ -79,8 +80,11 @@ def _init(ref: AgentRef, max_connections: int, parent: int, returns) -> None:
     from tracetrain.agents.runner import agent_http_client
     from tracetrain.agents.tasks import load_task, resolve_agent
 
-    module = load_task(ref.task, Path(ref.base_dir) if ref.base_dir else None)
-    _agent = resolve_agent(module, ref.agent)
+    if ref.env is not None:
+        _agent = ref.env.agent
+    else:
+        module = load_task(ref.task, Path(ref.base_dir) if ref.base_dir else None)
+        _agent = resolve_agent(module, ref.agent)
     _loop = asyncio.new_event_loop()
     asyncio.set_event_loop(_loop)
     _http = agent_http_client(max_connections)  # kept across steps, like the trainer's own

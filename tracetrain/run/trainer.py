@@ -41,7 +41,7 @@ import torch
 
 from tracetrain.agents.lockstep import Lockstep
 from tracetrain.agents.runner import GatewayClient, RolloutResult, agent_http_client
-from tracetrain.agents.tasks import load_task, open_task_data, resolve_agent
+from tracetrain.agents.tasks import load_source, open_task_data, resolve_agent
 from tracetrain.agents.workers import AgentRef, AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.engines.local import LocalEngine
@@ -425,7 +425,8 @@ class Trainer:
         engines = {"default": engine, **await self.start_role_engines()}
         if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
             task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
-            self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent),
+            env = self.task if cfg.env is not None else None
+            self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent, env),
                                         cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
         sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
         app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
@@ -461,8 +462,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     from tracetrain.learn import distributed
     from tracetrain.run.report import plot_curves, summary
 
-    task = load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
-    data = open_task_data(cfg, base_dir)  # every row checked before any training
+    task = load_source(cfg, base_dir)  # a task module, or an environment (tracetrain/envs)
+    data = open_task_data(cfg, base_dir, task)  # every row checked before any training
     if (cfg.trainer.eval_every and data is not None and data.eval_rows is None
             and not callable(getattr(task, "tasks", None))):
         raise ConfigError("config key 'trainer.eval_every': the eval passes need held-out rows "

@@ -282,15 +282,15 @@ def train_verl(
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    from tracetrain.agents.tasks import load_task, open_task_data
+    from tracetrain.agents.tasks import load_source, open_task_data
     from tracetrain.run.report import summary
     from tracetrain.run.rundir import refuse_earlier_run
     from tracetrain.run.step import check_top_p
 
     check_top_p(cfg)  # before Ray or any worker starts (the collects check it again)
     v = verl or getattr(cfg, "verl", None) or VerlConfig()
-    task = load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
-    data = open_task_data(cfg, base_dir)  # every row checked before Ray or any worker starts
+    task = load_source(cfg, base_dir)
+    data = open_task_data(cfg, base_dir, task)  # every row checked before Ray or any worker starts
     conf = build_verl_config(cfg, v)
     run_dir = Path(cfg.trainer.run_dir)
     refuse_earlier_run(run_dir, resumable=False)
