@@ -40,7 +40,7 @@ class DatasetRows(Rows):
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> dict:
-        return dict(self.dataset[i])
+        return dict(self.dataset[int(i)])  # (a numpy index seeds no random.Random)
 
 
 def last_line(reply: str) -> str | None:
