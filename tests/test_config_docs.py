@@ -11,12 +11,14 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 from pydantic import BaseModel
 
 from tracetrain.config import (
     EXTERNAL_DESCRIPTIONS,
     REFERENCE_COMMAND,
+    ConfigError,
     TrainConfig,
     build_config,
     config_reference,
@@ -30,17 +32,26 @@ DOC = ROOT / "docs" / "config.md"
 
 def walk(model: type[BaseModel], prefix: str = ""):
     """(dotted key, model, field name) of every leaf of `model`, found independently of the
-    generator's own walk."""
+    generator's own walk: a section's own keys (an optional section, model.lora, is one: null
+    is off), then the sections below it in field order."""
+    below = []
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}" if prefix else name
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             assert field.annotation.__doc__, f"section {key!r} has no docstring (its intro)"
-            yield from walk(field.annotation, key)
+            below.append((field.annotation, key))
             continue
         yield key, model, name
         inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
         if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
-            yield from walk(inner[0], key)  # an optional section (model.lora): null is off
+            below.append((inner[0], key))
+    for section, key in below:
+        yield from walk(section, key)
+
+
+# Optional sections that must be given a choice (env: which standard; each one's source): their
+# keys' defaults are checked one by one below, not as a section built at its defaults.
+A_CHOICE = {"env", "env.reasoning_gym", "env.verifiers", "env.openenv", "env.environment_class"}
 
 
 def optional_sections(rows: dict[str, dict[str, str]]) -> set[str]:
@@ -106,11 +117,26 @@ def test_documented_defaults_are_the_defaults():
     rows = doc_rows(DOC.read_text())
     optional = optional_sections(rows)
     under = {k: r for k, r in rows.items() if any(k.startswith(o + ".") for o in optional)}
-    for o in optional:  # an optional section's keys at their defaults: the section's default
-        got = build_config({}, [f"{k}={r['default']}" for k, r in under.items() if k.startswith(o + ".")])
+    for o in sorted(optional):  # an optional section's keys at their defaults: the section's default
+        given = [f"{k}={r['default']}" for k, r in under.items()
+                 if k.startswith(o + ".") and r["default"] != "required"]
+        if o in A_CHOICE:  # no section is its defaults: building one at them is refused
+            with pytest.raises(ConfigError, match=o.replace(".", r"\.")):
+                build_config({}, given)
+            continue
+        got = build_config({}, given)
         for p in o.split("."):
             got = getattr(got, p)
         assert got == type(got)(), o
+    models = {key: (model, name) for key, model, name in leaf_keys()}
+    for key, row in under.items():  # key by key: the field's own default
+        model, name = models[key]
+        field = model.model_fields[name]
+        if row["default"] == "required":
+            assert field.is_required(), key
+            continue
+        value = field.default_factory() if field.default_factory else field.default
+        assert yaml.safe_load(row["default"]) == value, key
     rows = {k: r for k, r in rows.items() if k not in under}
     default = TrainConfig()
     overrides = [f"{key}={row['default']}" for key, row in rows.items()]

@@ -293,9 +293,13 @@ class EnvConfig(_Section):
     a task module: give exactly one section."""
 
     reasoning_gym: ReasoningGymConfig | None = None
+    """A reasoning-gym dataset (or a composite of several)."""
     verifiers: VerifiersConfig | None = None
+    """A verifiers environment (the classic API or `verifiers.v1`)."""
     openenv: OpenEnvConfig | None = None
+    """An OpenEnv environment (its server in-process, or running)."""
     environment_class: EnvironmentClassConfig | None = None
+    """A TRL-style environment class (`environment_factory`)."""
 
     @property
     def kind(self) -> str:
@@ -1088,6 +1092,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if tp is Any:
         return "any"
+    if origin is typing.Annotated:  # ObjectSpec, registered(...): the value's own type
+        return _type_name(args[0])
     if origin is Literal:
         return " | ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -1192,7 +1198,8 @@ def config_reference() -> str:
                 continue
             key = f"{prefix}.{name}" if prefix else name
             cells = [_code(key), _code(_type_name(field.annotation)),
-                     _code(_yaml_value(_default(field))), ", ".join(_constraints(field)),
+                     "required" if field.is_required() else _code(_yaml_value(_default(field))),
+                     ", ".join(_constraints(field)),
                      describe(model, name)]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         parts.append("\n".join(lines) + "\n")
