@@ -52,6 +52,201 @@ class UpdateResult:
     correction: dict[str, float] | None = None
 
 
+@dataclass
+class StepRows:
+    """The step's rows as the update reads them: the batch (on the CPU, where planning runs) and
+    its tensors on the model's device. Shapes: N rows, T tokens a row, L response positions.
+
+    ids, att, pos: [N, T] on the device; adv: [N] (the rollout's) or [N, L] (each token's credit);
+    mask: [N, L] float, the trained response tokens (the response mask less what correction
+    rejected or masked; `train_mask` is the same on the CPU); old: [N, L] the logprobs the PPO
+    ratio is taken against; behaviour: [N, L] the engine's, or None; is_weights: [N, L] the
+    importance weights of correction.weight, or None."""
+
+    batch: object  # rows.batch.TrainingBatch
+    ids: torch.Tensor
+    att: torch.Tensor
+    pos: torch.Tensor
+    adv: torch.Tensor
+    train_mask: torch.Tensor
+    mask: torch.Tensor
+    old: torch.Tensor | None
+    behaviour: torch.Tensor | None
+    is_weights: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch, advantages: torch.Tensor, dev: torch.device) -> StepRows:
+        ids, att, pos, mask = (t.to(dev) for t in (
+            batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
+        adv = advantages if advantages.dim() == 2 else advantages[batch.rollout_index]
+        behaviour = batch.rollout_logprobs  # each token's own turn version
+        return cls(batch, ids, att, pos, adv.to(dev), batch.response_mask, mask, None,
+                   None if behaviour is None else behaviour.to(dev))
+
+    def keep(self, rows: torch.Tensor) -> StepRows:
+        """Only rows `rows` (the rows of the rollouts correction did not reject)."""
+        d = self.ids.device
+        batch = self.batch.select_rows(rows)
+        ids, att, pos = (t.to(d) for t in (batch.input_ids, batch.attention_mask, batch.position_ids))
+        pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
+        return StepRows(batch, ids, att, pos, pick(self.adv), pick(self.train_mask),
+                        pick(self.mask), pick(self.old), pick(self.behaviour), pick(self.is_weights))
+
+
+class Forward:
+    """Logprobs (and entropy) of a micro-batch's rows under a model: packed into one sequence per
+    micro-batch (optim.pack_rows; shared prompts computed once with optim.share_prefixes), or
+    padded from the first column that is not left padding in every row."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+        oc = cfg.optim
+        self.pack, self.share = oc.pack_rows, oc.pack_rows and oc.share_prefixes
+        self.chunk, self.temperature = oc.logprob_chunk, cfg.rollout.temperature
+        self.precision = cfg.trainer.precision
+        # a micro-batch is one pack: its budget in computed tokens, capped (dense mask, N^2)
+        self.budget = (min(oc.micro_batch_tokens, oc.pack_tokens or default_pack_tokens(model))
+                       if self.pack else oc.micro_batch_tokens)
+
+    def costs(self, s: StepRows):
+        """rows -> each row's computed tokens in a pack (for the planner), or None when padded."""
+        if not self.pack:
+            return None
+        return lambda rows: row_costs(s.batch.input_ids[rows], s.batch.attention_mask[rows],
+                                      share=self.share)
+
+    def __call__(self, m: torch.nn.Module, s: StepRows, rows: torch.Tensor, *,
+                 entropy: bool = False, packed=None):
+        """(logprobs [n, L], entropy [n, L] | None, pack, tokens computed, tokens a padded batch
+        computes) of `rows` (n of them)."""
+        real = s.batch.attention_mask[rows]
+        first = int((real.sum(0) > 0).int().argmax())
+        start = 0 if self.pack else first
+        rd = rows.to(s.ids.device)
+        lp, ent, pk = row_logprobs(
+            m, s.ids[rd, start:], s.att[rd, start:], s.pos[rd, start:], s.batch.response_length,
+            s.mask[rd], pack=self.pack, share=self.share, chunk=self.chunk,
+            temperature=self.temperature, with_entropy=entropy, precision=self.precision,
+            packed=packed)
+        padded = rows.numel() * (real.shape[1] - first)
+        return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
+
+
+def plan(s: StepRows, fwd: Forward, cfg: TrainConfig, world_size: int, rank: int):
+    """The step's mini-batches of whole rollouts and this rank's micro-batches (minibatch.py)."""
+    return plan_step(s.train_mask, s.batch.rollout_index,
+                     n_mini_batches=min(cfg.optim.mini_batches, s.batch.n_rollouts),
+                     micro_batch_tokens=fwd.budget, mode=cfg.loss.mode,
+                     norm_length=cfg.loss.norm_length, row_tokens=s.batch.attention_mask.sum(1),
+                     micro_costs=fwd.costs(s), world_size=world_size, rank=rank)
+
+
+def proximal_logprobs(model: torch.nn.Module, s: StepRows, fwd: Forward, cfg: TrainConfig) -> torch.Tensor:
+    """[N, L]: the policy's logprobs before this step's first update, over every row (no grad)."""
+    old = torch.zeros(s.train_mask.shape, dtype=torch.float32, device=s.ids.device)
+    with torch.no_grad():
+        for mb in plan(s, fwd, cfg, 1, 0):
+            for micro in mb.micro_batches:
+                old[micro.rows.to(old.device)] = fwd(model, s, micro.rows)[0]
+    return old
+
+
+def apply_correction(s: StepRows, cfg: TrainConfig):
+    """(rows, correction.correct's result) with the correction's mask and weights fixed for the
+    step; the rows of rejected rollouts leave it (rows None: every rollout was rejected)."""
+    cc = cfg.correction
+    corrected = correct(s.old.cpu(), s.batch.rollout_logprobs, s.batch.response_mask,
+                        s.batch.rollout_index, weight=cc.weight, cap=cc.cap, mask_mode=cc.mask,
+                        band=tuple(cc.band), reject=tuple(cc.reject) if cc.reject else None)
+    s.train_mask, s.is_weights = corrected.mask, corrected.is_weights
+    if corrected.metrics["correction/rejected_rollouts"]:
+        keep = (s.train_mask.any(1) | ~s.batch.response_mask.any(1)).nonzero().squeeze(1)
+        if not keep.numel():
+            return None, corrected
+        s = s.keep(keep)
+    d = s.ids.device
+    s.mask = s.train_mask.to(d)
+    s.is_weights = None if s.is_weights is None else s.is_weights.to(d)
+    return s, corrected
+
+
+class Gap:
+    """Mean and max |engine logprob - trainer logprob| over trained tokens, before any step."""
+
+    def __init__(self) -> None:
+        self.sum, self.max, self.n = 0.0, 0.0, 0
+
+    def add(self, lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> None:
+        d = (lp.detach() - behaviour).abs()[mask.bool()]
+        if d.numel():
+            self.sum, self.n, self.max = self.sum + float(d.sum()), self.n + d.numel(), max(self.max, float(d.max()))
+
+    def result(self) -> dict[str, float] | None:
+        return {"mean": self.sum / self.n, "max": self.max} if self.n else None
+
+
+def mini_batch_step(model, optimizer, scheduler, s: StepRows, mb, fwd: Forward, cfg: TrainConfig,
+                    dp: DataParallel, ref_model, gap: Gap | None) -> tuple[float, float, dict]:
+    """One optimizer update on mini-batch `mb` -> (loss, grad norm, metrics): the plain sum of
+    its micro-batches' policy_loss, backward each (DDP: all-reduce once, on the last), clip,
+    AdamW step, lr schedule. `gap`: measured on these micro-batches before the step."""
+    lc = cfg.loss
+    optimizer.zero_grad(set_to_none=True)
+    total, sums = 0.0, {}
+    for j, micro in enumerate(mb.micro_batches):
+        last = j == len(mb.micro_batches) - 1
+        sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
+        with sync:  # the forward too: DDP arms its all-reduce in the forward pass
+            rd = micro.rows.to(s.ids.device)
+            lp, ent, pk, computed, padded = fwd(model, s, micro.rows, entropy=lc.entropy_coef > 0)
+            if gap is not None:
+                gap.add(lp, s.behaviour[rd], s.mask[rd])
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = fwd(ref_model, s, micro.rows, packed=pk)[0]
+            loss, m = policy_loss(
+                lp, s.old[rd], s.adv[rd], RowWeights(s.mask[rd], micro.row_scales.to(rd.device)),
+                clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
+                is_weights=None if s.is_weights is None else s.is_weights[rd],
+                ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                entropy=ent, entropy_coef=lc.entropy_coef,
+            )
+            loss.backward()
+        total += float(loss.detach())
+        m = {**m, "tokens_computed": computed, "tokens_padded": padded}
+        # pg_loss, weight_mass and token counts add up over micro-batches; the rest are weighted
+        # means within the micro-batch, so they add up weighted by its mass.
+        mass = float(m["weight_mass"])
+        for k, v in m.items():
+            plain = k in ADDITIVE_METRICS or k in TOKEN_METRICS
+            sums[k] = sums.get(k, 0.0) + (float(v) if plain else float(v) * mass)
+    if dp.enabled:  # each rank's losses carry a factor W (minibatch.py): sum, then / W
+        keys = sorted(sums)
+        summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
+        total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
+    metrics = update_metrics(sums, s, mb, dp.world_size)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    return total, grad_norm, metrics
+
+
+def update_metrics(sums: dict[str, float], s: StepRows, mb, world_size: int) -> dict[str, float]:
+    """The update's metrics from its micro-batch sums, and each rollout's share of the update
+    (1/R each in rollout-mean, however many rows; min, max, and x R within this update)."""
+    mass, W = sums.get("weight_mass", 0.0), world_size
+    means = {k: (v if k in TOKEN_METRICS else v / W if k in ADDITIVE_METRICS
+                 else v / mass if mass else 0.0) for k, v in sums.items()}
+    per_rollout = rollout_mass(s.train_mask[mb.rows], s.batch.rollout_index[mb.rows], mb.row_scales)
+    lo, hi = (float(per_rollout.min()), float(per_rollout.max())) if per_rollout.numel() else (0.0, 0.0)
+    means["rollout_mass_min"], means["rollout_mass_max"] = lo, hi
+    means["n_rollouts"] = float(per_rollout.numel())
+    means["rollout_mass_x_R_min"] = lo * per_rollout.numel()
+    means["rollout_mass_x_R_max"] = hi * per_rollout.numel()
+    return means
+
+
 def ppo_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -67,148 +262,37 @@ def ppo_update(
     """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
     of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
 
+        rows   = the batch on the model's device
+        old    = the engine's logprobs, or (correction.old trainer, or none recorded) the policy's
+                 own before the first update; correction: its mask and weights fixed for the step,
+                 rejected rollouts out
+        for epoch, for mini-batch (the same plan every epoch): one optimizer update
+
     Data parallel (`dp` enabled, `model` wrapped in DDP): every rank gets the same batch and plan;
-    this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch (on the last
-    micro-batch), so the update equals the one-process update. Metrics are summed over ranks.
-
-    measure_gap (the rollouts came from these very weights): the first update's result carries
-    mean and max |engine logprob - trainer logprob| over its trained tokens (this rank's).
-
-    cfg.correction.old "trainer": the ratio is taken against the policy's own logprobs before the
-    first update (one no-grad pass over the rows), and correction.correct's v and kept mask (from
-    those and the engine's) are fixed for the step before any plan, micro-batch or rank."""
-    lc, oc = cfg.loss, cfg.optim
-    need_entropy = lc.entropy_coef > 0
-    precision, temperature = cfg.trainer.precision, cfg.rollout.temperature
-    dev = next(model.parameters()).device  # the step's tensors go there (planning stays on the CPU)
-    ids_all, att_all, pos_all, mask_all = (t.to(dev) for t in (
-        batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask))
-    # [rows] one per row from one per rollout, or [rows, R] per token (turn-level credit)
-    adv_rows = (advantages if advantages.dim() == 2 else advantages[batch.rollout_index]).to(dev)
-    R = batch.response_length
-    cc = cfg.correction
-    behaviour = batch.rollout_logprobs  # the engine's, each token's own turn version
-    train_mask = batch.response_mask  # with rejected rollouts cleared (correction.reject)
-    pack, share = oc.pack_rows, oc.pack_rows and oc.share_prefixes
-    budget = oc.micro_batch_tokens
-    if pack:  # a micro-batch is one pack: budget in computed tokens, capped (dense mask, N^2)
-        budget = min(budget, oc.pack_tokens or default_pack_tokens(model))
-
-    def pack_costs(rows: torch.Tensor) -> torch.Tensor:  # a micro-batch's rows, in order
-        return row_costs(batch.input_ids[rows], batch.attention_mask[rows], share=share)
-
-    def plan(world_size: int = dp.world_size, rank: int = dp.rank):
-        return plan_step(train_mask, batch.rollout_index,
-                         n_mini_batches=min(oc.mini_batches, batch.n_rollouts),
-                         micro_batch_tokens=budget, mode=lc.mode, norm_length=lc.norm_length,
-                         row_tokens=batch.attention_mask.sum(1),
-                         micro_costs=pack_costs if pack else None, world_size=world_size, rank=rank)
-
-    def forward(m, rows: torch.Tensor, *, entropy: bool = False, packed=None):
-        """(logprobs, entropy, pack, tokens computed, tokens a padded batch computes) of `rows`."""
-        # The first column that is not left padding in every row of this micro-batch: the
-        # padded forward starts there (and computes rows x the columns from there on).
-        real = batch.attention_mask[rows]
-        first = int((real.sum(0) > 0).int().argmax())
-        start = 0 if pack else first
-        rd = rows.to(dev)
-        lp, ent, pk = row_logprobs(
-            m, ids_all[rd, start:], att_all[rd, start:], pos_all[rd, start:], R, mask_all[rd],
-            pack=pack, share=share, chunk=oc.logprob_chunk, temperature=temperature,
-            with_entropy=entropy, precision=precision, packed=packed)
-        padded = rows.numel() * (real.shape[1] - first)
-        return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
-
-    old_all, is_all, corrected = behaviour, None, None
-    # the engine gave no logprobs, or the ratio is against the proximal policy: the policy before
-    # this step's first update, over every row
-    if old_all is None or cc.old == "trainer":
-        old_all = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=dev)
-        with torch.no_grad():
-            for mb in plan(1, 0):
-                for micro in mb.micro_batches:
-                    old_all[micro.rows.to(dev)] = forward(model, micro.rows)[0]
-        if cc.old == "trainer" and behaviour is not None:
-            corrected = correct(old_all.cpu(), behaviour, batch.response_mask, batch.rollout_index,
-                                weight=cc.weight, cap=cc.cap, mask_mode=cc.mask,
-                                band=tuple(cc.band), reject=tuple(cc.reject) if cc.reject else None)
-            train_mask, is_all = corrected.mask, corrected.is_weights
-            if corrected.metrics["correction/rejected_rollouts"]:  # their rows leave the step
-                keep = (train_mask.any(1) | ~batch.response_mask.any(1)).nonzero().squeeze(1)
-                if not keep.numel():  # every rollout rejected: no update
-                    return [UpdateResult(0.0, 0.0, {}, None, corrected.metrics)]
-                batch, train_mask, old_all = batch.select_rows(keep), train_mask[keep], old_all[keep.to(dev)]
-                adv_rows, behaviour = adv_rows[keep.to(dev)], behaviour[keep]
-                is_all = None if is_all is None else is_all[keep]
-                ids_all, att_all, pos_all = (t.to(dev) for t in (
-                    batch.input_ids, batch.attention_mask, batch.position_ids))
-            mask_all = train_mask.to(dev)
-            is_all = None if is_all is None else is_all.to(dev)
-    old_all = old_all.to(dev)
-    behaviour = None if behaviour is None else behaviour.to(dev)
-    results = []
-    gap_sum, gap_max, gap_n = 0.0, 0.0, 0
+    this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch, so the update
+    equals the one-process update. Metrics are summed over ranks. measure_gap (the rollouts came
+    from these very weights): the first update's result carries mean and max |engine logprob -
+    trainer logprob| over its trained tokens (this rank's)."""
+    s = StepRows.of(batch, advantages, next(model.parameters()).device)
+    fwd = Forward(model, cfg)
+    corrected = None
+    s.old = s.behaviour
+    if s.behaviour is None or cfg.correction.old == "trainer":
+        s.old = proximal_logprobs(model, s, fwd, cfg)
+        if cfg.correction.old == "trainer" and s.behaviour is not None:
+            s, corrected = apply_correction(s, cfg)
+            if s is None:  # every rollout rejected: no update
+                return [UpdateResult(0.0, 0.0, {}, None, corrected.metrics)]
     model.train()
-    mini_batches = plan()  # the same for every epoch: a function of the rows alone
-    for _epoch in range(oc.ppo_epochs):
+    mini_batches = plan(s, fwd, cfg, dp.world_size, dp.rank)  # a function of the rows alone
+    results: list[UpdateResult] = []
+    for _epoch in range(cfg.optim.ppo_epochs):
         for mb in mini_batches:
-            optimizer.zero_grad(set_to_none=True)
-            total, sums = 0.0, {}
-            for j, micro in enumerate(mb.micro_batches):
-                last = j == len(mb.micro_batches) - 1
-                sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
-                with sync:  # the forward too: DDP arms its all-reduce in the forward pass
-                    rows_dev = micro.rows.to(dev)
-                    lp, ent, pk, computed, padded = forward(model, micro.rows, entropy=need_entropy)
-                    # no optimizer step yet: the weights the engine sampled with
-                    if measure_gap and behaviour is not None and not results:
-                        d = (lp.detach() - behaviour[rows_dev]).abs()[mask_all[rows_dev].bool()]
-                        if d.numel():
-                            gap_sum, gap_n = gap_sum + float(d.sum()), gap_n + d.numel()
-                            gap_max = max(gap_max, float(d.max()))
-                    ref = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref = forward(ref_model, micro.rows, packed=pk)[0]
-                    loss, m = policy_loss(
-                        lp, old_all[rows_dev], adv_rows[rows_dev],
-                        RowWeights(mask_all[rows_dev], micro.row_scales.to(dev)),
-                        clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                        is_weights=None if is_all is None else is_all[rows_dev],
-                        ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
-                        entropy=ent, entropy_coef=lc.entropy_coef,
-                    )
-                    loss.backward()
-                total += float(loss.detach())
-                m = {**m, "tokens_computed": computed, "tokens_padded": padded}
-                # pg_loss, weight_mass and token counts add up over micro-batches; the rest are
-                # weighted means within the micro-batch, so they add up weighted by its mass.
-                mass = float(m["weight_mass"])
-                for k, v in m.items():
-                    plain = k in ADDITIVE_METRICS or k in TOKEN_METRICS
-                    sums[k] = sums.get(k, 0.0) + (float(v) if plain else float(v) * mass)
-            if dp.enabled:  # each rank's losses carry a factor W (minibatch.py): sum, then / W
-                keys = sorted(sums)
-                summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
-                total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
-            mass, W = sums.get("weight_mass", 0.0), dp.world_size
-            means = {k: (v if k in TOKEN_METRICS else v / W if k in ADDITIVE_METRICS
-                         else v / mass if mass else 0.0) for k, v in sums.items()}
-            # Each rollout's share of this update (1/R each in rollout-mean, however many rows).
-            per_rollout = rollout_mass(train_mask[mb.rows], batch.rollout_index[mb.rows],
-                                       mb.row_scales)
-            lo, hi = (float(per_rollout.min()), float(per_rollout.max())) if per_rollout.numel() else (0.0, 0.0)
-            means["rollout_mass_min"], means["rollout_mass_max"] = lo, hi
-            means["n_rollouts"] = float(per_rollout.numel())
-            # x R within this update (a mean of products over updates, not of the two factors)
-            means["rollout_mass_x_R_min"] = lo * per_rollout.numel()
-            means["rollout_mass_x_R_max"] = hi * per_rollout.numel()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip))
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            gap = {"mean": gap_sum / gap_n, "max": gap_max} if measure_gap and gap_n and not results else None
-            results.append(UpdateResult(total, grad_norm, means, gap,
-                                        None if results or corrected is None else corrected.metrics))
+            first = not results
+            gap = Gap() if first and measure_gap and s.behaviour is not None else None
+            loss, grad_norm, metrics = mini_batch_step(model, optimizer, scheduler, s, mb, fwd, cfg,
+                                                       dp, ref_model, gap)
+            results.append(UpdateResult(loss, grad_norm, metrics, gap and gap.result(),
+                                        corrected.metrics if first and corrected else None))
     model.eval()
     return results
