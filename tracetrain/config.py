@@ -290,16 +290,29 @@ class VerifiersConfig(_Section):
 
 
 class OpenEnvConfig(_Section):
-    """An OpenEnv environment (tracetrain/envs/openenv.py): its client played as an environment
-    class whose tool is the environment's step; each step's reward is the turn's reward."""
+    """An OpenEnv environment (tracetrain/envs/openenv.py): one client session per rollout, played
+    as an environment class whose one tool, `step`, takes the fields of the environment's Action;
+    each step's reward is the reward of the model call that made it, the rollout's reward their
+    sum. The tasks: data.train's rows, or `size` rows {"seed": seed + i}; each row goes to reset."""
 
     client: ObjectSpec
-    """The environment's `EnvClient` subclass, `module:Class`."""
+    """The environment's `EnvClient` subclass, `module:Class` or `file.py:Class` (its Action type
+    is read from its generic parameters; `openenv.core.GenericEnvClient`: from the server's
+    /schema)."""
     app: ObjectSpec | None = None
     """The environment's FastAPI app (`module:app`, made by openenv's `create_app`), served by
-    tracetrain in-process on loopback; or give `base_url`."""
+    tracetrain in each process that plays it, on 127.0.0.1 at a free port; or give `base_url`."""
     base_url: str | None = Field(None, pattern=r"^(https?|wss?)://[^/?#\s]+(/[^?#\s]*)?$")
     """A running environment server."""
+    size: int | None = Field(None, gt=0)
+    """Without data.train: the number of task rows, row i being {"seed": seed + i} (handed to the
+    server's reset, which takes the keys its signature names). null: data.train's rows."""
+    seed: int = 0
+    """The first row's seed (with `size`)."""
+    observation: ObjectSpec | None = None
+    """`fn(observation) -> str`: the text the model gets for an observation (reset's and each
+    step's); null: the observation's own fields but done/reward/metadata, as JSON (a lone string
+    field: its text)."""
     max_turns: int = Field(8, gt=0)
     """Model calls per rollout at most."""
     system_prompt: str | None = None
@@ -320,8 +333,10 @@ class EnvironmentClassConfig(_Section):
     factory: ObjectSpec
     """The class (or a function returning an instance), `module:Class` or `file.py:Class`."""
     reward_funcs: list[ObjectSpec] = Field(default_factory=list)
-    """Reward functions in TRL's form, `fn(completions, environments=..., **row columns) ->
-    list[float]`; the rollout's reward is their sum. Empty: the instance's `reward` attribute."""
+    """Reward functions in TRL's form, `fn(prompts, completions, environments=..., **row columns)
+    -> list[float | None]` (a list of one); the rollout's reward is their sum, plus the
+    instance's `get_reward()` when its class defines one (TRL 1.16). With neither: the instance's
+    `reward` attribute."""
     max_turns: int = Field(8, gt=0)
     """Model calls per rollout at most."""
     system_prompt: str | None = None
