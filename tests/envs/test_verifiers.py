@@ -129,6 +129,23 @@ def test_classic_trains_with_its_rubrics_reward_recorded(tmp_path, where):
     assert len({r["reward"] for r in rollouts}) > 1  # the rewards differ: the check can fail
 
 
+@pytest.mark.slow
+def test_classic_trains_with_agents_on_ray(tmp_path):
+    """`runner: ray`: the environment travels to the Ray workers as its config section and is
+    loaded there; one step's rollouts all succeed with the rubric's reward."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    try:
+        train(config(tmp_path, {"env_id": "vf-digits"}, "runner=ray", "trainer.steps=1"),
+              log=lambda *_: None)
+    finally:
+        ray.shutdown()
+    rollouts = recorded(tmp_path / "run")
+    assert len(rollouts) == 4 and all(r["state"] == "succeeded" for r in rollouts)
+    for r in rollouts:
+        assert r["reward"] == pytest.approx(vf_digits.expected_reward(r["turns"][0]["text"]))
+
+
 def test_classic_multi_turn_steps_are_turn_rewards(tmp_path):
     cfg = config(tmp_path, {"env_id": "vf_turns"}, "trainer.steps=1", "rollout.max_tokens=4",
                  "aggregate.max_prompt_length=512")

@@ -37,6 +37,7 @@ import threading
 import traceback
 from typing import Any
 
+RUN_SAMPLING = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "seed")
 EXIT_GRACE_S = 10.0  # after stdin closes: the rollouts in flight are cancelled, then this long
 _KEYS = itertools.count()
 _REWARD_ERRORS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
@@ -246,6 +247,10 @@ class V1:
                     update["runtime"] = SubprocessConfig()
                 if len(seats) > 1 and spec.client is None:
                     update["model"] = name
+                if spec.sampling is not None:  # the run's sampling wins (its logprobs assume it)
+                    own = spec.sampling.model_dump(exclude_unset=True)
+                    update["sampling"] = type(spec.sampling).model_validate(
+                        {k: v for k, v in own.items() if k not in RUN_SAMPLING})
                 if update:
                     setattr(config, name, spec.model_copy(update=update))
             self.env = load_environment(config)
@@ -280,8 +285,7 @@ class V1:
         var = f"TRACETRAIN_VF_API_KEY_{os.getpid()}_{next(_KEYS)}"
         os.environ[var] = client["api_key"]
         endpoint = EvalClientConfig(base_url=client["base_url"], api_key_var=var)
-        sampling = {k: client[k] for k in ("temperature", "top_p", "max_tokens", "seed")
-                    if client.get(k) is not None}
+        sampling = {k: client[k] for k in RUN_SAMPLING if client.get(k) is not None}
         ctx = ModelContext(model=client["model"], client=endpoint, sampling=SamplingConfig(**sampling))
         try:
             (slot,) = self.env.slots(self.task_cls(self.data_cls.model_validate(task),
