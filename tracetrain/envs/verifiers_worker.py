@@ -370,7 +370,9 @@ async def serve(out: Any) -> None:
             if line.strip():
                 loop.call_soon_threadsafe(inbox.put_nowait, json.loads(line))
         loop.call_soon_threadsafe(inbox.put_nowait, None)  # the run closed us: go, within grace
-        threading.Timer(EXIT_GRACE_S, _die).start()
+        timer = threading.Timer(EXIT_GRACE_S, _die)  # daemon: a clean exit does not wait for it
+        timer.daemon = True
+        timer.start()
 
     def send(msg: dict) -> None:
         out.write(json.dumps(msg).encode() + b"\n")
