@@ -350,14 +350,13 @@ async def serving(trainer, task, work: Path, *, seed: int):
     trainer.nonce = secrets.token_hex(3)
     trainer.agent = resolve_agent(task, trainer.cfg.agent)
     trainer.store = SQLiteStore(work / "run" / "traces.db")
-    own = trainer.engine_model is not None
-    engine = LocalEngine(trainer.engine_model if own else trainer.model, trainer.tokenizer,
-                         max_batch_size=4096, model_version=0, seed=seed)
+    weights, _ = trainer.sync.engine_weights(trainer.version)  # the policy, or (overlap) a copy
+    engine = LocalEngine(weights, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=seed)
     engine.stop_ids = frozenset()  # no stop: every sample is exactly max_tokens long
     time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)
     app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
-    trainer.engine_slot = app.state.gateway.slots["default"]  # as Trainer.run: held in-process
+    trainer.sync.attach(engine, app.state.gateway.slots["default"])  # as Trainer.services
     try:
         async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
             trainer.http_client = http
@@ -384,7 +383,7 @@ async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
         if "next" not in state:  # the first collect, before the rounds overlap
             state["next"] = await trainer.collect_step(gateway, engine, trainer.step)
             t = time.perf_counter()
-        await trainer.sync_engine(gateway, engine)
+        await trainer.sync.catch_up(gateway, trainer.version)
         pending = asyncio.create_task(trainer.collect_step(gateway, engine, trainer.step + 1))
         m = await trainer.learn(gateway, engine, state["next"])
         state["next"] = await pending
@@ -441,10 +440,6 @@ async def run_steps(
         peer = await TRLPeer.start(model_dir, work, args)
         trl_rows = []
 
-    if args.overlap:  # the engine decodes with its own copy of the weights (as Trainer.run)
-        import copy
-
-        trainer.engine_model = copy.deepcopy(trainer.model).eval()
     tt_rows: list[dict] = []
     try:
         async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):

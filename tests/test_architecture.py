@@ -4,7 +4,8 @@
   (the walk goes one way: a stage never reaches back up to what calls it);
 - no two modules import each other, directly or through others;
 - the pure stages (rows, objective, learn, and what the viewer recomputes) reach no I/O module;
-- no module is over MAX_LINES lines but the documented config; tests/ mirrors the folders.
+- no module is over MAX_LINES lines but the documented config; no function of the loop or the
+  update (run/, learn/) over MAX_FUNCTION_LINES; tests/ mirrors the folders.
 
 Each rule is also run on a copy of the package with a violation planted, and must catch it.
 """
@@ -44,6 +45,8 @@ IO = ("tracetrain.store", "tracetrain.gateway", "tracetrain.agents", "tracetrain
       "tracetrain.run", "tracetrain.integrations", "tracetrain.view.read", "tracetrain.view.app",
       "tracetrain.view.serve", "tracetrain.view.inspection")
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 70  # in the loop and the update (run/, learn/): a function fits on a screen
+SHORT_FUNCTIONS = ("run", "learn")
 LONGER_ALLOWED = {"tracetrain/config.py"}  # the documented config: one docstring per field
 
 
@@ -239,6 +242,29 @@ def test_the_rules_catch_a_planted_io_import_in_a_pure_stage(package_copy):
 def test_the_rules_catch_a_planted_module_outside_the_layers(package_copy):
     (package_copy / "helpers.py").write_text("X = 1\n")
     assert ("tracetrain.helpers", "no layer") in upward_imports(import_graph(package_copy))
+
+
+def long_functions(root: Path = PACKAGE) -> dict[str, int]:
+    """{path:line name: lines} of the functions in run/ and learn/ over MAX_FUNCTION_LINES."""
+    out = {}
+    for folder in SHORT_FUNCTIONS:
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        out[f"{path.relative_to(root.parent).as_posix()}:{node.lineno} {node.name}"] = n
+    return out
+
+
+def test_no_function_of_the_loop_or_the_update_is_over_the_limit():
+    assert long_functions() == {}
+
+
+def test_the_rules_catch_a_planted_long_function(package_copy):
+    assert long_functions(package_copy) == {}
+    plant(package_copy, "learn.update", "def planted():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert [k.split(" ")[1] for k in long_functions(package_copy)] == ["planted"]
 
 
 def test_the_rules_catch_a_planted_long_module(package_copy):

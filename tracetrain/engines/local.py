@@ -470,6 +470,10 @@ class LocalEngine:
                     self.model.load_state_dict(state_dict, strict=True)
             self.model_version = version
 
+    async def load_weights(self, model: torch.nn.Module, version: int) -> None:
+        """`model`'s weights into this engine's own module (update_weights), as `version`."""
+        self.update_weights(model.state_dict(), version)
+
     async def aclose(self) -> None:
         if self._collector is not None:
             self._collector.cancel()

@@ -25,6 +25,24 @@ ENGINE_KINDS = registry.ENGINE_KINDS
 register_engine = ENGINE_KINDS.register
 
 
+def preflight(cfg: TrainConfig) -> None:
+    """What the configured engine cannot do here, refused before any work (a ConfigError naming
+    the key): an engine.python that does not run vLLM; sync nccl and sleep_level on a machine
+    without CUDA GPUs."""
+    from tracetrain.config import ConfigError
+
+    ec = cfg.engine
+    if ec.python is not None:
+        from tracetrain.engines.vllm_server import check_interpreter
+
+        check_interpreter(ec.python)
+    if ec.kind == "vllm" and not torch.cuda.is_available():
+        for key, on in (("sync", ec.sync == "nccl"), ("sleep_level", ec.sleep_level)):
+            if on:
+                raise ConfigError(f"config key 'engine.{key}': {getattr(ec, key)!r} is for CUDA "
+                                  "GPUs and this machine has none")
+
+
 async def start_engine(cfg: TrainConfig, weights: torch.nn.Module, tokenizer, *, version: int,
                        run_dir: Path, threads: int, log=print, lockstep=None):
     """The engine of kind cfg.engine.kind, serving `weights` as model version `version`;

@@ -49,8 +49,8 @@ def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
             "step": tr.step,
             "version": tr.version,
             "model": lora.weights(tr.model),
-            "engine": None if tr.engine_model is None else tr.next_weights or {
-                "model": lora.weights(tr.engine_model), "version": tr.engine_version},
+            "engine": None if tr.sync.engine_model is None else tr.sync.next_weights or {
+                "model": lora.weights(tr.sync.engine_model), "version": tr.sync.engine_version},
             "next_collected": next_collected,
             "optimizer": tr.optimizer.state_dict(),
             "scheduler": tr.scheduler.state_dict(),
@@ -110,9 +110,9 @@ def restore(tr: Any, path: Path) -> None:
     tr.version = ck.get("version", ck["step"])
     tr.history = ck["history"]
     if ck.get("engine") is not None:
-        tr.engine_model = copy.deepcopy(tr.model)
-        lora.load_weights(tr.engine_model, ck["engine"]["model"])
-        tr.engine_version = ck["engine"]["version"]
+        tr.sync.engine_model = copy.deepcopy(tr.model)
+        lora.load_weights(tr.sync.engine_model, ck["engine"]["model"])
+        tr.sync.engine_version = ck["engine"]["version"]
     tr.next_collected = ck.get("next_collected")
     tr.resumed_precision = ck.get("precision")
     tr.collector_state = ck.get("collector")

@@ -90,7 +90,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     from tracetrain.agents.lockstep import Lockstep
     from tracetrain.agents.runner import GatewayClient, agent_http_client
     from tracetrain.agents.tasks import resolve_agent
-    from tracetrain.engines.start import start_engine
+    from tracetrain.engines.start import preflight, start_engine
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import serve_in_loop
     from tracetrain.models import lora
@@ -99,10 +99,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
 
     if k < 1:
         raise ConfigError(f"--k must be >= 1, got {k}")
-    if cfg.engine.python is not None:  # before loading anything: the interpreter must run vLLM
-        from tracetrain.engines.vllm_server import check_interpreter
-
-        check_interpreter(cfg.engine.python)
+    preflight(cfg)  # before loading anything: e.g. the interpreter must run vLLM
     tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
     model, tokenizer = load_eval_policy(cfg, policy)
     if cfg.model.lora is not None and not lora.is_lora(model):

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import functools
 import json
 import logging
 import random
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,9 +44,8 @@ from tracetrain.agents.runner import GatewayClient, RolloutResult, agent_http_cl
 from tracetrain.agents.tasks import load_source, open_task_data, resolve_agent
 from tracetrain.agents.workers import AgentRef, AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.engines.local import LocalEngine
-from tracetrain.engines.start import start_engine
-from tracetrain.gateway.slots import EngineSlot
+from tracetrain.engines.start import preflight, start_engine
+from tracetrain.gateway.inprocess import admin_key_for
 from tracetrain.learn.distributed import DataParallel, from_main, wrap
 from tracetrain.learn.optim import adamw
 from tracetrain.learn.threads import run_with_threads
@@ -54,7 +53,6 @@ from tracetrain.learn.update import lr_factor, ppo_update
 from tracetrain.models import lora
 from tracetrain.rows.roles import role_engines
 from tracetrain.run import checkpoint, continuous
-from tracetrain.run.held import held_engine
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks
@@ -69,392 +67,9 @@ from tracetrain.run.step import (
     step_tasks,
     throughput,
 )
+from tracetrain.run.weights import WeightSync
 
 log = logging.getLogger("tracetrain.trainer")
-
-
-# ----------------------------------------------------------------------------- the loop (I/O)
-class Trainer:
-    """Owns the policy, the engine, the store and the in-process gateway of one run."""
-
-    def __init__(self, cfg: TrainConfig, task_module: Any, *, log=print, dp: DataParallel = DataParallel()):
-        from tracetrain.models.load import load_policy
-
-        self.cfg, self.task, self.dp = cfg, task_module, dp
-        self.data = None  # the run's dataset (dataset.TaskData), when data.train names one
-        self.log = log if dp.is_main else (lambda *a, **k: None)
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
-        # Threads of the model's worker threads (torch's count is per thread, see run_with_threads):
-        # the engine's decode thread uses `threads`, the update `update_threads`, the warm start (it
-        # runs alone) the larger of the two.
-        self.threads = cfg.trainer.threads or torch.get_num_threads()
-        self.update_threads = cfg.trainer.update_threads or self.threads
-        torch.manual_seed(cfg.trainer.seed)
-        random.seed(cfg.trainer.seed)
-        self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
-        if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
-            self.model = lora.wrap(self.model, cfg.model.lora)
-        if cfg.trainer.device != "cpu":
-            if not torch.cuda.is_available():
-                raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
-                                  "machine has no CUDA device")
-            self.model.to(cfg.trainer.device)
-        self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
-        self.step = 0
-        self.version = 0  # the policy's model version: one bump per update step
-        # overlap_collect: the engine decodes with its own copy of the weights (one version behind
-        # while the update runs); otherwise it shares self.model and the update is in place.
-        self.engine_model: torch.nn.Module | None = None
-        self.engine_version = 0
-        # Set only when an eval at the last step made the engine leave the weights the next
-        # step's rollouts come from: the checkpoint keeps those instead of the engine's.
-        self.next_weights: dict | None = None
-        self.next_collected: Collected | None = None  # from a checkpoint: step `step`'s rollouts
-        self.collector = None  # collect "continuous": the groups in flight (continuous.Collector)
-        self.collector_state: dict | None = None  # from a checkpoint: what it had launched
-        self.resumed_precision: str | None = None  # from a checkpoint: what "auto" chose
-        self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
-                               weight_decay=cfg.optim.weight_decay)
-        updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda k: lr_factor(k, warmup=cfg.optim.warmup_steps * updates_per_step,
-                                total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
-        )
-        self.ref_model = None
-        self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
-        self.http_client = None
-        self.engine_slot: EngineSlot | None = None  # the in-process gateway's slot of the engine
-        self.workers = None
-        self.lockstep = Lockstep() if cfg.lockstep else None  # trainer.reproducible
-        self.update_executor: ThreadPoolExecutor | None = None  # see on_update_thread
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.history: list[dict] = []
-
-    async def on_update_thread(self, threads: int, fn, /, *args, **kwargs):
-        """fn(*args, **kwargs) with `threads` torch threads (run_with_threads) on the trainer's one
-        update thread: the warm start and every update run on the same OS thread, so its
-        thread-local state (OpenMP pool, malloc arena) is made once, not once per pool worker
-        (with asyncio's rotating pool the bench's process grew to 900 MB instead of 540)."""
-        if self.update_executor is None:
-            self.update_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
-        call = functools.partial(run_with_threads, threads, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.update_executor, call)
-
-    # -- checkpoints ---------------------------------------------------------------------
-    def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
-
-    def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
-        """checkpoint.save: everything a resumed run needs; then run_dir/policy."""
-        path = checkpoint.save(self, self.checkpoint_path(), next_collected)
-        checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
-        return path
-
-    def load_checkpoint(self) -> None:
-        checkpoint.restore(self, self.checkpoint_path())
-
-    # -- one step ------------------------------------------------------------------------
-    async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
-                      temperature: float, step: int | None = None) -> list[RolloutResult]:
-        return await collect(gateway, rollout_specs(tasks, n_per_task, prefix), self.agent, self.cfg,
-                             temperature=temperature, step=self.step if step is None else step,
-                             http_client=self.http_client, workers=self.workers, lockstep=self.lockstep)
-
-    async def collect_step(self, gateway: GatewayClient, engine: LocalEngine, step: int) -> Collected:
-        """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        work = [k for k in ENGINE_WORK if k in engine.stats]
-        before, version = {k: engine.stats[k] for k in work}, engine.model_version
-        results = await self.collect(gateway, step_tasks(self.task, cfg, step, self.data), f"{self.nonce}-s{step}",
-                                     cfg.rollout.n_per_task, cfg.rollout.temperature, step)
-        return Collected(step, results, time.perf_counter() - t0,
-                         {k: engine.stats[k] - before[k] for k in work}, version)
-
-    async def train_step(self, gateway: GatewayClient, engine: LocalEngine) -> dict:
-        """Collect this step's rollouts, then learn from them."""
-        return await self.learn(gateway, engine, await self.collect_step(gateway, engine, self.step))
-
-    async def learn(self, gateway: GatewayClient, engine: LocalEngine, collected: Collected) -> dict:
-        """Rows -> advantages -> PPO update -> version bump, for the rollouts of one step."""
-        cfg = self.cfg
-        if getattr(engine, "server", None) is not None:  # a vLLM server that died: stop here
-            engine.server.check_alive()  # (the step's rollouts failed with its error, not reward 0)
-        results = collected.results
-        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.version)
-        metrics: dict[str, Any] = {"step": self.step, **row_metrics, **collected.metrics}
-        # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
-        metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
-        t1 = time.perf_counter()
-        if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
-            await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
-        if batch.n_rows:
-            # else (overlap_collect, vllm) the engine has its own copy of the weights
-            shared = getattr(engine, "model", None) is self.model
-            # vllm, sequential: the new weights are pushed right after the update
-            push = not shared and not cfg.trainer.overlap_collect
-            sleep = cfg.engine.sleep_level  # vllm on the trainer's GPU: asleep during the update
-            # Shared weights change in place, pushed ones in a window of their own (an engine
-            # with its own copy serves on during the update): no request sees either half done.
-            async with held_engine(gateway, self.engine_slot) if shared or sleep else contextlib.nullcontext():
-                if sleep:
-                    await engine.sleep(sleep)
-                t_update = time.perf_counter()
-                updates = await self.on_update_thread(
-                    self.update_threads, ppo_update, self.policy, self.optimizer,
-                    batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
-                    measure_gap=collected.engine_version == self.version,
-                )
-                metrics["time/update_s"] = time.perf_counter() - t_update
-                self.version += 1
-                if shared:
-                    engine.update_weights(None, self.version)
-            if push:
-                t_sync = time.perf_counter()
-                async with held_engine(gateway, self.engine_slot):
-                    await self.push_weights(engine)
-                metrics["time/sync_s"] = time.perf_counter() - t_sync
-            metrics.update(updates[0].correction or {})
-            if updates[0].logprob_gap is not None:
-                metrics["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
-                metrics["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
-            metrics["loss"] = sum(u.loss for u in updates) / len(updates)
-            metrics["grad_norm"] = sum(u.grad_norm for u in updates) / len(updates)
-            for k in updates[0].metrics:
-                metrics[f"loss/{k}"] = sum(u.metrics[k] for u in updates) / len(updates)
-        metrics["model_version"] = self.version
-        metrics["rollout_model_version"] = collected.engine_version
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics.update(throughput(len(results), batch, collected.seconds, time.perf_counter() - t1))
-        metrics["memory/peak_rss_gb"] = peak_rss_gb()  # since the last step's line
-        reset_peak()
-        self.step += 1
-        return metrics
-
-    async def sync_engine(self, gateway: GatewayClient, engine) -> None:
-        """An engine with its own copy of the weights (overlap_collect, vllm) takes the policy's
-        (pause + drain around the swap, so that no request sees half of it)."""
-        if getattr(engine, "model", None) is self.model or engine.model_version == self.version:
-            return
-        async with held_engine(gateway, self.engine_slot):
-            await self.push_weights(engine)
-
-    async def push_weights(self, engine) -> None:
-        """The policy's weights into an engine with its own copy; call it in a held window."""
-        if isinstance(engine, LocalEngine):
-            engine.update_weights(self.model.state_dict(), self.version)
-        else:
-            await engine.load_weights(self.model, self.version)
-            if self.engine_model is not None:  # the checkpoint's copy of the engine's weights
-                lora.load_weights(self.engine_model, lora.weights(self.model))
-        self.engine_version = self.version
-
-    async def run_steps(self, gateway: GatewayClient, engine: LocalEngine, bar, sinks: list) -> None:
-        """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
-        update runs, by the policy before that update (one version behind); the engine takes the
-        new weights between the two collects, so each step's rollouts come from one version.
-        collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
-        cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
-        pending: asyncio.Task | None = None
-        initial = None  # the untrained policy's eval: what later evals are compared with
-        if cfg.trainer.eval_every and self.step == 0:
-            initial = await self.evaluate(gateway)
-        if cfg.trainer.collect == "continuous":
-            self.collector = continuous.start(self, gateway, engine)
-        mark = (time.perf_counter(), self.engine_slot.busy_seconds(), dict(engine.stats))
-        try:
-            while self.step < cfg.trainer.steps:
-                if self.collector is not None:
-                    collected = await continuous.take_step(self.collector, engine, self.step,
-                                                           self.version, mark[2])
-                elif pending is not None:
-                    collected = await pending
-                elif self.next_collected is not None and self.next_collected.step == self.step:
-                    collected = self.next_collected  # collected before the checkpoint we resumed from
-                else:
-                    collected = await self.collect_step(gateway, engine, self.step)
-                pending, self.next_collected = None, None
-                if overlap:
-                    await self.sync_engine(gateway, engine)
-                    if self.step + 1 < cfg.trainer.steps:
-                        pending = asyncio.create_task(self.collect_step(gateway, engine, self.step + 1))
-                m = await self.learn(gateway, engine, collected)
-                if self.collector is not None:
-                    self.collector.trained()  # (after the engine took the new weights)
-                now = (time.perf_counter(), self.engine_slot.busy_seconds(), dict(engine.stats))
-                m["engine/idle_frac"] = 1 - (now[1] - mark[1]) / max(now[0] - mark[0], 1e-9)
-                mark = now
-                if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-                    if pending is not None:  # the eval sees the policy after this update
-                        await asyncio.wait([pending])
-                    elif overlap:  # the last step: the weights a resumed run collects with next
-                        self.next_weights = {"version": self.engine_version, "model": {
-                            k: v.clone() for k, v in lora.weights(self.engine_model).items()}}
-                    await self.sync_engine(gateway, engine)
-                    m["eval/reward_mean"] = await self.evaluate(gateway)
-                if initial is not None:
-                    m["eval/initial_reward_mean"], initial = initial, None
-                m["time/elapsed_s"] = time.perf_counter() - self.started
-                self.history.append(m)
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps(m) + "\n")
-                for sink in sinks:
-                    sink(m)
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
-                bar.write(format_step(m))
-                if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
-                    self.save_checkpoint(await pending if pending is not None else None)
-        finally:  # the collection ends: what is still running is cancelled, its rollouts failed
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
-            await continuous.stop(self)
-            self.cancelled_at_end = await end_unfinished(self.store, self.nonce, self.log)
-
-    def follow(self) -> None:
-        """A rank other than 0: take each step's rows from rank 0 and join its update."""
-        while self.step < self.cfg.trainer.steps:
-            work = from_main(None, self.dp)
-            if work is not None:
-                batch, adv = work
-                ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
-                           ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp)
-            self.step += 1
-
-    async def evaluate(self, gateway: GatewayClient) -> float:
-        """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
-        from tracetrain.run.evaluate import eval_tasks
-
-        tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
-        results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
-        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
-        return sum(rewards) / len(rewards) if rewards else float("nan")
-
-    async def start_engine(self):
-        """The rollouts' engine, holding the weights the next collect uses (the policy's, or under
-        overlap_collect the engine copy's). vllm: a server launched on them, or a running one
-        they are pushed to (engines/vllm.py)."""
-        own = self.engine_model is not None
-        return await start_engine(self.cfg, self.engine_model if own else self.model,
-                                  self.tokenizer, version=self.engine_version if own else self.version,
-                                  run_dir=self.run_dir, threads=self.threads, log=self.log,
-                                  lockstep=self.lockstep)
-
-    async def start_role_engines(self) -> dict:
-        """The engines of roles.serve's "frozen" roles: a local engine on a copy of the policy as
-        training starts (after the warm start; a resumed run's from its checkpoint), given no
-        new weights ever."""
-        if "frozen" not in self.cfg.roles.serve.values():
-            return {}
-        if self.frozen_model is None:
-            self.frozen_model = checkpoint.frozen_copy(self.model)
-        return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
-                                             run_dir=self.run_dir, threads=self.threads,
-                                             log=self.log, lockstep=self.lockstep)}
-
-    def start_reference(self) -> None:
-        """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
-        if self.cfg.loss.kl_coef > 0 and self.ref_model is None:
-            self.ref_model = checkpoint.frozen_copy(self.model)
-
-    async def run(self) -> list[dict]:
-        import secrets
-
-        from tqdm import tqdm
-
-        from tracetrain.gateway.app import create_app
-        from tracetrain.gateway.inprocess import admin_key_for, app_options, bind, serve_in_loop
-        from tracetrain.learn.warmstart import warm_start
-        from tracetrain.store import SQLiteStore
-
-        cfg = self.cfg
-        admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None  # refused before any work
-        check_top_p(cfg)  # likewise (the collects check it again)
-        if cfg.engine.python is not None:  # likewise: not after the warm start
-            from tracetrain.engines.vllm_server import check_interpreter
-
-            check_interpreter(cfg.engine.python)
-        if cfg.engine.kind == "vllm" and not torch.cuda.is_available():
-            for key, on in (("sync", cfg.engine.sync == "nccl"), ("sleep_level", cfg.engine.sleep_level)):
-                if on:
-                    raise ConfigError(f"config key 'engine.{key}': {getattr(cfg.engine, key)!r} is "
-                                      "for CUDA GPUs and this machine has none")
-        self.started = time.perf_counter()  # time/elapsed_s of each step counts from here
-        self.nonce = secrets.token_hex(3)
-        self.agent = resolve_agent(self.task, cfg.agent)
-        resumed = cfg.trainer.resume and self.checkpoint_path().is_file()
-        if resumed:
-            self.load_checkpoint()
-            self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
-        if cfg.trainer.precision == "auto":
-            cfg = self.cfg = await resolve_precision(self)
-        if self.dp.is_main:
-            claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
-        if not resumed and cfg.warm_start.steps and self.dp.is_main:
-            t = time.perf_counter()
-            ws = cfg.warm_start
-            make = getattr(self.task, ws.transcripts, None)
-            if not callable(make):
-                raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
-            transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
-            losses = await self.on_update_thread(  # nothing else runs yet: the update's threads
-                max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
-                transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
-                precision=cfg.trainer.precision)
-            self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-                     f"in {time.perf_counter() - t:.1f} s")
-        self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
-        self.start_reference()
-        if not self.dp.is_main:
-            await self.on_update_thread(self.update_threads, self.follow)
-            return self.history
-        sinks = metric_sinks(cfg, self.run_dir)
-        self.store = SQLiteStore(self.run_dir / "traces.db")
-        ahead = cfg.trainer.collect == "continuous" and cfg.trainer.max_staleness > 0
-        if not (cfg.trainer.overlap_collect or ahead and cfg.engine.kind == "local"):
-            self.engine_model = None  # (a checkpoint of an overlapping run may hold engine weights)
-        elif self.engine_model is None:
-            self.engine_model = copy.deepcopy(self.model).eval()
-            self.engine_version = self.version
-        engine = await self.start_engine()
-        engines = {"default": engine, **await self.start_role_engines()}
-        if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
-            task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
-            env = self.task if cfg.env is not None else None
-            self.workers = AgentWorkers(AgentRef(task_spec or cfg.task, None, cfg.agent, env),
-                                        cfg.rollout.agent_workers, max_connections=cfg.rollout.concurrency)
-        sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
-        app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
-                         **app_options(cfg.gateway, sock.getsockname()[1]))
-        app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
-        self.engine_slot = app.state.gateway.slots["default"]  # held in-process around updates
-        try:
-            async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
-                gateway = GatewayClient(url, admin_key)
-                self.http_client = http
-                try:
-                    bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
-                               dynamic_ncols=True)
-                    await self.run_steps(gateway, engine, bar, sinks)
-                    bar.close()
-                finally:
-                    await gateway.aclose()
-        finally:
-            if self.workers is not None:
-                self.workers.close()
-            for e in engines.values():
-                await e.aclose()
-            self.store.close()
-            if self.update_executor is not None:
-                self.update_executor.shutdown(wait=False)
-                self.update_executor = None
-        self.save_checkpoint()
-        return self.history
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
@@ -471,14 +86,15 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     dp = distributed.init_from_env()  # under torchrun: one process per rank (distributed.py)
     trainer = None
     try:
-        trainer = Trainer(cfg, task, log=log, dp=dp)
-        trainer.data = data
+        trainer = Trainer(cfg, task, data, log=log, dp=dp)
         t = time.perf_counter()
         history = asyncio.run(trainer.run())
     finally:
         if trainer is not None:  # the DDP wrapper goes before the group (distributed.close)
             trainer.policy = trainer.model
         distributed.close(dp)
+        if cfg.env is not None:  # what the environment opened in this process (a server)
+            task.close()
     if not dp.is_main:
         return {}
     out = summary(history, target_gain=cfg.trainer.target_gain, cancelled_at_end=trainer.cancelled_at_end)
@@ -490,3 +106,383 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     log("summary: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
     return out
+
+
+class Trainer:
+    """Owns the policy, the engine, the store and the in-process gateway of one run."""
+
+    def __init__(self, cfg: TrainConfig, task_module: Any, data=None, *, log=print,
+                 dp: DataParallel = DataParallel()):
+        from tracetrain.models.load import load_policy
+
+        self.cfg, self.task, self.dp = cfg, task_module, dp
+        self.data = data  # the run's dataset (dataset.TaskData), when it has one
+        self.log = log if dp.is_main else (lambda *a, **k: None)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        # Torch threads of the model's worker threads (the count is per thread, run_with_threads):
+        # the engine's decode thread uses `threads`, the update `update_threads`, the warm start (it
+        # runs alone) the larger of the two.
+        self.threads = cfg.trainer.threads or torch.get_num_threads()
+        self.update_threads = cfg.trainer.update_threads or self.threads
+        torch.manual_seed(cfg.trainer.seed)
+        random.seed(cfg.trainer.seed)
+        self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
+            self.model = lora.wrap(self.model, cfg.model.lora)
+        if cfg.trainer.device != "cpu":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
+                                  "machine has no CUDA device")
+            self.model.to(cfg.trainer.device)
+        self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
+        self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
+                               weight_decay=cfg.optim.weight_decay)
+        updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda k: lr_factor(k, warmup=cfg.optim.warmup_steps * updates_per_step,
+                                total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
+        )
+        self.ref_model: torch.nn.Module | None = None  # loss.kl_coef > 0: the KL reference
+        self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
+        # The engine's weights: the policy's own (shared), or a copy one version behind while the
+        # update runs (overlap_collect; continuous collection ahead of a local engine), or a server's.
+        ahead = cfg.trainer.collect == "continuous" and cfg.trainer.max_staleness > 0
+        self.sync = WeightSync(self.model, sleep_level=cfg.engine.sleep_level, own_copy=(
+            cfg.trainer.overlap_collect or (ahead and cfg.engine.kind == "local")))
+        # where the run is (what a checkpoint saves and a resumed run restores, run/checkpoint.py)
+        self.step = 0
+        self.version = 0  # the policy's model version: one bump per update step
+        self.history: list[dict] = []
+        self.next_collected: Collected | None = None  # step `step`'s rollouts, collected before the checkpoint
+        self.collector_state: dict | None = None  # collect "continuous": what it had launched
+        self.resumed_precision: str | None = None  # what "auto" chose
+        # the services of `run` (None outside it)
+        self.agent = resolve_agent(task_module, cfg.agent)
+        self.nonce = secrets.token_hex(3)  # names this process's rollouts apart from a resumed run's
+        self.store = None
+        self.http_client = None
+        self.workers: AgentWorkers | None = None
+        self.collector = None  # collect "continuous": the groups in flight (continuous.Collector)
+        self.lockstep = Lockstep() if cfg.lockstep else None  # trainer.reproducible
+        self.update_executor: ThreadPoolExecutor | None = None  # see on_update_thread
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.started = time.perf_counter()  # time/elapsed_s counts from `run`'s start
+        self.cancelled_at_end = 0  # rollouts still running when the collection ended
+
+    # -- the run, top down -----------------------------------------------------------------
+    async def run(self) -> list[dict]:
+        """Resume or warm-start, then every step with the services up; a checkpoint at the end."""
+        cfg = self.cfg
+        # refused before any work: a gateway off loopback without an admin key, top_p the engine
+        # cannot honour, the engine's interpreter, GPU-only engine keys
+        admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None
+        check_top_p(cfg)
+        preflight(cfg)
+        self.started = time.perf_counter()
+        resumed = cfg.trainer.resume and self.checkpoint_path().is_file()
+        if resumed:
+            self.load_checkpoint()
+            self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
+        if cfg.trainer.precision == "auto":
+            cfg = self.cfg = await resolve_precision(self)
+        if self.dp.is_main:
+            claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
+        if not resumed and cfg.warm_start.steps and self.dp.is_main:
+            await self.warm_start()
+        self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
+        self.start_reference()
+        if not self.dp.is_main:
+            await self.on_update_thread(self.update_threads, self.follow)
+            return self.history
+        async with self.services(admin_key) as (gateway, engine):
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True)
+            await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
+            bar.close()
+        self.save_checkpoint()
+        return self.history
+
+    async def run_steps(self, gateway: GatewayClient, engine, bar, sinks: list) -> None:
+        """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
+        update runs, by the policy before that update (one version behind); the engine takes the
+        new weights between the two collects, so each step's rollouts come from one version.
+        collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
+        cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
+        pending: asyncio.Task | None = None  # overlap_collect: the next step's collect
+        initial = await self.evaluate(gateway) if cfg.trainer.eval_every and self.step == 0 else None
+        if cfg.trainer.collect == "continuous":
+            self.collector = continuous.start(self, gateway, engine)
+        clock = EngineClock(self.sync.slot, engine)
+        try:
+            while self.step < cfg.trainer.steps:
+                collected = await self.next_rollouts(gateway, engine, pending, clock)
+                pending = None
+                if overlap:
+                    await self.sync.catch_up(gateway, self.version)
+                    if self.step + 1 < cfg.trainer.steps:
+                        pending = asyncio.create_task(self.collect_step(gateway, engine, self.step + 1))
+                m = await self.learn(gateway, engine, collected)
+                if self.collector is not None:
+                    self.collector.trained()  # (after the engine took the new weights)
+                m["engine/idle_frac"] = clock.idle_since_last()
+                if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+                    m["eval/reward_mean"] = await self.eval_after_update(gateway, pending)
+                if initial is not None:
+                    m["eval/initial_reward_mean"], initial = initial, None
+                m["time/elapsed_s"] = time.perf_counter() - self.started
+                self.record(m, bar, sinks)
+                if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
+                    self.save_checkpoint(await pending if pending is not None else None)
+        finally:  # the collection ends: what is still running is cancelled, its rollouts failed
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await continuous.stop(self)
+            self.cancelled_at_end = await end_unfinished(self.store, self.nonce, self.log)
+
+    async def next_rollouts(self, gateway: GatewayClient, engine, pending: asyncio.Task | None,
+                            clock: EngineClock) -> Collected:
+        """Step `step`'s rollouts: taken from the continuous collection, or the overlapped collect
+        already running, or the checkpoint's (collected before it), or collected now."""
+        resumed, self.next_collected = self.next_collected, None
+        if self.collector is not None:
+            return await continuous.take_step(self.collector, engine, self.step, self.version, clock.stats)
+        if pending is not None:
+            return await pending
+        if resumed is not None and resumed.step == self.step:
+            return resumed
+        return await self.collect_step(gateway, engine, self.step)
+
+    async def learn(self, gateway: GatewayClient, engine, collected: Collected) -> dict:
+        """Rows -> advantages -> PPO update -> version bump, for the rollouts of one step."""
+        cfg = self.cfg
+        self.sync.check_engine()
+        results = collected.results
+        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.version)
+        metrics: dict[str, Any] = {"step": self.step, **row_metrics, **collected.metrics}
+        # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
+        metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
+        t1 = time.perf_counter()
+        if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
+            await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
+        if batch.n_rows:
+            updates, times = await self.sync.update(gateway, lambda: self.on_update_thread(
+                self.update_threads, ppo_update, self.policy, self.optimizer,
+                batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
+                measure_gap=collected.engine_version == self.version,
+            ), self.version + 1, push_now=not cfg.trainer.overlap_collect)
+            self.version += 1
+            metrics.update(times)
+            metrics.update(update_metrics(updates))
+        metrics["model_version"] = self.version
+        metrics["rollout_model_version"] = collected.engine_version
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics.update(throughput(len(results), batch, collected.seconds, time.perf_counter() - t1))
+        metrics["memory/peak_rss_gb"] = peak_rss_gb()  # since the last step's line
+        reset_peak()
+        self.step += 1
+        return metrics
+
+    async def eval_after_update(self, gateway: GatewayClient, pending: asyncio.Task | None) -> float:
+        """The eval pass after this step's update: the engine takes the new weights first (an
+        overlapped collect of the next step finishes on the old ones before)."""
+        if pending is not None:
+            await asyncio.wait([pending])
+        elif self.cfg.trainer.overlap_collect:  # the last step: keep what a resumed run collects with
+            self.sync.keep_for_resume()
+        await self.sync.catch_up(gateway, self.version)
+        return await self.evaluate(gateway)
+
+    def record(self, m: dict, bar, sinks: list) -> None:
+        """A step's metrics: history, metrics.jsonl, the sinks, the progress bar and its line."""
+        self.history.append(m)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        for sink in sinks:
+            sink(m)
+        bar.update(1)
+        bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
+        bar.write(format_step(m))
+
+    def follow(self) -> None:
+        """A rank other than 0: take each step's rows from rank 0 and join its update."""
+        while self.step < self.cfg.trainer.steps:
+            work = from_main(None, self.dp)
+            if work is not None:
+                batch, adv = work
+                ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
+                           ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp)
+            self.step += 1
+
+    # -- collecting ------------------------------------------------------------------------
+    async def collect(self, gateway: GatewayClient, tasks: list[dict], prefix: str, n_per_task: int,
+                      temperature: float, step: int | None = None) -> list[RolloutResult]:
+        return await collect(gateway, rollout_specs(tasks, n_per_task, prefix), self.agent, self.cfg,
+                             temperature=temperature, step=self.step if step is None else step,
+                             http_client=self.http_client, workers=self.workers, lockstep=self.lockstep)
+
+    async def collect_step(self, gateway: GatewayClient, engine, step: int) -> Collected:
+        """The rollouts of step `step` (its tasks, n per task), with the engine's work and time."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        work = [k for k in ENGINE_WORK if k in engine.stats]
+        before, version = {k: engine.stats[k] for k in work}, engine.model_version
+        results = await self.collect(gateway, step_tasks(self.task, cfg, step, self.data), f"{self.nonce}-s{step}",
+                                     cfg.rollout.n_per_task, cfg.rollout.temperature, step)
+        return Collected(step, results, time.perf_counter() - t0,
+                         {k: engine.stats[k] - before[k] for k in work}, version)
+
+    async def train_step(self, gateway: GatewayClient, engine) -> dict:
+        """Collect this step's rollouts, then learn from them."""
+        return await self.learn(gateway, engine, await self.collect_step(gateway, engine, self.step))
+
+    async def evaluate(self, gateway: GatewayClient) -> float:
+        """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
+        from tracetrain.run.evaluate import eval_tasks
+
+        tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
+        results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
+        rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+        return sum(rewards) / len(rewards) if rewards else float("nan")
+
+    # -- the services: store, engines, agent workers, gateway --------------------------------
+    @contextlib.asynccontextmanager
+    async def services(self, admin_key: str):
+        """(gateway client, engine) of the run, started in order and stopped in reverse: the
+        store, the engine (and roles.serve's), the agent workers, the in-process gateway, the
+        agents' HTTP client."""
+        from tracetrain.gateway.app import create_app
+        from tracetrain.gateway.inprocess import app_options, bind, serve_in_loop
+        from tracetrain.store import SQLiteStore
+
+        cfg = self.cfg
+        self.store = SQLiteStore(self.run_dir / "traces.db")
+        engines = {}
+        try:
+            weights, version = self.sync.engine_weights(self.version)
+            engines["default"] = engine = await start_engine(
+                cfg, weights, self.tokenizer, version=version, run_dir=self.run_dir,
+                threads=self.threads, log=self.log, lockstep=self.lockstep)
+            engines.update(await self.start_role_engines())
+            if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
+                self.workers = AgentWorkers(self.agent_ref(), cfg.rollout.agent_workers,
+                                            max_connections=cfg.rollout.concurrency)
+            sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
+            app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
+                             **app_options(cfg.gateway, sock.getsockname()[1]))
+            app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
+            self.sync.attach(engine, app.state.gateway.slots["default"])  # held in-process around updates
+            async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
+                gateway = GatewayClient(url, admin_key)
+                self.http_client = http
+                try:
+                    yield gateway, engine
+                finally:
+                    await gateway.aclose()
+        finally:
+            if self.workers is not None:
+                self.workers.close()
+            for e in engines.values():
+                await e.aclose()
+            self.store.close()
+            if self.update_executor is not None:
+                self.update_executor.shutdown(wait=False)
+                self.update_executor = None
+
+    def agent_ref(self) -> AgentRef:
+        """How an agent worker process finds the agent: the task module's file or name, or the
+        environment (pickled as its config section)."""
+        cfg = self.cfg
+        task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
+        env = self.task if cfg.env is not None else None
+        return AgentRef(task_spec or cfg.task, None, cfg.agent, env)
+
+    async def start_role_engines(self) -> dict:
+        """The engines of roles.serve's "frozen" roles: a local engine on a copy of the policy as
+        training starts (after the warm start; a resumed run's from its checkpoint), given no
+        new weights ever."""
+        if "frozen" not in self.cfg.roles.serve.values():
+            return {}
+        if self.frozen_model is None:
+            self.frozen_model = checkpoint.frozen_copy(self.model)
+        return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
+                                             run_dir=self.run_dir, threads=self.threads,
+                                             log=self.log, lockstep=self.lockstep)}
+
+    # -- before the steps ------------------------------------------------------------------
+    def start_reference(self) -> None:
+        """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
+        if self.cfg.loss.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = checkpoint.frozen_copy(self.model)
+
+    async def warm_start(self) -> None:
+        """warm_start.steps supervised steps on the task module's transcripts (learn/warmstart.py)."""
+        from tracetrain.learn.warmstart import warm_start
+
+        cfg, ws, t = self.cfg, self.cfg.warm_start, time.perf_counter()
+        make = getattr(self.task, ws.transcripts, None)
+        if not callable(make):
+            raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
+        transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
+        losses = await self.on_update_thread(  # nothing else runs yet: the update's threads
+            max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
+            transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
+            precision=cfg.trainer.precision)
+        self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+                 f"in {time.perf_counter() - t:.1f} s")
+
+    async def on_update_thread(self, threads: int, fn, /, *args, **kwargs):
+        """fn(*args, **kwargs) with `threads` torch threads (run_with_threads) on the trainer's one
+        update thread: the warm start and every update run on the same OS thread, so its
+        thread-local state (OpenMP pool, malloc arena) is made once, not once per pool worker."""
+        if self.update_executor is None:
+            self.update_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
+        call = functools.partial(run_with_threads, threads, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.update_executor, call)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoint.pt"
+
+    def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
+        """checkpoint.save: everything a resumed run needs; then run_dir/policy."""
+        path = checkpoint.save(self, self.checkpoint_path(), next_collected)
+        checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
+        return path
+
+    def load_checkpoint(self) -> None:
+        checkpoint.restore(self, self.checkpoint_path())
+
+
+def update_metrics(updates: list) -> dict[str, float]:
+    """A step's metrics of its updates (update.UpdateResult): means over them, the correction's
+    and the engine-trainer logprob gap of the first."""
+    n, out = len(updates), {**(updates[0].correction or {})}
+    if updates[0].logprob_gap is not None:
+        out["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
+        out["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
+    out["loss"] = sum(u.loss for u in updates) / n
+    out["grad_norm"] = sum(u.grad_norm for u in updates) / n
+    out.update({f"loss/{k}": sum(u.metrics[k] for u in updates) / n for k in updates[0].metrics})
+    return out
+
+
+class EngineClock:
+    """How idle the engine was between two steps: 1 - busy seconds / wall seconds (its gateway
+    slot's busy time), and the engine's stats at the last step (continuous.take_step's base)."""
+
+    def __init__(self, slot, engine):
+        self.slot, self.engine = slot, engine
+        self.wall, self.busy, self.stats = time.perf_counter(), slot.busy_seconds(), dict(engine.stats)
+
+    def idle_since_last(self) -> float:
+        wall, busy = time.perf_counter(), self.slot.busy_seconds()
+        idle = 1 - (busy - self.busy) / max(wall - self.wall, 1e-9)
+        self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
+        return idle
