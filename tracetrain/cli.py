@@ -145,9 +145,13 @@ def run_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {str(args.out)!r} is a folder; it names the file to write")
     base = args.config.resolve().parent
     task = load_source(cfg, base)
-    summary, rows = asyncio.run(evaluate(
-        cfg, task, open_task_data(cfg, base, task), policy=args.policy, k=args.k,
-        temperature=args.temperature, n_tasks=args.tasks, success=args.success))
+    try:
+        summary, rows = asyncio.run(evaluate(
+            cfg, task, open_task_data(cfg, base, task), policy=args.policy, k=args.k,
+            temperature=args.temperature, n_tasks=args.tasks, success=args.success))
+    finally:
+        if cfg.env is not None:  # what the environment opened in this process (a server)
+            task.close()
     if args.out is not None:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(json.dumps(summary))

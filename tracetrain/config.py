@@ -745,6 +745,7 @@ class EngineConfig(_Section):
 
     @model_validator(mode="after")
     def _where(self) -> EngineConfig:
+        """vLLM's keys for kind vllm only; a plugin's kind takes what its starter reads."""
         if self.kind == "local":
             for key in ("base_url", "python"):
                 if getattr(self, key) is not None:
@@ -752,6 +753,8 @@ class EngineConfig(_Section):
             for key in ("args", "env"):
                 if getattr(self, key):
                     raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
+        elif self.kind != "vllm":
+            pass
         elif (self.base_url is None) == (self.python is None):
             raise ValueError("engine.python: engine.kind 'vllm' needs either engine.base_url (a "
                              "running server) or engine.python (the interpreter tracetrain "
@@ -858,6 +861,10 @@ class TrainConfig(_Section):
         if kind == "environment_class" and d.train is None:
             raise ValueError("data.train: env.environment_class needs the dataset whose rows "
                              "go to reset(**row)")
+        if kind == "openenv" and (d.train is None) == (self.env.openenv.size is None):
+            raise ValueError("env.openenv.size: " + (
+                "not with data.train (its rows are the tasks)" if d.train is not None else
+                "give it (rows {'seed': seed + i}) or data.train (rows handed to reset)"))
         return self
 
     @model_validator(mode="after")

@@ -26,9 +26,7 @@ from tracetrain.store import SQLiteStore
 HERE = Path(__file__).resolve().parent
 COUNTER = HERE / "openenv_counter.py"
 PLUGIN = str(HERE / "scripted_policy.py")
-# (EngineConfig's validator asks every kind but `local` for vLLM's base_url or python: this one,
-# never used, satisfies it)
-ENGINE = {"kind": "scripted_tools", "base_url": "http://127.0.0.1:9"}
+ENGINE = {"kind": "scripted_tools"}  # scripted_policy.py's engine
 
 
 @pytest.fixture(autouse=True)

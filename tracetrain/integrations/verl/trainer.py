@@ -300,7 +300,11 @@ def train_verl(
     if not ray.is_initialized():
         ray.init(address=v.ray_address, runtime_env=get_ppo_ray_runtime_env(conf))
     t = time.perf_counter()
-    history = asyncio.run(VerlRun(cfg, conf, task, data=data, log=log).run())
+    try:
+        history = asyncio.run(VerlRun(cfg, conf, task, data=data, log=log).run())
+    finally:
+        if cfg.env is not None:  # what the environment opened in this process (a server)
+            task.close()
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2))
