@@ -107,12 +107,12 @@ LOSS_MODES = Registry("loss.mode", "loss aggregation mode", "tracetrain.objectiv
                       aliases={"per_rollout_mean": "rollout-mean"})  # Agent Lightning's name
 """Token-weight modes: fn(T_i [rows], rollout inverse [rows], R, norm_length) -> s_i [rows]."""
 KL_ESTIMATORS = Registry("loss.kl_estimator", "KL estimator", "tracetrain.objective.loss")
-"""KL estimators: fn(logprob [rows, R], ref [rows, R]) -> kl [rows, R]."""
+"""KL estimators: fn(logprob [rows, S], ref [rows, S]) -> kl [rows, S]."""
 CORRECTION_WEIGHTS = Registry("correction.weight", "correction weight",
                               "tracetrain.objective.correction")
-"""Importance weights: fn(log ratios, rollout index [rows], cap) -> v [rows, R]."""
+"""Importance weights: fn(log ratios, rollout index [rows], cap) -> v [rows, S]."""
 CORRECTION_MASKS = Registry("correction.mask", "correction mask", "tracetrain.objective.correction")
-"""Importance masks: fn(log ratios, rollout index [rows], band) -> keep [rows, R]."""
+"""Importance masks: fn(log ratios, rollout index [rows], band) -> keep [rows, S]."""
 ENGINE_KINDS = Registry("engine.kind", "engine kind", "tracetrain.engines.start")
 """Engine starters: async fn(cfg, weights, tokenizer, *, version, run_dir, threads, log)."""
 

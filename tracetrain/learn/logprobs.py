@@ -49,15 +49,15 @@ def response_logprobs(
     with_entropy: bool = False,
     precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (logprobs [rows, R], entropy [rows, R] or None); R = response_length."""
-    R = response_length
-    # Only the last R + 1 positions' logits are needed (transformers' causal LMs skip the rest).
-    keep = {"logits_to_keep": R + 1} if takes_logits_to_keep(type(getattr(model, "module", model))) else {}
+    """Returns (logprobs [rows, S], entropy [rows, S] or None); S = response_length."""
+    S = response_length
+    # Only the last S + 1 positions' logits are needed (transformers' causal LMs skip the rest).
+    keep = {"logits_to_keep": S + 1} if takes_logits_to_keep(type(getattr(model, "module", model))) else {}
     with autocast(precision, input_ids.device):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     **keep)
-    # The logit at position j predicts token j+1: the response columns are predicted by [-R-1, -1).
-    return logprobs_from_logits(out.logits[:, -R - 1 : -1, :].float(), input_ids[:, -R:],
+    # The logit at position j predicts token j+1: the response columns are predicted by [-S-1, -1).
+    return logprobs_from_logits(out.logits[:, -S - 1 : -1, :].float(), input_ids[:, -S:],
                                 temperature, with_entropy)
 
 

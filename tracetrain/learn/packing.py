@@ -21,7 +21,7 @@ The logprob of response column t of row i is read at the node of the row's token
     entropy[i, t] = logsumexp(z) - sum_v softmax(z)_v z_v
 
 computed `chunk` positions at a time under activation checkpointing: the logits held at once are
-[chunk, V], never [rows, R, V]; the backward recomputes one chunk's logits at a time.
+[chunk, V], never [rows, S, V]; the backward recomputes one chunk's logits at a time.
 
 On a GPU the same tree mask is a FlexAttention block mask (blocks off the tree are skipped); with
 `share=False` it is block-diagonal, which is what flash-attention's varlen kernel takes as
@@ -44,7 +44,7 @@ class Packed:
     input_ids: torch.Tensor  # [1, N] int64: one token per tree node
     position_ids: torch.Tensor  # [1, N] int64: the node's depth
     allowed: torch.Tensor  # [N, N] bool: allowed[n, m] = m is n or an ancestor of n
-    node: torch.Tensor  # [rows, P+R] int64: the node of each real token of each row, -1 on padding
+    node: torch.Tensor  # [rows, P+S] int64: the node of each real token of each row, -1 on padding
     n_row_tokens: int  # real tokens over all rows (what a forward without sharing computes)
 
     @property
@@ -54,7 +54,7 @@ class Packed:
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> Packed:
-    """Pack rows [rows, P+R] (real tokens where attention_mask is 1, contiguous in each row) into
+    """Pack rows [rows, P+S] (real tokens where attention_mask is 1, contiguous in each row) into
     one tree-shaped sequence; see the module docstring."""
     ids = input_ids.tolist()
     real = attention_mask.bool()
@@ -181,8 +181,8 @@ def row_logprobs(
     precision: str = "fp32",
     packed: Packed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, Packed | None]:
-    """Rows [rows, P+R] as in TrainingBatch -> (logprobs [rows, R], entropy [rows, R] or None,
-    the pack or None), computed where `need` [rows, R] (bool) is True and 0 elsewhere.
+    """Rows [rows, P+S] as in TrainingBatch -> (logprobs [rows, S], entropy [rows, S] or None,
+    the pack or None), computed where `need` [rows, S] (bool) is True and 0 elsewhere.
 
     pack: one tree-shaped sequence (shared prefixes once when `share`), else the padded rows.
     chunk: positions per lm_head chunk (0: all at once). A model wrapped for data parallelism
@@ -190,20 +190,20 @@ def row_logprobs(
     positions only (transformers' logits_to_keep), not chunked. `packed` reuses a pack of the same
     rows (e.g. the reference model's pass after the policy's)."""
     rows, width = input_ids.shape
-    R = response_length
+    S = response_length
     dev = input_ids.device
     need = need.bool().cpu()
     r_idx, t_idx = need.nonzero(as_tuple=True)
-    target = input_ids[r_idx.to(dev), (width - R + t_idx).to(dev)]
+    target = input_ids[r_idx.to(dev), (width - S + t_idx).to(dev)]
     if pack and packed is None:
         packed = pack_rows(input_ids.cpu(), attention_mask.cpu(), share=share)
     if pack:
-        pred = packed.node[r_idx, width - R + t_idx - 1]  # the node before each needed token
+        pred = packed.node[r_idx, width - S + t_idx - 1]  # the node before each needed token
         if (pred < 0).any():
             raise ValueError("a needed response token has no real token before it in its row")
         ids, pos = packed.input_ids.to(dev), packed.position_ids.to(dev)
     else:
-        pred = r_idx * width + (width - R + t_idx - 1)  # flat index into [rows * width]
+        pred = r_idx * width + (width - S + t_idx - 1)  # flat index into [rows * width]
         ids, pos = input_ids, position_ids
     pred = pred.to(dev)
     wrapped = hasattr(model, "module")
@@ -228,10 +228,10 @@ def row_logprobs(
             lp, ent = chunked_logprobs(hidden, head, target, temperature=temperature,
                                        with_entropy=with_entropy, chunk=chunk or max(1, len(pred)))
     index = (r_idx.to(dev), t_idx.to(dev))
-    logprobs = torch.zeros(rows, R, dtype=torch.float32, device=dev).index_put(index, lp.float())
+    logprobs = torch.zeros(rows, S, dtype=torch.float32, device=dev).index_put(index, lp.float())
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(rows, R, dtype=torch.float32, device=dev).index_put(index, ent.float())
+        entropy = torch.zeros(rows, S, dtype=torch.float32, device=dev).index_put(index, ent.float())
     return logprobs, entropy, packed
 
 

@@ -55,13 +55,13 @@ class UpdateResult:
 @dataclass
 class StepRows:
     """The step's rows as the update reads them: the batch (on the CPU, where planning runs) and
-    its tensors on the model's device. Shapes: N rows, T tokens a row, L response positions.
+    its tensors on the model's device (rows/batch.py's letters: P prompt, S response positions).
 
-    ids, att, pos: [N, T] on the device; adv: [N] (the rollout's) or [N, L] (each token's credit);
-    mask: [N, L] float, the trained response tokens (the response mask less what correction
-    rejected or masked; `train_mask` is the same on the CPU); old: [N, L] the logprobs the PPO
-    ratio is taken against; behaviour: [N, L] the engine's, or None; is_weights: [N, L] the
-    importance weights of correction.weight, or None."""
+    ids, att, pos: [rows, P+S] on the device; adv: [rows] (the rollout's) or [rows, S] (each
+    token's credit); mask: [rows, S], the trained response tokens (the response mask less what
+    correction rejected or masked; `train_mask` is the same on the CPU); old: [rows, S] the
+    logprobs the PPO ratio is taken against; behaviour: [rows, S] the engine's, or None;
+    is_weights: [rows, S] the importance weights of correction.weight, or None."""
 
     batch: object  # rows.batch.TrainingBatch
     ids: torch.Tensor
@@ -116,7 +116,7 @@ class Forward:
 
     def __call__(self, m: torch.nn.Module, s: StepRows, rows: torch.Tensor, *,
                  entropy: bool = False, packed=None):
-        """(logprobs [n, L], entropy [n, L] | None, pack, tokens computed, tokens a padded batch
+        """(logprobs [n, S], entropy [n, S] | None, pack, tokens computed, tokens a padded batch
         computes) of `rows` (n of them)."""
         real = s.batch.attention_mask[rows]
         first = int((real.sum(0) > 0).int().argmax())
@@ -141,7 +141,7 @@ def plan(s: StepRows, fwd: Forward, cfg: TrainConfig, world_size: int, rank: int
 
 
 def proximal_logprobs(model: torch.nn.Module, s: StepRows, fwd: Forward, cfg: TrainConfig) -> torch.Tensor:
-    """[N, L]: the policy's logprobs before this step's first update, over every row (no grad)."""
+    """[rows, S]: the policy's logprobs before this step's first update, over every row (no grad)."""
     old = torch.zeros(s.train_mask.shape, dtype=torch.float32, device=s.ids.device)
     with torch.no_grad():
         for mb in plan(s, fwd, cfg, 1, 0):

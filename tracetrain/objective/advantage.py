@@ -362,7 +362,7 @@ def batch_advantages(
 def broadcast_to_tokens(
     values: torch.Tensor, rollout_index: torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """[rows, R] float32: values[rollout_index[i]] on the trained tokens of row i, 0 elsewhere."""
+    """[rows, S] float32: values[rollout_index[i]] on the trained tokens of row i, 0 elsewhere."""
     if values.dim() != 1:
         raise ValueError(f"values must be 1-D, one per rollout, got shape {tuple(values.shape)}")
     if rollout_index.dim() != 1 or rollout_index.numel() != response_mask.shape[0]:

@@ -47,8 +47,8 @@ import torch
 
 from tracetrain import registry
 
-# (log ratio [rows, R] float64 masked to 0 off m, per-token broadcast of LR_r and G_r [rows, R],
-#  option) -> v [rows, R] float64
+# (log ratio [rows, S] float64 masked to 0 off m, per-token broadcast of LR_r and G_r [rows, S],
+#  option) -> v [rows, S] float64
 CorrectionFn = Callable[..., torch.Tensor]
 WEIGHTS = registry.CORRECTION_WEIGHTS
 MASKS = registry.CORRECTION_MASKS
@@ -61,7 +61,7 @@ def register(table: registry.Registry, name: str) -> Callable[[CorrectionFn], Co
 class LogRatios(NamedTuple):
     """log rho of one step's rows, per token and per rollout (module docstring)."""
 
-    token: torch.Tensor  # [rows, R] float64: lr, 0 where m is 0
+    token: torch.Tensor  # [rows, S] float64: lr, 0 where m is 0
     rollout: torch.Tensor  # [n_rollouts] float64: LR_r
     geo: torch.Tensor  # [n_rollouts] float64: G_r (0 for a rollout without trained tokens)
     tokens: torch.Tensor  # [n_rollouts] int64: T_r
@@ -69,7 +69,7 @@ class LogRatios(NamedTuple):
 
 def log_ratios(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
                rollout_index: torch.Tensor, n_rollouts: int) -> LogRatios:
-    """lr, LR_r, G_r and T_r from pi and mu [rows, R], mask m [rows, R] and rollout_index [rows]
+    """lr, LR_r, G_r and T_r from pi and mu [rows, S], mask m [rows, S] and rollout_index [rows]
     (rows of one rollout need not be adjacent)."""
     m = mask.bool()
     lr = torch.where(m, trainer_logprobs.double() - behaviour_logprobs.double(), 0.0)
@@ -125,8 +125,8 @@ class Correction(NamedTuple):
     """What the update uses: v (None when every v is 1 by construction) and the trained mask with
     rejected rollouts cleared; and the metrics of the step."""
 
-    is_weights: torch.Tensor | None  # [rows, R] float32
-    mask: torch.Tensor  # [rows, R] bool
+    is_weights: torch.Tensor | None  # [rows, S] float32
+    mask: torch.Tensor  # [rows, S] bool
     metrics: dict[str, float]
 
 

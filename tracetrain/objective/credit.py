@@ -212,7 +212,7 @@ def _step_level(t: TurnRewards, adv, gamma, step_weight, eps):
 
 
 def token_advantages(batch: TrainingBatch, per_turn: dict[str, dict[int, float]]) -> torch.Tensor:
-    """[rows, R] float32: on each row, every trained turn's response tokens carry that turn's
+    """[rows, S] float32: on each row, every trained turn's response tokens carry that turn's
     advantage, per_turn[rollout id][turn index] (batch.turn_spans says where they are); 0 on
     observation tokens and padding."""
     if batch.turn_spans is None:
@@ -240,7 +240,7 @@ def batch_credit(
 
     A rollout-level estimator gives advantage.batch_advantages' answer, one per rollout
     ([n_rollouts]). A turn-level one (TURN_ESTIMATORS) excludes the same rollouts, then gives
-    [rows, R] token advantages: each trained turn's tokens its A_{r,k}."""
+    [rows, S] token advantages: each trained turn's tokens its A_{r,k}."""
     registry.resolve("advantage.estimator", estimator)
     batch, values, metrics = batch_advantages(
         batch, estimator=estimator if estimator in ESTIMATORS else "grpo", eps=eps,

@@ -101,8 +101,8 @@ def policy_loss_sums(
         L = pg + kl_coef * kl_ref - entropy_coef * entropy      (x = l, kl, H)
 
     and, detached, mass (x = 1), clip / dual_clip (x = the flags of ppo_surrogate), approx_kl
-    (x = r - 1 - log r: k3 of the new policy against old_logprobs). `weights` is w [rows, R] or
-    (mask [rows, R], s [rows]). The ratio is r = exp(clamp(logprobs - old_logprobs, -20, 20)).
+    (x = r - 1 - log r: k3 of the new policy against old_logprobs). `weights` is w [rows, S] or
+    (mask [rows, S], s [rows]). The ratio is r = exp(clamp(logprobs - old_logprobs, -20, 20)).
     """
     w = weights.float() if isinstance(weights, torch.Tensor) else weights[0] * weights[1][:, None].float()
     adv = advantages.float()[:, None] if advantages.dim() == 1 else advantages.float()
@@ -150,16 +150,16 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """L = sum_{i,t} w[i,t] * (surrogate[i,t] * isw[i,t] + kl_coef * kl[i,t] - entropy_coef * H[i,t]).
 
-    - logprobs [rows, R]: the current policy's log-probabilities (differentiable).
-    - old_logprobs [rows, R]: the log-probabilities the ratio is taken against (constant).
-    - advantages: [rows] (one per row, e.g. `adv[batch.rollout_index]`) or [rows, R] (constant).
-    - weights: a [rows, R] tensor, or `RowWeights(mask, row_scales)` (as the trainer passes them;
-      the CPU path then builds no [rows, R] weight tensor). All three terms use the same weights
+    - logprobs [rows, S]: the current policy's log-probabilities (differentiable).
+    - old_logprobs [rows, S]: the log-probabilities the ratio is taken against (constant).
+    - advantages: [rows] (one per row, e.g. `adv[batch.rollout_index]`) or [rows, S] (constant).
+    - weights: a [rows, S] tensor, or `RowWeights(mask, row_scales)` (as the trainer passes them;
+      the CPU path then builds no [rows, S] weight tensor). All three terms use the same weights
       (invariant 5).
-    - is_weights [rows, R]: importance weights v >= 0 (constant), see correction.py.
-    - ref_logprobs [rows, R] with `kl_estimator` in KL_ESTIMATORS: KL(policy || reference) term;
+    - is_weights [rows, S]: importance weights v >= 0 (constant), see correction.py.
+    - ref_logprobs [rows, S] with `kl_estimator` in KL_ESTIMATORS: KL(policy || reference) term;
       needed when kl_coef != 0, reported as a metric whenever given.
-    - entropy [rows, R] (differentiable): the policy's entropy; needed when entropy_coef != 0.
+    - entropy [rows, S] (differentiable): the policy's entropy; needed when entropy_coef != 0.
 
     Gradients flow to `logprobs` and `entropy` only. Metrics are detached 0-d tensors (no host
     sync): pg_loss (the weighted sum of the surrogate), weight_mass (sum w), and weighted means
@@ -241,7 +241,7 @@ def _check_same_shape(name: str, x: torch.Tensor | None, shape: torch.Size) -> N
 def _check_tensors(logprobs, old_logprobs, advantages, weights, is_weights, ref_logprobs, entropy):
     """Shapes and dtypes; returns the weights detached, as a tensor or (bool mask, scales)."""
     if not isinstance(logprobs, torch.Tensor) or logprobs.dim() != 2:
-        raise ValueError("logprobs must be a 2-D float tensor [rows, R]")
+        raise ValueError("logprobs must be a 2-D float tensor [rows, S]")
     shape = logprobs.shape
     _check_same_shape("logprobs", logprobs, shape)
     _check_same_shape("old_logprobs", old_logprobs, shape)

@@ -13,7 +13,7 @@ On a GPU the plain versions run: there each op is one kernel over the whole tens
 already fast, and blocks would only add launches. On CPU the plain versions lose because:
 
 - torch's bool row-sum widens every byte to int64: up to 40x slower than summing the bytes as words.
-- The loss is ~30 elementwise ops per token. On [rows, R] tensors each op streams megabytes through
+- The loss is ~30 elementwise ops per token. On [rows, S] tensors each op streams megabytes through
   memory into a fresh tensor (autograd keeps many of them for backward); here the rows go through
   in blocks of BLOCK tokens whose temporaries live in one reused workspace that stays in cache, and
   forward also computes d L / d logprob, so backward is one multiply (none when L is the loss).
@@ -175,9 +175,9 @@ def policy_loss_sums(
     """`loss.policy_loss_sums` in blocks of about `chunk_tokens` tokens: the same (L, sums), the
     same gradients.
 
-    Forward computes d L / d logprob block by block and keeps only that [rows, R] tensor, so
-    backward is one multiply (none when L itself is the loss). `weights` is a [rows, R] tensor or
-    (bool mask [rows, R], scales [rows]). Beyond |logprob - old| = 20, where the clamp of the
+    Forward computes d L / d logprob block by block and keeps only that [rows, S] tensor, so
+    backward is one multiply (none when L itself is the loss). `weights` is a [rows, S] tensor or
+    (bool mask [rows, S], scales [rows]). Beyond |logprob - old| = 20, where the clamp of the
     log-ratio cuts the gradient in the plain version, it is cut here too; the clip_frac metric
     may count such a token as clipped there.
     """

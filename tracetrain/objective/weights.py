@@ -152,7 +152,7 @@ def _resolve_mode(mode: str, norm_length: float | None) -> str:
 
 
 def as_mask(mask: torch.Tensor, name: str = "response_mask") -> torch.Tensor:
-    """A [rows, R] mask as bool: a bool tensor as is (the fast path); 0/1 integers or floats
+    """A [rows, S] mask as bool: a bool tensor as is (the fast path); 0/1 integers or floats
     (verl's and Agent Lightning's masks are int64) as `mask != 0`. Any other value is an error
     naming its position; nothing is coerced."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_complex():
@@ -161,7 +161,7 @@ def as_mask(mask: torch.Tensor, name: str = "response_mask") -> torch.Tensor:
             if isinstance(mask, torch.Tensor)
             else type(mask).__name__
         )
-        raise ValueError(f"{name} must be a 2-D tensor [rows, R] of bool or 0/1, got {what}")
+        raise ValueError(f"{name} must be a 2-D tensor [rows, S] of bool or 0/1, got {what}")
     if mask.dtype == torch.bool:
         return mask
     bad = (mask != 0) & (mask != 1)  # NaN included
@@ -225,14 +225,14 @@ def token_weights(
     mode: str = "rollout-mean",
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    """w [rows, R] float32 = response_mask * row_scales (materialized; the loss does not need it)."""
+    """w [rows, S] float32 = response_mask * row_scales (materialized; the loss does not need it)."""
     response_mask = as_mask(response_mask)
     s = row_scales(response_mask, rollout_ids, mode=mode, norm_length=norm_length)
     return response_mask.view(torch.uint8) * s[:, None]  # (uint8: bool arithmetic is slow on CPU)
 
 
 class RowWeights(NamedTuple):
-    """Token weights kept factored: w[i,t] = mask[i,t] * scales[i] (no [rows, R] float tensor)."""
+    """Token weights kept factored: w[i,t] = mask[i,t] * scales[i] (no [rows, S] float tensor)."""
 
-    mask: torch.Tensor  # [rows, R] bool (or 0/1 integers / floats: see as_mask)
+    mask: torch.Tensor  # [rows, S] bool (or 0/1 integers / floats: see as_mask)
     scales: torch.Tensor  # [rows] float

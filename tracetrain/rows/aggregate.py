@@ -159,7 +159,7 @@ def aggregate(
     Only the turns of `train_roles` (None: every role) make rows, each role's turns chaining by
     their own prefix (roles.role_orders); a rollout whose trained roles made no call has no row.
 
-    P, R (prompt/response widths) are the batch maxima, or the limits with pad_to_limits=True.
+    P, S (prompt/response widths) are the batch maxima, or the limits with pad_to_limits=True.
     position_ids are 0 on the left padding and keep counting over the right padding.
     Per row: model_version = oldest model_version of its turns, -1 if any is unknown;
     rollout_logprobs is None when any kept turn lacks logprobs. Per rollout: reward (NaN if None)
@@ -186,39 +186,39 @@ def aggregate(
     planned = plan_rollouts(rollouts, level, lim, tokenizer, return_breaks, train_roles)
     rows = [row for plan in planned.plans for row in plan.rows]
     if pad_to_limits:
-        P, R = max_prompt_length, max_response_length
+        P, S = max_prompt_length, max_response_length
     else:
         P = max((row.n_prompt for row in rows), default=0)
-        R = max((row.n_region for row in rows), default=0)
-    filled = fill_rows(rollouts, planned, P, R, pad_token_id)
+        S = max((row.n_region for row in rows), default=0)
+    filled = fill_rows(rollouts, planned, P, S, pad_token_id)
     batch = _batch(planned, rows, filled, P)
-    metrics = _metrics(level, rollouts, planned, rows, P + R)
+    metrics = _metrics(level, rollouts, planned, rows, P + S)
     if return_breaks:
         return batch, metrics, [DriftBreak(*b) for b in planned.breaks]
     return batch, metrics
 
 
 class _Filled(NamedTuple):
-    input_ids: np.ndarray  # [rows, P + R]
-    response_mask: np.ndarray  # [rows, R]
-    rollout_logprobs: np.ndarray | None  # [rows, R]; None when a kept turn lacks logprobs
+    input_ids: np.ndarray  # [rows, P + S]
+    response_mask: np.ndarray  # [rows, S]
+    rollout_logprobs: np.ndarray | None  # [rows, S]; None when a kept turn lacks logprobs
     row_version: list[int]
-    turn_spans: list[list[tuple[int, int, int]]]  # per row: (turn, first column in R, tokens)
+    turn_spans: list[list[tuple[int, int, int]]]  # per row: (turn, first column in S, tokens)
 
 
-def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, R: int,
+def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, S: int,
               pad_token_id: int) -> _Filled:
     """Steps 2 and 3: allocate the outputs (numpy: huge pages for large blocks, fewer page
     faults), then write the rows chain by chain (Python per chain, row and turn; numpy copies; no
     per-token work). A row is the slice [lo, lo + n_prompt + n_region) of its chain's last
     context, placed to start at column P - n_prompt. Its trained tokens are its turns' responses
     in the region: response mask and logprobs are written there, turn by turn, from the lists."""
-    W = P + R
+    W = P + S
     n_rows = sum(len(plan.rows) for plan in planned.plans)
     new = np.zeros if pad_token_id == 0 else partial(np.full, fill_value=pad_token_id)
     input_ids = new((n_rows, W), dtype=np.int64)
-    response_mask = np.zeros((n_rows, R), dtype=np.bool_)
-    rollout_logprobs = np.zeros((n_rows, R), dtype=np.float32)
+    response_mask = np.zeros((n_rows, S), dtype=np.bool_)
+    rollout_logprobs = np.zeros((n_rows, S), dtype=np.float32)
     ids_flat, mask_flat, lp_flat = (
         a.reshape(-1) for a in (input_ids, response_mask, rollout_logprobs)
     )
@@ -241,7 +241,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, R: int,
                     chunk.copies.append(
                         (i * W + P - row.n_prompt, at + row.lo, row.n_prompt + row.n_region)
                     )
-                    to, n = i * R, row.keep  # where the turn's response lies in the region
+                    to, n = i * S, row.keep  # where the turn's response lies in the region
                     end = oldest = None  # end of the previous context; oldest model version
                     spans = []
                     for j in row.turns:
@@ -250,7 +250,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, R: int,
                             to += len(t.prompt_ids) - end  # observation tokens
                             n = len(t.response_ids)
                         mask_flat[to : to + n] = True
-                        spans.append((j, to - i * R, n))
+                        spans.append((j, to - i * S, n))
                         lps = t.response_logprobs
                         if lps is None:
                             have_logprobs = False
@@ -285,7 +285,7 @@ def fill_rows(rollouts: Sequence[Rollout], planned: Planned, P: int, R: int,
 
 def positions_and_attention(n_prompt: torch.Tensor, n_region: torch.Tensor, P: int, W: int):
     """Step 4: position_ids (0 on the left padding, then 0, 1, 2, ...: a window of
-    [0]*P + [0..P+R)) and attention_mask (1 from the row's first prompt column to the end of its
+    [0]*P + [0..P+S)) and attention_mask (1 from the row's first prompt column to the end of its
     region), one vectorized pass each. n_prompt, n_region: int64 [rows]."""
     n_rows = len(n_prompt)
     position_ids = torch.from_numpy(np.empty((n_rows, W), dtype=np.int64))

@@ -1,12 +1,15 @@
 """`TrainingBatch`: the rows that the aggregate stage hands to advantage, loss and trainer.
 
-Layout of row i (P = prompt width, R = response width, both the batch maxima unless padded to limits):
+Letters of every shape in the package: rows (B in docs/objective.md), P prompt positions, S response
+positions, V the vocabulary; R counts rollouts, never a width.
+
+Layout of row i (P = prompt width, S = response width, both the batch maxima unless padded to limits):
 
     input_ids[i]      = [pad ... pad | prompt ids ]  [ response-region ids | pad ... pad ]
-                        '---------- P (left pad) ---'  '---------- R (right pad) --------'
+                        '---------- P (left pad) ---'  '---------- S (right pad) --------'
     attention_mask[i] = 1 on real tokens, 0 on padding
     position_ids[i]   = 0, 1, 2, ... over real tokens (0 on left padding)
-    response_mask[i]  = over the R response columns: True on tokens the policy produced and we train,
+    response_mask[i]  = over the S response columns: True on tokens the policy produced and we train,
                         False on observation tokens merged into the row and on padding.
 
 The response region of a trajectory-level row is response_1, observation_2, response_2, ...; of a
@@ -22,11 +25,11 @@ import torch
 
 @dataclass
 class TrainingBatch:
-    input_ids: torch.Tensor  # [rows, P+R] int64
-    attention_mask: torch.Tensor  # [rows, P+R] int64
-    position_ids: torch.Tensor  # [rows, P+R] int64
-    response_mask: torch.Tensor  # [rows, R] bool
-    rollout_logprobs: torch.Tensor | None  # [rows, R] float32, 0 where mask is False; None if any turn lacks them
+    input_ids: torch.Tensor  # [rows, P+S] int64
+    attention_mask: torch.Tensor  # [rows, P+S] int64
+    position_ids: torch.Tensor  # [rows, P+S] int64
+    response_mask: torch.Tensor  # [rows, S] bool
+    rollout_logprobs: torch.Tensor | None  # [rows, S] float32, 0 where mask is False; None if any turn lacks them
     rollout_ids: list[str]  # [rows] the rollout each row belongs to
     group_ids: list[str]  # [rows] the group of that rollout
     turn_index: torch.Tensor  # [rows] int64, the first turn of the row within its rollout
@@ -54,12 +57,12 @@ class TrainingBatch:
 
     @property
     def response_length(self) -> int:
-        """R: width of the right-padded response block."""
+        """S: width of the right-padded response block."""
         return self.response_mask.shape[1]
 
     @property
     def responses(self) -> torch.Tensor:
-        """[rows, R] the response-region ids (a view)."""
+        """[rows, S] the response-region ids (a view)."""
         return self.input_ids[:, self.prompt_length :]
 
     def select_rows(self, index: torch.Tensor) -> TrainingBatch:

@@ -204,8 +204,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"{len(rollouts)} rollouts from {args.traces} -> {batch.n_rows} rows, level {args.level!r}"
     )
-    P, R = batch.prompt_length, batch.response_length
-    print(f"batch: input_ids {tuple(batch.input_ids.shape)} (P={P}, R={R})")
+    P, S = batch.prompt_length, batch.response_length
+    print(f"batch: input_ids {tuple(batch.input_ids.shape)} (P={P}, S={S})")
     print("trained response tokens are shown in [[...]] and marked * in the ids\n")
     for i in range(batch.n_rows):
         print(format_row(batch, i, tokenizer) + "\n")

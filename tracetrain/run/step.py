@@ -200,7 +200,7 @@ class Collected:
 
 class Rows(NamedTuple):
     batch: TrainingBatch
-    # [n_rollouts] one per rollout, or [rows, R] one per token of a turn-level estimator
+    # [n_rollouts] one per rollout, or [rows, S] one per token of a turn-level estimator
     # (credit.batch_credit); None when there is no row
     advantages: Any
     metrics: dict[str, Any]

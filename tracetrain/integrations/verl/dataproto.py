@@ -1,17 +1,17 @@
 """TrainingBatch + advantages <-> verl DataProto, laid out so that verl's mini-batches are ours.
 
 The rows keep tracetrain's layout, which is verl's: `prompts` [N, P] left-padded, `responses`
-[N, R] right-padded, input_ids / attention_mask / position_ids over P + R, `response_mask` [N, R]
+[N, S] right-padded, input_ids / attention_mask / position_ids over P + S, `response_mask` [N, S]
 (int64 0/1: 0 on observation tokens merged into a row, as verl's multi-turn agent loop does).
 Keys written:
 
     input_ids, attention_mask, position_ids, prompts, responses, response_mask
-    old_log_probs        [N, R] the ratio's denominator (the rollout's logprobs unless given)
-    rollout_log_probs    [N, R] the engine's logprobs, when the batch has them
-    ref_log_prob         [N, R] when given (KL term)
-    advantages           [N, R] the row's rollout advantage on every column, or each token's own
+    old_log_probs        [N, S] the ratio's denominator (the rollout's logprobs unless given)
+    rollout_log_probs    [N, S] the engine's logprobs, when the batch has them
+    ref_log_prob         [N, S] when given (KL term)
+    advantages           [N, S] the row's rollout advantage on every column, or each token's own
                          (turn-level credit: meta_info token_advantages); the loss weights it
-    rollout_is_weights   [N, R] tracetrain's token weights w (loss.TOKEN_WEIGHTS; see loss.py)
+    rollout_is_weights   [N, S] tracetrain's token weights w (loss.TOKEN_WEIGHTS; see loss.py)
     row_index            [N] the row in the TrainingBatch, -1 on padding rows
     turn_index, reward, model_version   [N] per row (reward: the rollout's, NaN if none)
     non-tensor: uid (group id, as verl's GRPO uses it), rollout_id, rollout_state
@@ -102,19 +102,19 @@ def to_dataproto(
 ) -> DataProto:
     """The DataProto of one step (see the module docstring for keys and layout).
 
-    advantages [n_rollouts]: one per rollout (`advantage.batch_advantages`), or [rows, R]: one
+    advantages [n_rollouts]: one per rollout (`advantage.batch_advantages`), or [rows, S]: one
     per token (turn-level credit, `credit.batch_credit`). The token weights of each mini-batch
     follow `mode` / `norm_length`, computed on the whole mini-batch before verl splits it.
-    old_log_probs [rows, R] default to the batch's rollout logprobs.
+    old_log_probs [rows, S] default to the batch's rollout logprobs.
     """
-    n, R, P = batch.n_rows, batch.response_length, batch.prompt_length
+    n, S, P = batch.n_rows, batch.response_length, batch.prompt_length
     if n == 0:
         raise ValueError("the batch has no rows")
-    shapes = ((batch.n_rollouts,), (n, R))
+    shapes = ((batch.n_rollouts,), (n, S))
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in shapes:
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages)
         raise ValueError(
-            f"advantages must have shape ({batch.n_rollouts},) (one per rollout) or ({n}, {R}) "
+            f"advantages must have shape ({batch.n_rollouts},) (one per rollout) or ({n}, {S}) "
             f"(one per token), got {got}"
         )
     per_token = advantages.dim() == 2
@@ -128,8 +128,8 @@ def to_dataproto(
             "(compute_log_prob) and pass old_log_probs"
         )
     for name, x in (("old_log_probs", old), ("ref_log_probs", ref_log_probs)):
-        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != (n, R)):
-            raise ValueError(f"{name} must have shape ({n}, {R}), got {getattr(x, 'shape', x)}")
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != (n, S)):
+            raise ValueError(f"{name} must have shape ({n}, {S}), got {getattr(x, 'shape', x)}")
 
     mask = batch.response_mask
     plan = plan_step(
@@ -152,12 +152,12 @@ def to_dataproto(
     )
     order = layout.order
 
-    pad_ids = torch.full((P + R,), pad_token_id, dtype=batch.input_ids.dtype)
-    pad_att = torch.zeros(P + R, dtype=batch.attention_mask.dtype)
+    pad_ids = torch.full((P + S,), pad_token_id, dtype=batch.input_ids.dtype)
+    pad_att = torch.zeros(P + S, dtype=batch.attention_mask.dtype)
     pad_att[P - 1] = 1  # one prompt token, so verl finds a prompt in every row
     input_ids = _take(batch.input_ids, order, pad_ids)
     token_adv = (advantages.float() if per_token
-                 else advantages.float()[batch.rollout_index][:, None].expand(n, R))
+                 else advantages.float()[batch.rollout_index][:, None].expand(n, S))
     tensors = {
         "input_ids": input_ids,
         "attention_mask": _take(batch.attention_mask, order, pad_att),
@@ -194,9 +194,9 @@ def to_dataproto(
 
 
 def from_dataproto(proto: DataProto) -> tuple[TrainingBatch, torch.Tensor, torch.Tensor]:
-    """(batch, advantages, token weights [rows, R]) back from `to_dataproto`'s output: padding
+    """(batch, advantages, token weights [rows, S]) back from `to_dataproto`'s output: padding
     rows dropped, rows in their TrainingBatch order; advantages as they were given: [n_rollouts],
-    or [rows, R] when per token."""
+    or [rows, S] when per token."""
     t = proto.batch
     for key in ("input_ids", "response_mask", "row_index", "advantages", TOKEN_WEIGHTS):
         if key not in t.keys():
@@ -222,7 +222,7 @@ def from_dataproto(proto: DataProto) -> tuple[TrainingBatch, torch.Tensor, torch
         index.append(len(rollouts) - 1)
     rollout_index = torch.tensor(index, dtype=torch.int64)
     first = torch.tensor(first_row, dtype=torch.int64)
-    R = t["response_mask"].shape[1]
+    S = t["response_mask"].shape[1]
     sel = t[keep]
     states = [states_col[j] for j in first_row]
     batch = TrainingBatch(
@@ -243,5 +243,5 @@ def from_dataproto(proto: DataProto) -> tuple[TrainingBatch, torch.Tensor, torch
     if proto.meta_info.get("token_advantages"):
         advantages = sel["advantages"]
     else:
-        advantages = sel["advantages"][first, 0] if R else torch.zeros(len(rollouts))
+        advantages = sel["advantages"][first, 0] if S else torch.zeros(len(rollouts))
     return batch, advantages, sel[TOKEN_WEIGHTS]

@@ -65,7 +65,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from tracetrain.objective.loss import policy_loss
 from tracetrain.objective.weights import MODES
 
-TOKEN_WEIGHTS = "rollout_is_weights"  # the DataProto key of w [rows, R] (see the module docstring)
+TOKEN_WEIGHTS = "rollout_is_weights"  # the DataProto key of w [rows, S] (see the module docstring)
 POLICY_LOSS_NAMES = tuple(MODES)  # "rollout-mean", "token-mean", ... (verl's policy-loss names)
 KL_NAMES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 STRATEGIES = ("fsdp", "fsdp2")  # the engines whose scaling this module was checked against
