@@ -44,7 +44,7 @@ def record(run: Path, out: Path) -> None:
     """The first step's rollouts of `run` -> (config, batch, advantages) saved to `out`."""
     import torch
 
-    from tracetrain.run.step import rows
+    from tracetrain.run.step import build_rows
     from tracetrain.view.inspection import _open, _step_prefix, _tokenizer
 
     store, cfg = _open(run)
@@ -53,7 +53,7 @@ def record(run: Path, out: Path) -> None:
     first = _step_prefix(done[0].group_id)
     step = [SimpleNamespace(rollout_id=r.rollout_id, state=r.state.value, reward=r.reward)
             for r in done if _step_prefix(r.group_id) == first]
-    batch, adv, _ = rows(store, step, cfg, _tokenizer(cfg), version=0)
+    batch, adv, _ = build_rows(store, step, cfg, _tokenizer(cfg), version=0)
     store.close()
     torch.save({"config": cfg.model_dump_json(), "batch": batch, "advantages": adv}, out)
     print(f"saved {len(step)} rollouts, {batch.n_rows} rows, {int(batch.attention_mask.sum())} "

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from tracetrain.engines.base import EngineError
-from tracetrain.rows.demo import add_demo_arguments, run_demo
 from tracetrain.types import UsageError
+from tracetrain.view.trace_rows import add_demo_arguments, run_demo
 
 
 def whole(low: int, high: int | None = None):

@@ -100,7 +100,7 @@ def test_a_sleeping_server_is_woken_before_the_adapter_is_loaded(tmp_path, tok):
             try:
                 await engine.sleep(1)
                 await engine.load_weights(pm, 1)
-                return engine.model, await engine.generate(chat(tok, "Guess."), SamplingParams(max_tokens=2))
+                return engine.served_model, await engine.generate(chat(tok, "Guess."), SamplingParams(max_tokens=2))
             finally:
                 await engine.aclose()
 
@@ -147,7 +147,7 @@ def synced_answers(lora_served, tok, adapters: list[int], prompts, params) -> li
             for version, seed in enumerate(adapters, 1):
                 set_adapter(pm, seed)
                 await engine.load_weights(pm, version)
-                assert engine.model == ADAPTER_NAME and engine.model_version == version
+                assert engine.served_model == ADAPTER_NAME and engine.model_version == version
                 gens = await asyncio.gather(*(engine.generate(p, params(k)) for k, p in enumerate(prompts)))
                 out.append((gens, copy.deepcopy(pm).eval(), lora.merged(pm).eval()))
             served = sorted(p.name for p in adapter_root.iterdir())

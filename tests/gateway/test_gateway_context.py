@@ -24,7 +24,7 @@ from openai import OpenAI
 from tracetrain.gateway import create_app
 from tracetrain.gateway.serve import ThreadedServer
 from tracetrain.rows.aggregate import aggregate
-from tracetrain.rows.context import context_metrics
+from tracetrain.rows.context_metrics import context_metrics
 
 TOOLS = CALC_TOOLS
 

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetrain.rows.aggregate import aggregate
-from tracetrain.rows.demo import build_demo_tokenizer
 from tracetrain.rows.drift import break_position, classify_break, first_difference
 from tracetrain.types import Rollout, Turn
+from tracetrain.view.trace_rows import build_demo_tokenizer
 
 P0 = list(range(10, 20))  # 10 prompt tokens
 R0 = list(range(20, 25))  # 5 response tokens at context positions 10..14

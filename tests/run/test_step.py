@@ -19,7 +19,7 @@ from tracetrain.agents.tasks import load_task, resolve_agent
 from tracetrain.gateway.app import create_app
 from tracetrain.gateway.inprocess import serve_in_loop
 from tracetrain.integrations.verl.trainer import VerlRun
-from tracetrain.run.step import rollout_specs, rows
+from tracetrain.run.step import build_rows, rollout_specs
 from tracetrain.store import SQLiteStore
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess"
@@ -92,7 +92,7 @@ def test_verls_step_is_the_shared_step(tmp_path):
             assert len(ids) == n and batch.n_rows >= 1
             results = [SimpleNamespace(rollout_id=i, state=run.store.get_rollout(i).state.value,
                                        reward=run.store.get_rollout(i).reward) for i in ids]
-            again = rows(run.store, results, cfg, run.tokenizer, step)
+            again = build_rows(run.store, results, cfg, run.tokenizer, step)
             assert torch.equal(again.batch.input_ids, batch.input_ids)
             assert torch.equal(again.advantages, adv)
             for key in ("reward_mean", "n_failed", "aggregate/n_rows", "context/exact",

@@ -2,7 +2,7 @@
 
 Requests that arrive together (concurrent `generate` calls, e.g. the turns of 128 agents) are
 gathered into one left-padded batch and decoded by one loop with a KV cache, in a worker thread
-so the event loop keeps serving. Gathering: after the first request, keep collecting until a
+so the event loop keeps serving. Gathering: after the first request, keep gathering until a
 `batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
 late does not count: it was busy, or its thread was stopped, and requests may be half-way through
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
@@ -168,7 +168,7 @@ class LocalEngine:
         if lockstep is not None:
             lockstep.watch(lambda: self.unanswered)
         self._wakeup: asyncio.Event | None = None
-        self._collector: asyncio.Task | None = None
+        self._gatherer: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {
             "batches": 0,
@@ -211,10 +211,10 @@ class LocalEngine:
         decode step's new id; cancelling the call drops its row from the batch at the next step."""
         req = self._request(prompt_ids, params)
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._collector is None or self._collector.done():
+        if self._loop is not loop or self._gatherer is None or self._gatherer.done():
             self._loop, self._wakeup, self._pending = loop, asyncio.Event(), []
-            self._collector = loop.create_task(self._collect())
-            self._collector.add_done_callback(self._collector_ended)
+            self._gatherer = loop.create_task(self._gather())
+            self._gatherer.add_done_callback(self._gatherer_ended)
         req.future = loop.create_future()
         req.on_tokens = on_tokens
         req.future.add_done_callback(self._gave_up(req))
@@ -278,7 +278,7 @@ class LocalEngine:
             )
         return self._executor
 
-    async def _collect(self) -> None:
+    async def _gather(self) -> None:
         """Forever: wait for requests, gather a batch (see the module docstring), decode it."""
         loop = asyncio.get_running_loop()
         assert self._wakeup is not None
@@ -324,8 +324,8 @@ class LocalEngine:
             for r, g in zip(batch, gens, strict=True):
                 self._settle(r, g)
 
-    def _collector_ended(self, task: asyncio.Task) -> None:
-        """If the collector ever dies of a bug, fail its waiting requests instead of hanging them."""
+    def _gatherer_ended(self, task: asyncio.Task) -> None:
+        """If the gatherer ever dies of a bug, fail its waiting requests instead of hanging them."""
         if task.cancelled() or task.exception() is None:
             return
         err = EngineError(f"local engine {self.name!r} failed: {task.exception()!r}", 503)
@@ -475,9 +475,9 @@ class LocalEngine:
         self.update_weights(model.state_dict(), version)
 
     async def aclose(self) -> None:
-        if self._collector is not None:
-            self._collector.cancel()
-            self._collector = None
+        if self._gatherer is not None:
+            self._gatherer.cancel()
+            self._gatherer = None
         for r in self._pending:
             if r.future is not None:
                 self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))

@@ -298,7 +298,7 @@ class UpstreamEngine:
         path, self._body, self._parse = PROTOCOLS[api]
         self.base_url = base_url.rstrip("/")
         self._url = self.base_url + path
-        self.model = model
+        self.served_model = model  # the name the server serves it under
         self.tokenizer = tokenizer
         self.name = name
         self.max_context = max_context
@@ -347,7 +347,7 @@ class UpstreamEngine:
         (vLLM only; SGLang never calls it) the answer is streamed and each run of new ids handed
         to it as it arrives."""
         self.check(prompt_ids, params)
-        body = self._body(self.model, prompt_ids, params)
+        body = self._body(self.served_model, prompt_ids, params)
         if on_tokens is not None and self.api == "vllm":
             body["stream"] = True
         else:

@@ -228,7 +228,7 @@ class LoraTransport:
         if any(m.get("id") == ADAPTER_NAME for m in served.get("data", [])):
             await engine._post("/v1/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
         await engine._post("/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path)})
-        engine.model = ADAPTER_NAME
+        engine.served_model = ADAPTER_NAME
         if self.loaded is not None and self.loaded != path:
             await asyncio.to_thread(shutil.rmtree, self.loaded, True)
         self.loaded = path

@@ -3,7 +3,7 @@
     app.state.gateway   the Gateway below: store, engine slots, keys, settings
     routes              rollout_routes (rollouts, rewards, events), openai_routes (per-rollout
                         OpenAI API), engine_routes (register, pause, resume, drain)
-    hot                 the two model routes, answered before the middleware stack (GatewayApp)
+    fast_routes         the model routes, answered before the middleware stack (GatewayApp)
     limits              request bodies over max_body_bytes are refused (413) without being read
     errors              every error is a JSON body; no client mistake is a 5xx
 
@@ -27,7 +27,7 @@ from tracetrain.gateway import (
     anthropic_routes,
     engine_routes,
     errors,
-    hot,
+    fast_routes,
     openai_routes,
     responses_routes,
     rollout_routes,
@@ -107,15 +107,15 @@ class Gateway:
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, except that a POST to a model route goes to hot.serve first."""
+    """FastAPI, except that a POST to a model route goes to fast_routes.serve first."""
 
     gateway: Gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            match = hot.HOT_PATH.fullmatch(scope["path"])
+            match = fast_routes.MODEL_ROUTE.fullmatch(scope["path"])
             if match is not None:
-                return await hot.serve(self.gateway, match, scope, receive, send)
+                return await fast_routes.serve(self.gateway, match, scope, receive, send)
         await super().__call__(scope, receive, send)
 
 

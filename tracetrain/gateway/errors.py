@@ -115,7 +115,7 @@ HANDLERS = {
 
 async def handle(request: Request | None, exc: Exception) -> JSONResponse:
     """The error answer for `exc`, chosen as Starlette does: the handler of the nearest class in
-    its MRO (for routes served outside Starlette's middleware, see hot.py; request None: raised
+    its MRO (for routes served outside Starlette's middleware, see fast_routes.py; request None: raised
     in a stream, after its 200 went out)."""
     for cls in type(exc).__mro__:
         if cls in HANDLERS:

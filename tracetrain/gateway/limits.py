@@ -2,7 +2,7 @@
 refused unread (413); a chunked body is counted as it arrives and cut off at the limit.
 
 `BodySizeLimit` is the middleware for the FastAPI routes; `declared_error` and `read_body` do the
-same for the model routes, which are served before the middleware stack (hot.py).
+same for the model routes, which are served before the middleware stack (fast_routes.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ event: the text goes out as the engine makes it. The answer text is decoded from
 "prompt_token_ids" and choices[0].token_ids when the request sets return_token_ids.
 
 These two routes are the hot path: `chat_turn` and `completion_turn` take the gateway, the path's
-rollout id, the Authorization header and the raw body, and return the answer; hot.py calls them
+rollout id, the Authorization header and the raw body, and return the answer; fast_routes.py calls them
 straight from ASGI, before FastAPI's middleware stack and router, which cost more than the rest of
 a call. `install` also registers them as FastAPI routes, with the body schema, so the OpenAPI
 document describes them (and an app mounted under a prefix still serves them, the slower way).
@@ -285,11 +285,11 @@ HOT_ROUTES = [
     ("/rollouts/{rollout_id}/v1/chat/completions", chat_completions, ChatCompletionIn),
     ("/rollouts/{rollout_id}/v1/completions", completions, CompletionIn),
 ]
-TURNS = {"chat/completions": chat_turn, "completions": completion_turn}  # hot.py serves these
+TURNS = {"chat/completions": chat_turn, "completions": completion_turn}  # fast_routes.py serves these
 
 
 def install(app: FastAPI, routes: list = HOT_ROUTES) -> None:
-    """Register and document the model routes (hot.py answers them first), each also under a
+    """Register and document the model routes (fast_routes.py answers them first), each also under a
     role's base URL: /rollouts/{rollout_id}/roles/{role}/v1/..."""
     for path, serve, model in routes:
         for role in (False, True):

@@ -290,7 +290,7 @@ def decoding_for(
 
 def endpoint(turn):
     """The FastAPI endpoint of a model route whose `turn(gw, rollout_id, authorization, raw)`
-    hot.py calls directly (same docstring: it is the route's summary)."""
+    fast_routes.py calls directly (same docstring: it is the route's summary)."""
 
     async def serve(request: Request) -> Response:
         return await turn(

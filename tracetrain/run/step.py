@@ -23,7 +23,7 @@ from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.objective.credit import batch_credit
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
-from tracetrain.rows.context import context_metrics
+from tracetrain.rows.context_metrics import context_metrics
 from tracetrain.rows.roles import role_metrics, trains
 from tracetrain.types import Rollout
 
@@ -206,7 +206,7 @@ class Rows(NamedTuple):
     metrics: dict[str, Any]
 
 
-def rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: int) -> Rows:
+def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, version: int) -> Rows:
     """The rows stage: the step's rollouts (`results`: the runner's, with rollout_id, state and
     reward) read from the store, those older than trainer.max_staleness versions behind `version`
     dropped, aggregated into rows, and given their advantages.

@@ -59,11 +59,11 @@ from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks
 from tracetrain.run.step import (
     ENGINE_WORK,
     Collected,
+    build_rows,
     check_top_p,
     collect,
     end_unfinished,
     rollout_specs,
-    rows,
     step_tasks,
     throughput,
 )
@@ -264,7 +264,7 @@ class Trainer:
         cfg = self.cfg
         self.sync.check_engine()
         results = collected.results
-        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.version)
+        batch, adv, row_metrics = build_rows(self.store, results, cfg, self.tokenizer, self.version)
         metrics: dict[str, Any] = {"step": self.step, **row_metrics, **collected.metrics}
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})

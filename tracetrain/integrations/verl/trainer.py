@@ -158,7 +158,7 @@ class VerlRun:
     async def train_step(self, gateway, engines: dict, http) -> dict:
         """The shared step (tracetrain/run/step.py) on verl: the servers take the weights, collect,
         rows, verl's actor learns."""
-        from tracetrain.run.step import collect, rollout_specs, rows, step_tasks, throughput
+        from tracetrain.run.step import build_rows, collect, rollout_specs, step_tasks, throughput
 
         cfg, rc, t0 = self.cfg, self.cfg.rollout, time.perf_counter()
         cm = self.trainer.checkpoint_manager
@@ -175,7 +175,7 @@ class VerlRun:
         await asyncio.to_thread(cm.sleep_replicas)  # free the servers' GPU memory for training
         t_collect = time.perf_counter() - t0
 
-        batch, adv, row_metrics = rows(self.store, results, cfg, self.tokenizer, self.step)
+        batch, adv, row_metrics = build_rows(self.store, results, cfg, self.tokenizer, self.step)
         m: dict[str, Any] = {"step": self.step, **row_metrics}
         t1 = time.perf_counter()
         if batch.n_rows:

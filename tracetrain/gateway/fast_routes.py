@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from tracetrain.gateway import anthropic_routes, errors, limits, openai_routes, responses_routes
 
 # What is served here, before the middleware stack: path -> (rollout id, role or None, route)
-HOT_PATH = re.compile(
+MODEL_ROUTE = re.compile(
     r"/rollouts/([^/]+)(?:/roles/([^/]+))?/v1/(chat/completions|completions|responses|messages)"
 )
 TURNS = {
@@ -37,7 +37,7 @@ log = logging.getLogger("tracetrain.gateway")
 
 
 async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send) -> None:
-    """Answer one model call; `match` is HOT_PATH's match of the path."""
+    """Answer one model call; `match` is MODEL_ROUTE's match of the path."""
     anthropic = match[3] == "messages"
     try:
         headers = scope["headers"]
@@ -63,4 +63,4 @@ async def serve(gw, match: re.Match, scope: Scope, receive: Receive, send: Send)
     await response(scope, receive, send)
 
 
-__all__ = ["HOT_PATH", "serve"]
+__all__ = ["MODEL_ROUTE", "serve"]

@@ -1,4 +1,4 @@
-"""The model routes are answered before FastAPI's middleware stack (hot.py). The same requests get
+"""The model routes are answered before FastAPI's middleware stack (fast_routes.py). The same requests get
 the same answers (status, error body, response body, recorded turns) from that path and from the
 FastAPI routes, which serve them when the app is served under a prefix (root_path)."""
 
@@ -11,7 +11,7 @@ import httpx
 from gateway_fixtures import FakeEngine
 
 from tracetrain.engines.base import EngineError
-from tracetrain.gateway import create_app, hot
+from tracetrain.gateway import create_app, fast_routes
 from tracetrain.gateway.serve import ThreadedServer
 from tracetrain.store import SQLiteStore
 
@@ -80,25 +80,25 @@ def scenario(base: str, engine: FakeEngine) -> list:
 
 
 def serve_scenario(tmp_path, mounted: bool) -> tuple[list, int]:
-    """(what the scenario got, how many calls hot.serve answered)."""
+    """(what the scenario got, how many calls fast_routes.serve answered)."""
     engine = FakeEngine(max_context=512)
     store = SQLiteStore(tmp_path / f"{mounted}.db")
     app = create_app(store, engine, admin_key=ADMIN, max_body_bytes=LIMIT)
-    if mounted:  # behind a proxy that adds /gw: hot.py does not match, FastAPI's routes answer
+    if mounted:  # behind a proxy that adds /gw: fast_routes.py does not match, FastAPI's routes answer
         app.root_path = "/gw"
     served = []
-    real = hot.serve
+    real = fast_routes.serve
 
     async def counted(*args):
         served.append(1)
         return await real(*args)
 
-    hot.serve = counted
+    fast_routes.serve = counted
     try:
         with ThreadedServer(app) as server:
             return scenario(server.url + ("/gw" if mounted else ""), engine), len(served)
     finally:
-        hot.serve = real
+        fast_routes.serve = real
         store.close()
 
 
