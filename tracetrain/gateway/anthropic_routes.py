@@ -48,12 +48,10 @@ from tracetrain.gateway.schemas import (
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (
     ChatAnswer,
+    begin_turn,
     chat_answer,
     decoding_for,
     json_response,
-    parse_body,
-    role_of,
-    rollout_of,
     turn_meta,
 )
 
@@ -242,10 +240,8 @@ async def live_events(
 async def messages_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
                         role: str | None = None) -> Response:
     """Anthropic Messages: one turn of the rollout."""
-    rollout = rollout_of(gw, authorization, rollout_id)
-    body: MessagesIn = parse_body(MessagesIn, raw)
-    role = role_of(role, body.model)
-    slot = gw.slot_for(rollout, role)
+    t = begin_turn(gw, rollout_id, authorization, raw, role, MessagesIn)
+    rollout, body, role, slot = t.rollout, t.body, t.role, t.slot
     tok = slot.engine.tokenizer
     tools = chat_tools(body)
     how = decoding_for(gw, slot, tools, body.tool_choice)

@@ -44,7 +44,7 @@ log = logging.getLogger("tracetrain.gateway")
 EngineFactory = Callable[[dict[str, Any], "Gateway"], Engine]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Gateway:
     store: Store
     admin_key: str
@@ -167,18 +167,10 @@ def create_app(
         raise ValueError(
             f"default_engine {default_engine!r} is not among the engines {sorted(engines)}"
         )
-    gw = Gateway(
-        store,
-        admin_key,
-        default_engine,
-        pause_wait_s,
-        public_url,
-        engine_factory,
-        max_body_bytes,
-        context,
-        tool_parser,
-        forced_tool_choice,
-    )
+    gw = Gateway(store=store, admin_key=admin_key, default_engine=default_engine,
+                 pause_wait_s=pause_wait_s, public_url=public_url, engine_factory=engine_factory,
+                 max_body_bytes=max_body_bytes, context=context, tool_parser=tool_parser,
+                 forced_tool_choice=forced_tool_choice)
     for name, engine in engines.items():
         gw.add_engine(name, engine)
         if close_engines:

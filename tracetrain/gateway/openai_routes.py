@@ -39,16 +39,14 @@ from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (
     ChatAnswer,
+    begin_turn,
     chat_answer,
     decoding_for,
     endpoint,
     final_text,
     generate_turn,
     json_response,
-    parse_body,
-    parse_json_body,
     role_of,
-    rollout_of,
     turn_meta,
 )
 from tracetrain.store import RolloutHead
@@ -76,10 +74,8 @@ def _token_logprobs(tokenizer: Any, gen: Generation) -> list[dict[str, Any]]:
 async def chat_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
                     role: str | None = None) -> Response:
     """OpenAI chat completion: one turn of the rollout."""
-    rollout = rollout_of(gw, authorization, rollout_id)
-    body, data = parse_json_body(ChatCompletionIn, raw)
-    role = role_of(role, body.model)
-    slot = gw.slot_for(rollout, role)
+    t = begin_turn(gw, rollout_id, authorization, raw, role, ChatCompletionIn, with_data=True)
+    rollout, body, data, role, slot = t.rollout, t.body, t.data, t.role, t.slot
     max_tokens = render.chat_max_tokens(body)
     messages, tools = render.chat_messages(body, data)
     how = decoding_for(gw, slot, tools, body.tool_choice, getattr(body, "response_format", None))
@@ -157,10 +153,8 @@ async def _chat_chunks(
 async def completion_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
                           role: str | None = None) -> Response:
     """OpenAI text completion: one turn of the rollout."""
-    rollout = rollout_of(gw, authorization, rollout_id)
-    body: CompletionIn = parse_body(CompletionIn, raw)
-    role = role_of(role, body.model)
-    slot = gw.slot_for(rollout, role)
+    t = begin_turn(gw, rollout_id, authorization, raw, role, CompletionIn)
+    rollout, body, role, slot = t.rollout, t.body, t.role, t.slot
     tok = slot.engine.tokenizer
     prompt_ids, params = render.completion_request(tok, slot.engine, body)
     base = {

@@ -52,13 +52,11 @@ from tracetrain.gateway.schemas import (
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (
     ChatAnswer,
+    begin_turn,
     chat_answer,
     decoding_for,
     endpoint,
     json_response,
-    parse_body,
-    role_of,
-    rollout_of,
     turn_meta,
 )
 
@@ -295,10 +293,8 @@ async def live_events(
 async def responses_turn(gw, rollout_id: str, authorization: str | None, raw: bytes,
                          role: str | None = None) -> Response:
     """OpenAI Responses API: one turn of the rollout."""
-    rollout = rollout_of(gw, authorization, rollout_id)
-    body: ResponsesIn = parse_body(ResponsesIn, raw)
-    role = role_of(role, body.model)
-    slot = gw.slot_for(rollout, role)
+    t = begin_turn(gw, rollout_id, authorization, raw, role, ResponsesIn)
+    rollout, body, role, slot = t.rollout, t.body, t.role, t.slot
     tools = chat_tools(body)
     how = decoding_for(gw, slot, tools, body.tool_choice, text_format(body), "text.format")
     kept = _kept(gw)

@@ -57,6 +57,29 @@ _ID = re.compile(ID_PATTERN)
 _REFUSED = object()  # a body pydantic's JSON parser refused
 
 
+@dataclass(frozen=True)
+class TurnStart:
+    """What every model route knows before it renders: the rollout (its key checked), the parsed
+    body, the body as sent (with_data routes only, else None), the role that calls, its slot."""
+
+    rollout: RolloutHead
+    body: Any
+    data: Any
+    role: str
+    slot: EngineSlot
+
+
+def begin_turn(gw, rollout_id: str, authorization: str | None, raw: bytes, role: str | None,
+               model: type[BaseModel], *, with_data: bool = False) -> TurnStart:
+    """The prologue of every turn handler, in its order: auth and the rollout (rollout_of), the
+    body (parse_body; parse_json_body with `with_data`), the role (the path's, else the body's
+    `model`: role_of), the engine slot that serves it."""
+    rollout = rollout_of(gw, authorization, rollout_id)
+    body, data = parse_json_body(model, raw) if with_data else (parse_body(model, raw), None)
+    role = role_of(role, body.model)
+    return TurnStart(rollout, body, data, role, gw.slot_for(rollout, role))
+
+
 def rollout_of(gw, authorization: str | None, rid: str) -> RolloutHead:
     """Auth first (401/403/404), like the FastAPI routes' dependencies."""
     who = keys.identify(gw, authorization)
