@@ -3,13 +3,13 @@
     .venv/bin/python bench/bench_context.py [--turns 8 32] [--clients 32] [--tokenizer qwen]
 
 Each run starts `python -m tracetrain.gateway.serve --engine upstream --context {exact|template}`
-(its own process) in front of tests/fake_upstream.py, which answers with scripted token ids: tool
+(its own process) in front of tests/support/fake_upstream.py, which answers with scripted token ids: tool
 calls tokenized by the real tokenizer, a third of them written exactly as the template writes a
 call, a third in compact JSON, a third after a sentence of text. `--clients` agents (one rollout
 each, one keep-alive connection each) play a `--turns`-turn conversation in lockstep: each sends
 its whole history (system prompt, task, every answer as the SDK returned it, every tool result)
-with the tools, as harnesses do. The chat template is HERMES_TOOLS (tests/chat_templates.py: Qwen
-2.5 / Hermes behaviour) on the Qwen tokenizer (tests/real_tokenizers.py) or another (--tokenizer).
+with the tools, as harnesses do. The chat template is HERMES_TOOLS (tests/support/chat_templates.py: Qwen
+2.5 / Hermes behaviour) on the Qwen tokenizer (tests/support/real_tokenizers.py) or another (--tokenizer).
 
 Per policy and conversation length it prints, from the recorded turns (aggregate at the
 trajectory level, with the tokenizer): prefix breaks per rollout by kind, rows per rollout, the
@@ -40,7 +40,7 @@ import aiohttp
 import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from chat_templates import HERMES_TOOLS, with_template  # noqa: E402
 from fake_upstream import spawn_fake_upstream  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from fake_upstream import spawn_fake_upstream  # noqa: E402
 
 from tracetrain.engines.base import SamplingParams  # noqa: E402

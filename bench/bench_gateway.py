@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_gateway.py [--requests 4000] [--concurrency 32] [--single 300]
 
 Everything runs on loopback, each server in its own process:
-  fake     tests/fake_upstream.py (a vLLM-protocol fake; answers in microseconds)
+  fake     tests/support/fake_upstream.py (a vLLM-protocol fake; answers in microseconds)
   direct   clients -> fake /v1/chat/completions                     (the baseline)
   tracetrain  clients -> `python -m tracetrain.gateway.serve --engine upstream` -> fake /v1/completions
            (chat template rendered to ids, turn committed to SQLite before each answer)
@@ -40,7 +40,7 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from fake_upstream import spawn_fake_upstream  # noqa: E402
 
 PEERS_PYTHON = ROOT / "bench" / ".venv-peers" / "bin" / "python"

@@ -204,6 +204,25 @@ def test_tests_mirror_the_package_folders():
     assert test_folders and test_folders <= folders, test_folders - folders
     for p in TESTS.glob("*/test_*.py"):
         assert not (TESTS / p.name).exists(), p.name  # one test module per name (pytest's rootdir imports)
+    assert not any((TESTS / "support").glob("test_*.py"))  # helpers only: no tests hide there
+
+
+def stray_modules(names: list[str]) -> list[str]:
+    """The modules at tests/ root that are neither the conftest nor a test file: a helper belongs
+    in tests/support/ (which the conftest puts on sys.path)."""
+    allowed = {"conftest.py", "__init__.py"}
+    return sorted(n for n in names if n.endswith(".py") and n not in allowed and not n.startswith("test_"))
+
+
+def test_tests_root_holds_only_the_conftest_and_test_modules():
+    assert (TESTS / "support").is_dir()
+    assert stray_modules([p.name for p in TESTS.glob("*.py")]) == []
+
+
+def test_the_rules_catch_a_planted_helper_at_the_tests_root():
+    names = [p.name for p in TESTS.glob("*.py")]
+    assert "conftest.py" in names and "test_architecture.py" in names  # the listing is the real one
+    assert stray_modules([*names, "fake_upstream.py", "README.md"]) == ["fake_upstream.py"]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from tracetrain.objective.advantage import ESTIMATORS, rollout_advantages
 from tracetrain.objective.weights import MODES
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN = Path(__file__).resolve().parent / "plugin_pieces.py"
+PLUGIN = Path(__file__).resolve().parent / "support" / "plugin_pieces.py"
 DEADLINE_S = 300
 
 

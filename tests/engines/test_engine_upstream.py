@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import time
-from pathlib import Path
 
 import openai
 import orjson
 import pytest
 from aiohttp import web
+from fake_upstream import FakeConfig, FakeUpstream, fake_generation
 
 from tracetrain.engines.base import Engine, EngineError, PromptTooLong, SamplingParams
 from tracetrain.engines.upstream import (
@@ -21,9 +20,6 @@ from tracetrain.engines.upstream import (
     parse_sglang,
     request_body,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fake_upstream import FakeConfig, FakeUpstream, fake_generation  # noqa: E402
 
 MAX_MODEL_LEN = 256
 

@@ -698,7 +698,7 @@ def test_overlap_collect_with_vllm_trains_on_rollouts_one_version_old(tmp_path, 
 def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, vllm_python):
     run = tmp_path / "run"
     cfg = build_config({"task_args": {"high": 4, "max_turns": 3, "kill_step": 2, "run_dir": str(run)}}, [
-        f"task={ROOT / 'tests' / 'vllm_kill_task.py'}", "warm_start.steps=3", "warm_start.batch_size=8",
+        f"task={ROOT / 'tests' / 'support' / 'vllm_kill_task.py'}", "warm_start.steps=3", "warm_start.batch_size=8",
         "rollout.tasks_per_step=2", "rollout.n_per_task=4", "optim.warmup_steps=0",
         "trainer.steps=4", f"trainer.run_dir={run}", "trainer.checkpoint_every=1",
         "engine.kind=vllm", f"engine.python={vllm_python}", "trainer.precision=fp32"])

@@ -1,9 +1,9 @@
 """Chat-template conformance: real tokenizers and templates, one tool-using conversation, both
 context policies, through a live gateway and the openai SDK.
 
-Tokenizers (tests/real_tokenizers.py): SmolLM2-135M-Instruct (GGUF, with its own template), Qwen
+Tokenizers (tests/support/real_tokenizers.py): SmolLM2-135M-Instruct (GGUF, with its own template), Qwen
 (tiktoken ranks), DeepSeek (tokenizer.json), and the project's tiny one. Templates
-(tests/chat_templates.py): ChatML with Hermes tool calls, one that drops the reasoning of earlier
+(tests/support/chat_templates.py): ChatML with Hermes tool calls, one that drops the reasoning of earlier
 turns, one with a default system prompt and the date, a DeepSeek-R1-style one, SmolLM2's own.
 
 The model's answers are scripted token ids, each chosen to exercise one known cause of a prefix

@@ -116,7 +116,7 @@ def test_autogen_assistant_agent_as_a_command_agent(gw):
     gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
     gw.engine.say(hermes_call("calc", {"expr": "2+2"}))
     task = {"questions": ["What is 6*7?", "And 2+2?"], "answers": ["42", "4"]}
-    agent = load_agent(f"{python} {Path(__file__).resolve().parents[1] / 'autogen_agent.py'}")
+    agent = load_agent(f"{python} {Path(__file__).resolve().parents[1] / 'support' / 'autogen_agent.py'}")
 
     async def main():
         client = GatewayClient(gw.url, gw.admin_key)

@@ -8,7 +8,7 @@
   gradient of each mini-batch, whatever verl's micro-batch size; also with KL and entropy (our full
   loss function), and on 2 real data-parallel ranks (gloo).
 
-verl runs on CPU through its platform plugin interface (tests/verl_cpu.py). The optimizer's lr is
+verl runs on CPU through its platform plugin interface (tests/support/verl_cpu.py). The optimizer's lr is
 1e-12 so that the parameters stay put between mini-batches: each mini-batch's gradient is captured
 just before verl's optimizer step and compared with tracetrain's at the same parameters.
 """

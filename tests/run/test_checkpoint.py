@@ -14,7 +14,7 @@ from tracetrain.models import lora
 from tracetrain.run import checkpoint
 from tracetrain.run.trainer import Trainer
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1] / "support"
 LORA = ["model.lora.r=4", 'model.lora.target_modules=["q_proj", "v_proj"]', "model.lora.dropout=0.1"]
 
 

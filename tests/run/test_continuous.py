@@ -18,7 +18,7 @@ from tracetrain.config import ConfigError, build_config
 from tracetrain.run.continuous import Collector, group_specs
 from tracetrain.run.step import rollout_specs
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[1] / "support"
 
 
 # --- the collector alone: groups finish in any order --------------------------------------------

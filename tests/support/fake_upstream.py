@@ -22,7 +22,7 @@ A completion's `structured_outputs` (vLLM's constrained decoding) is checked for
 
     with FakeUpstream(response_len=8) as fake:          # in a thread of this process
         httpx.post(fake.url + "/v1/completions", json={...})
-    python tests/fake_upstream.py --port 0               # prints FAKE_UPSTREAM_URL=http://...
+    python tests/support/fake_upstream.py --port 0               # prints FAKE_UPSTREAM_URL=http://...
     proc, url = spawn_fake_upstream(fail_first=2)        # the same, as a subprocess
 """
 
@@ -649,7 +649,7 @@ class FakeUpstream:
 def spawn_fake_upstream(
     python: str = sys.executable, timeout: float = 30.0, **config: Any
 ) -> tuple[subprocess.Popen, str]:
-    """Start `python tests/fake_upstream.py --port 0 ...` and return (process, base URL)."""
+    """Start `python tests/support/fake_upstream.py --port 0 ...` and return (process, base URL)."""
     args = [python, __file__, "--port", "0"]
     for k, v in config.items():
         args += [f"--{k.replace('_', '-')}", str(v)]

@@ -269,7 +269,7 @@ def autogen_python():
     Ray's); the test is skipped without it, and fails in CI, which installs it."""
     from pathlib import Path
 
-    python = Path(__file__).resolve().parents[1] / ".venv-autogen" / "bin" / "python"
+    python = Path(__file__).resolve().parents[2] / ".venv-autogen" / "bin" / "python"
     if not python.exists():
         why = "no .venv-autogen (bash scripts/install-autogen.sh)"
         if os.environ.get("CI"):

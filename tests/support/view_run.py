@@ -1,4 +1,4 @@
-"""A short real training run for the viewer's tests (tests/view_task.py's agents: plain, hostile,
+"""A short real training run for the viewer's tests (tests/support/view_task.py's agents: plain, hostile,
 rewriting, failing) and ways to read its store directly."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 
 from tracetrain.agents.tasks import load_task
 
-GUESS = load_task("task.py", Path(__file__).resolve().parents[1] / "examples" / "guess")
+GUESS = load_task("task.py", Path(__file__).resolve().parents[2] / "examples" / "guess")
 warm_start_transcripts = GUESS.warm_start_transcripts
 _killing: set[str] = set()
 _killed: set[str] = set()

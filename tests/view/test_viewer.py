@@ -1,4 +1,4 @@
-"""`tracetrain view` over a run made by a short real training run (tests/view_task.py: plain,
+"""`tracetrain view` over a run made by a short real training run (tests/support/view_task.py: plain,
 hostile, rewriting and failing agents): each page checked against the run's own data (the store,
 metrics.jsonl, `tracetrain inspect`), escaping, missing and corrupt files, the token."""
 
