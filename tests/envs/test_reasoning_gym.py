@@ -15,7 +15,7 @@ from gateway_fixtures import ScriptedEngine, live_gateway
 
 from tracetrain.agents.tasks import load_source, open_task_data
 from tracetrain.config import ConfigError, build_config
-from tracetrain.envs import EnvironmentError
+from tracetrain.envs import EnvError
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
@@ -96,9 +96,9 @@ def test_the_agent_plays_through_the_gateway_and_scores_with_the_dataset(tmp_pat
 
 
 def test_bad_names_and_options_are_errors_naming_the_key(tmp_path):
-    with pytest.raises(EnvironmentError, match=r"env.reasoning_gym.*no reasoning-gym dataset 'basic_arithmetc'"):
+    with pytest.raises(EnvError, match=r"env.reasoning_gym.*no reasoning-gym dataset 'basic_arithmetc'"):
         load_source(config(tmp_path, {**ARITH, "dataset": "basic_arithmetc", "config": {}})).rows()
-    with pytest.raises(EnvironmentError, match=r"env.reasoning_gym.*TypeError"):
+    with pytest.raises(EnvError, match=r"env.reasoning_gym.*TypeError"):
         load_source(config(tmp_path, {**ARITH, "config": {"no_such_option": 1}})).rows()
     with pytest.raises(ConfigError, match=r"env.reasoning_gym.*`dataset`.*`datasets`"):
         config(tmp_path, {"size": 10})

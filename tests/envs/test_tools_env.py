@@ -17,7 +17,7 @@ from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 from tracetrain import registry
 from tracetrain.agents.tasks import load_source
 from tracetrain.config import build_config
-from tracetrain.envs import EnvironmentError, load_object
+from tracetrain.envs import EnvError, load_object
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
@@ -95,7 +95,7 @@ def test_the_classes_tools_are_its_public_methods_with_their_schemas(tmp_path):
     row = {"prompt": "x"}
     with live_gateway(tmp_path, ScriptedEngine()) as gw:
         (r,) = gw.create(1)
-        with pytest.raises(EnvironmentError, match=r"Undocumented.act has no schema"):
+        with pytest.raises(EnvError, match=r"Undocumented.act has no schema"):
             asyncio.run(env.agent(row, {"base_url": r["base_url"], "api_key": r["api_key"],
                                         "model": "policy"}))
         gw.admin.close()

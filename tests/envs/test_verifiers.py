@@ -28,7 +28,7 @@ from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 from tracetrain.agents.runner import call_agent
 from tracetrain.agents.tasks import load_source, open_task_data
 from tracetrain.config import ConfigError, build_config
-from tracetrain.envs import EnvironmentError, verifiers_env
+from tracetrain.envs import EnvError, verifiers_env
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
@@ -193,19 +193,19 @@ def test_a_classic_env_that_raises_fails_its_rollout_with_the_error(tmp_path, wh
 
 
 def test_classic_errors_name_the_key(tmp_path):
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers.*Could not import 'vf-nope'"):
+    with pytest.raises(EnvError, match=r"env\.verifiers.*Could not import 'vf-nope'"):
         load_source(config(tmp_path, {"env_id": "vf-nope", "api": "classic"})).rows()
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers.*broke while loading"):
+    with pytest.raises(EnvError, match=r"env\.verifiers.*broke while loading"):
         load_source(config(tmp_path, {"env_id": "vf_broken", "args": {"where": "load"}})).rows()
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers.*unexpected keyword argument 'nope'"):
+    with pytest.raises(EnvError, match=r"env\.verifiers.*unexpected keyword argument 'nope'"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "args": {"nope": 1}})).rows()
     with pytest.raises(ConfigError, match=r"env\.verifiers\.path.*no folder 'no/such/folder'"):
         config(tmp_path, {"env_id": "vf-digits", "path": ["no/such/folder"]})
     # an interpreter without verifiers: the worker says so
     bare = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else pytest.skip("no /usr/bin/python3")
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers.*no verifiers in .*install-verifiers"):
+    with pytest.raises(EnvError, match=r"env\.verifiers.*no verifiers in .*install-verifiers"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "python": bare})).rows()
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers\.python.*no interpreter 'no-such-python'"):
+    with pytest.raises(EnvError, match=r"env\.verifiers\.python.*no interpreter 'no-such-python'"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "python": "no-such-python"})).rows()
 
 
@@ -254,7 +254,7 @@ def test_v1_failures_fail_the_rollout_and_a_hung_worker_is_killed(tmp_path, monk
     env = load_source(config(tmp_path, {"env_id": "vf_v1_broken", "python": str(python), "api": "v1",
                                         "args": {"agent": {"harness": {"id": "null"}}}}))
     rows = {row["name"]: row for row in env.rows()}  # the taskset's task data, as rows
-    with pytest.raises(EnvironmentError, match=r"env\.verifiers.*taskset 'vf_v1_nope' not found"):
+    with pytest.raises(EnvError, match=r"env\.verifiers.*taskset 'vf_v1_nope' not found"):
         loading.result()
     pool.shutdown()
     assert rows["ok"] == {"idx": 0, "name": "ok", "prompt": "Question ok?"} and env.eval_rows() is None

@@ -62,7 +62,7 @@ def test_one_optimizer_step_per_mini_batch_per_epoch(mini_batches, epochs):
 @given(seed=st.integers(0, 1000), mini_batches=st.integers(1, 4))
 def test_each_rollout_weighs_one_over_its_updates_rollouts(seed, mini_batches):
     """rollout-mean: in each update every rollout's tokens carry 1/R of the mass (R its rollouts),
-    however many rows it spans (DESIGN.md, invariant 1)."""
+    however many rows it spans (docs/invariants.md, invariant 2: mass)."""
     model, _ = model_and_batch()
     batch = shared_batch(seed, GROUPS, common=4, question=2)
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed))

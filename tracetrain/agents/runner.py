@@ -1,24 +1,13 @@
 """The runner: launch one agent per rollout against the gateway, with bounded concurrency.
 
-An agent is either a Python coroutine function `async def agent(task, client) -> reward | None`
-(or {"reward": ..., "turn_rewards": {turn index: reward}}: rewards along the way, `call_agent`)
-(`client` = {"base_url", "api_key", "model", "rollout_id", "rollout_url", "temperature",
-"top_p", "max_tokens", "seed", "http_client"}: the agent passes temperature, top_p, max_tokens and
-seed on to its model calls; `http_client` is an HTTP client for the openai SDK shared by the
-call's agents, not to be closed by them: pass it to `AsyncOpenAI(http_client=...)` and don't
-call its `close()`; `seed`, when the caller gives one, is made distinct per rollout, see
-`rollout_seed`) or a command run as a subprocess, which gets OPENAI_BASE_URL / OPENAI_API_KEY and
-TRACETRAIN_* variables and reports its reward through the gateway (POST
-$TRACETRAIN_ROLLOUT_URL/rewards; rewards along the way: POST $TRACETRAIN_ROLLOUT_URL/turn-rewards).
-An agent of several roles names each role as its calls' `model`, or calls a role's base URL,
-`{rollout_url}/roles/{role}/v1`.
+An agent is what agents/contract.py says (`Agent`: `async def agent(task, client) -> reward`,
+`client` an `AgentClient`), or a command run as a subprocess (`CommandAgent`: the same values as
+OPENAI_BASE_URL / OPENAI_API_KEY / TRACETRAIN_* variables; its reward through the gateway).
 
-State of each rollout (set through the gateway's admin API):
-    running from the agent's first model call; succeeded when it returns or exits 0; failed on an exception or a
-    non-zero exit (the error is kept); timed_out past `timeout_s` (a subprocess is killed with its
-    whole process group). Failed and timed-out rollouts are never given reward 0 here.
-A coroutine agent must be cooperative (await its I/O): one that blocks the event loop cannot be
-interrupted in-process; run such an agent as a command.
+State of each rollout (set through the gateway's admin API): running from the agent's first model
+call; succeeded when it returns or exits 0; failed on an exception or a non-zero exit (the error
+is kept); timed_out past `timeout_s` (a subprocess is killed with its whole process group).
+Failed and timed-out rollouts are never given reward 0 here.
 """
 
 from __future__ import annotations
@@ -32,16 +21,17 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import httpx
 
+from tracetrain.agents.contract import Agent
 from tracetrain.agents.lockstep import AgentCount, Lockstep
 
-AgentFn = Callable[[dict, dict], Awaitable[float | None]]
+AgentFn = Agent  # (the contract's Protocol; runner_ray and workers name it so)
 log = logging.getLogger("tracetrain.runner")
 MAX_BATCH = 10_000  # rollouts per create or bulk patch call (the gateway's limit)
 

@@ -17,8 +17,8 @@ and the turn is read from `choices[0]`:
     logprobs.token_logprobs   -> Generation.response_logprobs (one per token id)
     finish_reason             -> "stop" | "length"
 
-(Not `return_token_ids`: with it vLLM also sends back the whole prompt's ids, which at 2,000
-prompt tokens cost the gateway ~0.1 ms of CPU per call to read, and vLLM its own to write.)
+(Not `return_token_ids`: with it vLLM also sends back the whole prompt's ids, which the gateway
+already has: both sides would write and read them for nothing.)
 
 SGLang (`api="sglang"`) is asked through its native `POST {base_url}/generate` (no constrained
 decoding: `constrains` is False, and params with `structured` are refused):

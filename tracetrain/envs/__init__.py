@@ -7,6 +7,6 @@ played through the gateway like any agent.
     await env.agent(task, client)         # one rollout: its reward, or {"reward", "turn_rewards"}
 """
 
-from tracetrain.envs.base import Environment, EnvironmentError, load_object, open_environment
+from tracetrain.envs.base import EnvError, Environment, load_object, open_environment
 
-__all__ = ["Environment", "EnvironmentError", "load_object", "open_environment"]
+__all__ = ["Environment", "EnvError", "load_object", "open_environment"]

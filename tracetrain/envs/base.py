@@ -31,7 +31,7 @@ PACKAGES = {"reasoning_gym": "reasoning-gym", "verifiers": "verifiers", "openenv
             "trl": "trl"}
 
 
-class EnvironmentError(UsageError):  # noqa: A001 (the word of DESIGN.md; not the builtin alias)
+class EnvError(UsageError):
     """An environment that cannot be used as configured; the message names the config key."""
 
 
@@ -65,18 +65,18 @@ class Environment:
 
 
 def need(module: str, key: str):
-    """Import `module`, or an EnvironmentError naming the config key and the package to install."""
+    """Import `module`, or an EnvError naming the config key and the package to install."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
-        raise EnvironmentError(f"config key '{key}': needs the package {PACKAGES.get(top, top)!r} "
+        raise EnvError(f"config key '{key}': needs the package {PACKAGES.get(top, top)!r} "
                                f"(pip install {PACKAGES.get(top, top)}): {e}") from None
 
 
 def load_object(spec: str, key: str) -> Any:
     """The object named by `module:name` or `/abs/file.py:name` (config.ObjectSpec made the path
-    absolute); EnvironmentError naming the config key when it is not there."""
+    absolute); EnvError naming the config key when it is not there."""
     target, _, name = spec.rpartition(":")
     if target.endswith(".py"):
         path = Path(target)
@@ -84,7 +84,7 @@ def load_object(spec: str, key: str) -> Any:
         module = sys.modules.get(module_name)
         if module is None:
             if not path.is_file():
-                raise EnvironmentError(f"config key '{key}': no file {target!r}")
+                raise EnvError(f"config key '{key}': no file {target!r}")
             found = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(found)
             sys.modules[module_name] = module
@@ -97,11 +97,11 @@ def load_object(spec: str, key: str) -> Any:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise EnvironmentError(f"config key '{key}': cannot import {target!r}: {e}") from None
+            raise EnvError(f"config key '{key}': cannot import {target!r}: {e}") from None
     try:
         return getattr(module, name)
     except AttributeError:
-        raise EnvironmentError(f"config key '{key}': {target!r} has no {name!r}") from None
+        raise EnvError(f"config key '{key}': {target!r} has no {name!r}") from None
 
 
 def open_environment(env_config: Any) -> Environment:

@@ -43,7 +43,7 @@ from typing import Any
 
 from tracetrain.agents.dataset import Rows
 from tracetrain.config import OpenEnvConfig
-from tracetrain.envs.base import Environment, EnvironmentError, load_object, need
+from tracetrain.envs.base import EnvError, Environment, load_object, need
 from tracetrain.envs.tools import parse_arguments, prompt_messages, tool_loop
 
 KEY = "env.openenv"
@@ -97,7 +97,7 @@ class AppServer:
             done.wait(0.01)
         if not self.server.started:
             self.stop()
-            raise EnvironmentError(f"config key '{KEY}.app': the app did not start: {self.error!r}")
+            raise EnvError(f"config key '{KEY}.app': the app did not start: {self.error!r}")
         return self
 
     def stop(self) -> None:
@@ -185,7 +185,7 @@ class OpenEnvEnv(Environment):
         c: OpenEnvConfig = self.config
         cls = load_object(c.client, f"{KEY}.client")
         if not (isinstance(cls, type) and issubclass(cls, EnvClient)):
-            raise EnvironmentError(f"config key '{KEY}.client': {c.client} is not an openenv "
+            raise EnvError(f"config key '{KEY}.client': {c.client} is not an openenv "
                                    "EnvClient subclass")
         return cls
 

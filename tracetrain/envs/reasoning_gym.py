@@ -19,8 +19,8 @@ from typing import Any
 from tracetrain.agents.dataset import Rows
 from tracetrain.config import ReasoningGymConfig
 from tracetrain.envs.base import (
+    EnvError,
     Environment,
-    EnvironmentError,
     load_object,
     need,
     openai_for,
@@ -53,7 +53,7 @@ class ReasoningGymEnv(Environment):
 
     @functools.cached_property
     def dataset(self) -> Any:
-        """The generated dataset (EnvironmentError naming the key for an unknown name or option)."""
+        """The generated dataset (EnvError naming the key for an unknown name or option)."""
         rg = need("reasoning_gym", KEY)
         from reasoning_gym.factory import DATASETS
 
@@ -61,7 +61,7 @@ class ReasoningGymEnv(Environment):
         names = [c.dataset] if c.dataset is not None else list(c.datasets)
         unknown = [n for n in names if n not in DATASETS]
         if unknown:
-            raise EnvironmentError(f"config key '{KEY}': no reasoning-gym dataset {unknown[0]!r} "
+            raise EnvError(f"config key '{KEY}': no reasoning-gym dataset {unknown[0]!r} "
                                    f"({len(DATASETS)} known, e.g. {', '.join(sorted(DATASETS)[:5])})")
         try:
             if c.dataset is not None:
@@ -71,7 +71,7 @@ class ReasoningGymEnv(Environment):
             specs = [DatasetSpec(name, part.weight, dict(part.config)) for name, part in c.datasets.items()]
             return rg.create_dataset("composite", size=c.size, seed=c.seed, datasets=specs)
         except (TypeError, ValueError, AssertionError) as e:  # an option the dataset refuses
-            raise EnvironmentError(f"config key '{KEY}': {type(e).__name__}: {e}") from None
+            raise EnvError(f"config key '{KEY}': {type(e).__name__}: {e}") from None
 
     def rows(self) -> Rows:
         c: ReasoningGymConfig = self.config

@@ -42,8 +42,8 @@ from typing import Any
 
 from tracetrain.config import EnvironmentClassConfig
 from tracetrain.envs.base import (
+    EnvError,
     Environment,
-    EnvironmentError,
     load_object,
     openai_for,
     sampling,
@@ -121,7 +121,7 @@ _SCHEMAS: dict[type, list[dict]] = {}
 
 def tool_schemas(instance: Any) -> list[dict]:
     """The chat `tools` of the instance's class (cached per class): get_json_schema of each tool
-    method; EnvironmentError naming the method whose signature or docstring it cannot read."""
+    method; EnvError naming the method whose signature or docstring it cannot read."""
     cls = type(instance)
     if cls not in _SCHEMAS:
         from transformers.utils import get_json_schema
@@ -131,7 +131,7 @@ def tool_schemas(instance: Any) -> list[dict]:
             try:
                 schemas.append(get_json_schema(method))
             except Exception as e:  # transformers' DocstringParsingException, TypeHintParsingException
-                raise EnvironmentError(
+                raise EnvError(
                     f"config key '{KEY}.factory': the tool {cls.__name__}.{name} has no schema "
                     f"(every parameter needs a type hint and an `Args:` line in the docstring, as "
                     f"TRL requires): {e}") from None
@@ -273,7 +273,7 @@ class EnvironmentClassEnv(Environment):
     async def play(self, thread: InstanceThread, instance: Any, funcs: list[Callable], task: dict,
                    client: dict, c: EnvironmentClassConfig) -> float:
         if not callable(getattr(instance, "reset", None)):
-            raise EnvironmentError(f"config key '{KEY}.factory': {type(instance).__name__} has "
+            raise EnvError(f"config key '{KEY}.factory': {type(instance).__name__} has "
                                    "no reset(**row) (TRL's environment_factory convention)")
         tools = tool_methods(instance)
         schemas = tool_schemas(instance)
@@ -314,7 +314,7 @@ class EnvironmentClassEnv(Environment):
                 values.append(finite(value, f"{type(instance).__name__}.get_reward()"))
         elif not funcs:
             if not hasattr(instance, "reward"):
-                raise EnvironmentError(
+                raise EnvError(
                     f"config key '{KEY}.reward_funcs': none given, and {type(instance).__name__} has "
                     "neither get_reward() nor a `reward` attribute: nothing scores the rollout")
             values.append(finite(instance.reward, f"{type(instance).__name__}.reward"))

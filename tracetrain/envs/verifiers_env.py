@@ -42,7 +42,7 @@ from typing import Any
 
 from tracetrain.agents.dataset import Rows
 from tracetrain.config import VerifiersConfig
-from tracetrain.envs.base import Environment, EnvironmentError, need
+from tracetrain.envs.base import EnvError, Environment, need
 
 KEY = "env.verifiers"
 WORKER = Path(__file__).with_name("verifiers_worker.py")
@@ -247,7 +247,7 @@ class VerifiersEnv(Environment):
         try:
             return Classic(c.env_id, c.args, c.max_rows)
         except LoadError as e:
-            raise EnvironmentError(f"config key '{KEY}': {e}") from None
+            raise EnvError(f"config key '{KEY}': {e}") from None
 
     @functools.cached_property
     def python(self) -> str:
@@ -255,7 +255,7 @@ class VerifiersEnv(Environment):
         python = c.python or sys.executable
         found = python if "/" in python else shutil.which(python)
         if found is None or not Path(found).exists():
-            raise EnvironmentError(f"config key '{KEY}.python': no interpreter {python!r} (bash "
+            raise EnvError(f"config key '{KEY}.python': no interpreter {python!r} (bash "
                                    "scripts/install-verifiers.sh makes .venv-verifiers/bin/python)")
         return found
 
@@ -277,7 +277,7 @@ class VerifiersEnv(Environment):
 
     def _check_loaded(self, msg: dict) -> dict:
         if msg.get("op") != "loaded":
-            raise EnvironmentError(f"config key '{KEY}': {msg.get('error', msg)}")
+            raise EnvError(f"config key '{KEY}': {msg.get('error', msg)}")
         return msg
 
     def _wait_loaded(self, w: Worker) -> dict:
@@ -285,10 +285,10 @@ class VerifiersEnv(Environment):
             return self._check_loaded(w.loaded.result(LOAD_TIMEOUT_S))
         except concurrent.futures.TimeoutError:
             w.kill("load timed out")
-            raise EnvironmentError(f"config key '{KEY}': the verifiers worker did not load "
+            raise EnvError(f"config key '{KEY}': the verifiers worker did not load "
                                    f"{self.config.env_id!r} within {LOAD_TIMEOUT_S:g} s") from None
         except WorkerDied as e:
-            raise EnvironmentError(f"config key '{KEY}': {e}") from None
+            raise EnvError(f"config key '{KEY}': {e}") from None
 
     def _load_rows(self) -> dict:
         """The worker's load reply with the rows (a worker an agent started has none: a second
@@ -310,7 +310,7 @@ class VerifiersEnv(Environment):
         if self.in_process:
             ds = self.classic.dataset()
             if ds is None:
-                raise EnvironmentError(f"config key '{KEY}': {c.env_id!r} has no dataset (only "
+                raise EnvError(f"config key '{KEY}': {c.env_id!r} has no dataset (only "
                                        "an eval_dataset): nothing to train on")
             return DatasetRows(ds, name)
         return ListRows(self._load_rows()["rows"], name)
@@ -331,7 +331,7 @@ class VerifiersEnv(Environment):
             try:
                 self._check_loaded(await asyncio.shield(asyncio.wrap_future(w.loaded)))
             except WorkerDied as e:
-                raise EnvironmentError(f"config key '{KEY}': {e}") from None
+                raise EnvError(f"config key '{KEY}': {e}") from None
             out = await w.run(task, {k: client.get(k) for k in CLIENT_KEYS})
         if out.get("metrics"):
             await post_event(client, "metrics", out["metrics"])

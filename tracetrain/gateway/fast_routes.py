@@ -7,9 +7,8 @@
          the answer; an exception -> errors.handle, as the FastAPI routes do (in Anthropic's
          error shape on /v1/messages)
 
-Every agent call takes this path; on the shared 2-core machine the middleware stack (five layers)
-and the route matching over every route cost about as much as rendering the prompt. The behaviour
-is that of the FastAPI routes, which stay registered (documented, and used if the app is mounted
+Every agent call takes this path, so it skips the middleware stack and the matching over every
+route (docs/bench-gateway.md has what they cost). The behaviour is that of the FastAPI routes, which stay registered (documented, and used if the app is mounted
 under a prefix): same auth, limits, validation and error bodies.
 """
 

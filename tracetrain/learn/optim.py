@@ -1,8 +1,7 @@
 """The optimizer: torch's AdamW, with its fused kernel where the parameters' device has one.
 
 Fused AdamW is the same update (decoupled weight decay, bias-corrected moments) in one kernel per
-tensor instead of a dozen ops each: on CPU 3x faster for the demo's 3M-parameter model (6 vs 19 ms
-per step), which is most of the optimizer's share of a small model's update.
+tensor instead of a dozen ops each (figures in docs/bench-train.md).
 """
 
 from __future__ import annotations

@@ -10,15 +10,15 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
   the WAL on every commit, which survives power loss at the cost of one fsync per group commit.
 - Group commit: the writes that coroutines of one event loop issue during one loop iteration are
   run together, each in its own SAVEPOINT (one refused write does not undo the others; a group
-  of one needs none), committed once, then each caller's future is resolved. With NORMAL this happens inline on the loop (a WAL
-  append costs tens of microseconds; a hand-off to a writer thread cost more, and a millisecond of
-  scheduling on a busy machine); with FULL the fsyncing commit runs in a worker thread. Checkpoints
+  of one needs none), committed once, then each caller's future is resolved. With NORMAL this
+  happens inline on the loop (a WAL append is cheaper than a hand-off to a writer thread); with
+  FULL the fsyncing commit runs in a worker thread. Checkpoints
   run in a background thread. Writes are serialised (one lock): a turn's index is `n_turns` of its
   rollout read and bumped inside the same transaction, so indices are dense, unique and in the
   order the writes reached the store.
 - Reads use one read-only connection per thread; in WAL mode they never wait for the writer.
   The key lookup of every agent call (`head_by_key_hash`) is answered from memory after the first
-  time: an indexed read costs ~20-30 µs here, mostly WAL locking. The cache is kept right by this
+  time (an indexed read takes WAL locks). The cache is kept right by this
   store's own writes (a state change, rekey or delete drops the rollout's entry; a turn marks it
   running), so it assumes what the gateway assumes: one process writes the file, through one
   `SQLiteStore`. (A change made past it is still caught where it matters: a turn for a rollout
