@@ -286,6 +286,14 @@ def test_the_rules_catch_a_planted_long_function(package_copy):
     assert [k.split(" ")[1] for k in long_functions(package_copy)] == ["planted"]
 
 
+README_MAX_LINES = 130  # a one-page README; reference material lives in docs/
+
+
+def test_the_readme_is_one_page():
+    n = len((PACKAGE.parent / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move detail to docs/)"
+
+
 def test_the_rules_catch_a_planted_long_module(package_copy):
     assert long_modules(package_copy) == {}
     plant(package_copy, "rows.drift", "\n" * MAX_LINES)
