@@ -210,8 +210,9 @@ class ReasoningGymConfig(_Section):
     chain_of_draft), or the system message's text; empty: no system message."""
     answer: str = "tags"
     """How the answer is read from the model's reply: `tags`, the last <answer>...</answer>
-    (reasoning_gym.utils.extract_answer); `last_line`, the last non-empty line; `whole`, the whole
-    reply stripped; or `module:function` / `file.py:function`, fn(reply: str) -> str | None."""
+    (reasoning_gym.utils.extract_answer); `last_line`, the last non-empty line; `last_number`, the
+    last number (a small chat model answers "The answer is 7."); `whole`, the whole reply
+    stripped; or `module:function` / `file.py:function`, fn(reply: str) -> str | None."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ReasoningGymConfig:
@@ -226,7 +227,7 @@ class ReasoningGymConfig(_Section):
     @field_validator("answer")
     @classmethod
     def _answer(cls, value: str, info: ValidationInfo) -> str:
-        if value in ("tags", "last_line", "whole"):
+        if value in ("tags", "last_line", "last_number", "whole"):
             return value
         return _object_spec(value, info)
 

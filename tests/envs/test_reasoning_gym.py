@@ -155,3 +155,17 @@ def test_trains_with_agents_on_ray(tmp_path):
     scorer = reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=0)
     for _, reward, text, task in rollouts:
         assert reward == scorer.score_answer(text.strip() or None, task)
+
+
+@pytest.mark.parametrize("answer, reply, expected", [
+    ("last_number", "The answer to this problem is {answer}.", 1.0),
+    ("last_number", "It is {answer}, or maybe {wrong}.", 0.0),   # the last number counts
+    ("last_line", "Let me see.\n{answer}\n", 1.0),
+    ("whole", " {answer} ", 1.0),
+    ("whole", "It is {answer}", 0.0),
+])
+def test_each_answer_extraction_reads_the_reply_as_it_says(tmp_path, answer, reply, expected):
+    env = load_source(config(tmp_path, {**ARITH, "answer": answer}))
+    row = env.rows()[1]
+    text = reply.format(answer=row["answer"], wrong=int(row["answer"]) + 1)
+    assert env.dataset.score_answer(env.extract(text), row) == expected

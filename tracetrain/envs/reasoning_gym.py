@@ -14,6 +14,7 @@ the viewer and `tracetrain eval` see the dataset's own rows. Generation is deter
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from tracetrain.agents.dataset import Rows
@@ -43,9 +44,17 @@ class DatasetRows(Rows):
         return dict(self.dataset[int(i)])  # (a numpy index seeds no random.Random)
 
 
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
 def last_line(reply: str) -> str | None:
     lines = [line.strip() for line in reply.splitlines() if line.strip()]
     return lines[-1] if lines else None
+
+
+def last_number(reply: str) -> str | None:
+    found = NUMBER.findall(reply)
+    return found[-1] if found else None
 
 
 class ReasoningGymEnv(Environment):
@@ -97,6 +106,8 @@ class ReasoningGymEnv(Environment):
             return extract_answer
         if how == "last_line":
             return last_line
+        if how == "last_number":
+            return last_number
         if how == "whole":
             return lambda reply: reply.strip() or None
         return load_object(how, f"{KEY}.answer")
