@@ -162,7 +162,7 @@ def test_trains_with_agents_on_ray(tmp_path):
     ("last_number", "It is {answer}, or maybe {wrong}.", 0.0),   # the last number counts
     ("last_line", "Let me see.\n{answer}\n", 1.0),
     ("whole", " {answer} ", 1.0),
-    ("whole", "It is {answer}", 0.0),
+    ("whole", "{wrong}", 0.0),
 ])
 def test_each_answer_extraction_reads_the_reply_as_it_says(tmp_path, answer, reply, expected):
     env = load_source(config(tmp_path, {**ARITH, "answer": answer}))
