@@ -15,6 +15,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,23 @@ class Environment:
 
     def close(self) -> None:
         """Release what the environment opened in this process (servers, worker processes)."""
+
+
+class RowsOf(Rows):
+    """`n` rows, row i being `row(i)` (a dict), named `name` in errors: an environment's tasks
+    (a generated dataset, a loaded one, a list, seeds) as the run's dataset code reads them."""
+
+    def __init__(self, n: int, row: Callable[[int], dict], name: str):
+        self.n, self.row, self.name = n, row, name
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        i = int(i)  # (a numpy index seeds no random.Random)
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.row(i)
 
 
 def need(module: str, key: str):

@@ -43,27 +43,11 @@ from typing import Any
 
 from tracetrain.agents.dataset import Rows
 from tracetrain.config import OpenEnvConfig
-from tracetrain.envs.base import EnvError, Environment, load_object, need
+from tracetrain.envs.base import EnvError, Environment, RowsOf, load_object, need
 from tracetrain.envs.tools import parse_arguments, prompt_messages, tool_loop
 
 KEY = "env.openenv"
 RETRY_S = (0.05, 1.0)  # backoff while the server is at its session limit: first, most
-
-
-class SeedRows(Rows):
-    """`size` rows {"seed": seed + i}."""
-
-    def __init__(self, size: int, seed: int):
-        self.size, self.seed = size, seed
-        self.name = f"OpenEnv seeds {seed}..{seed + size - 1}"
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, i: int) -> dict:
-        if not 0 <= i < self.size:
-            raise IndexError(i)
-        return {"seed": self.seed + i}
 
 
 class AppServer:
@@ -176,7 +160,9 @@ class OpenEnvEnv(Environment):
 
     def rows(self) -> Rows | None:
         c: OpenEnvConfig = self.config
-        return None if c.size is None else SeedRows(c.size, c.seed)
+        if c.size is None:
+            return None
+        return RowsOf(c.size, lambda i: {"seed": c.seed + i}, f"OpenEnv seeds {c.seed}..{c.seed + c.size - 1}")
 
     def _client_cls(self) -> type:
         need("openenv.core.env_client", f"{KEY}.client")

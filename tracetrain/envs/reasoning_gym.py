@@ -22,6 +22,7 @@ from tracetrain.config import ReasoningGymConfig
 from tracetrain.envs.base import (
     EnvError,
     Environment,
+    RowsOf,
     load_object,
     need,
     openai_for,
@@ -29,19 +30,6 @@ from tracetrain.envs.base import (
 )
 
 KEY = "env.reasoning_gym"
-
-
-class DatasetRows(Rows):
-    """A reasoning-gym dataset as rows: row i is its entry i (a dict: question, answer, metadata)."""
-
-    def __init__(self, dataset: Any, name: str):
-        self.dataset, self.name = dataset, name
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict:
-        return dict(self.dataset[int(i)])  # (a numpy index seeds no random.Random)
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -84,7 +72,8 @@ class ReasoningGymEnv(Environment):
 
     def rows(self) -> Rows:
         c: ReasoningGymConfig = self.config
-        return DatasetRows(self.dataset, f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
+        ds = self.dataset  # row i: entry i (a dict: question, answer, metadata)
+        return RowsOf(len(ds), lambda i: dict(ds[i]), f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
                                          f"(size {c.size}, seed {c.seed})")
 
     @functools.cached_property

@@ -42,7 +42,7 @@ from typing import Any
 
 from tracetrain.agents.dataset import Rows
 from tracetrain.config import VerifiersConfig
-from tracetrain.envs.base import EnvError, Environment, need
+from tracetrain.envs.base import EnvError, Environment, RowsOf, need
 
 KEY = "env.verifiers"
 WORKER = Path(__file__).with_name("verifiers_worker.py")
@@ -52,30 +52,15 @@ CLIENT_KEYS = ("base_url", "api_key", "model", "temperature", "top_p", "max_toke
 log = logging.getLogger("tracetrain.envs.verifiers")
 
 
-class ListRows(Rows):
-    def __init__(self, rows: list[dict], name: str):
-        self.rows, self.name = rows, name
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.rows[i]
-
-
-class DatasetRows(Rows):
+def dataset_rows(dataset: Any, name: str) -> RowsOf:
     """A classic environment's (HF) dataset as rows: row i is its row i, as JSON carries it."""
+    from tracetrain.envs.verifiers_worker import Classic
 
-    def __init__(self, dataset: Any, name: str):
-        self.dataset, self.name = dataset, name
+    return RowsOf(len(dataset), lambda i: Classic.row(dataset, i), name)
 
-    def __len__(self) -> int:
-        return len(self.dataset)
 
-    def __getitem__(self, i: int) -> dict:
-        from tracetrain.envs.verifiers_worker import Classic
-
-        return Classic.row(self.dataset, i)
+def list_rows(rows: list[dict], name: str) -> RowsOf:
+    return RowsOf(len(rows), rows.__getitem__, name)
 
 
 class WorkerDied(RuntimeError):
@@ -312,16 +297,16 @@ class VerifiersEnv(Environment):
             if ds is None:
                 raise EnvError(f"config key '{KEY}': {c.env_id!r} has no dataset (only "
                                        "an eval_dataset): nothing to train on")
-            return DatasetRows(ds, name)
-        return ListRows(self._load_rows()["rows"], name)
+            return dataset_rows(ds, name)
+        return list_rows(self._load_rows()["rows"], name)
 
     def eval_rows(self) -> Rows | None:
         c: VerifiersConfig = self.config
         if self.in_process:
             ds = self.classic.dataset(eval=True)
-            return None if ds is None else DatasetRows(ds, f"verifiers {c.env_id} (eval_dataset)")
+            return None if ds is None else dataset_rows(ds, f"verifiers {c.env_id} (eval_dataset)")
         rows = self._load_rows()["eval_rows"]
-        return None if rows is None else ListRows(rows, f"verifiers {c.env_id} (eval_dataset)")
+        return None if rows is None else list_rows(rows, f"verifiers {c.env_id} (eval_dataset)")
 
     async def agent(self, task: dict, client: dict) -> float | dict | None:
         if self.in_process:
