@@ -38,13 +38,13 @@ from fastapi.responses import JSONResponse, Response
 from tracetrain.gateway import errors, render
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.jsonbytes import dumps
-from tracetrain.gateway.schemas import (
+from tracetrain.gateway.schemas.anthropic import (
     MessagesIn,
     TextBlock,
     ToolResultBlock,
     ToolUseBlock,
-    _Sampling,
 )
+from tracetrain.gateway.schemas.openai import _Sampling
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (
     ChatAnswer,

@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.keys import require_admin
-from tracetrain.gateway.schemas import ID_PATTERN, DrainOut, EngineOut, EnginesOut, RegisterEngineIn
+from tracetrain.gateway.schemas.base import ID_PATTERN
+from tracetrain.gateway.schemas.engines import DrainOut, EngineOut, EnginesOut, RegisterEngineIn
 from tracetrain.gateway.slots import EngineSlot
 
 router = APIRouter(tags=["engines"], dependencies=[Depends(require_admin)])

@@ -23,7 +23,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.security import HTTPBearer
 
-from tracetrain.gateway.schemas import ID_PATTERN
+from tracetrain.gateway.schemas.base import ID_PATTERN
 from tracetrain.store import RolloutHead
 
 ROLLOUT_KEY_PREFIX = "ttr-"

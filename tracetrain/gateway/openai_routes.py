@@ -34,7 +34,8 @@ from tracetrain.engines.base import (
 from tracetrain.gateway import errors, keys, render
 from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.keys import rollout_access
-from tracetrain.gateway.schemas import ID_PATTERN, ChatCompletionIn, CompletionIn
+from tracetrain.gateway.schemas.base import ID_PATTERN
+from tracetrain.gateway.schemas.openai import ChatCompletionIn, CompletionIn
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (

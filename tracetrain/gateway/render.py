@@ -17,7 +17,7 @@ from typing import Any
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams, can_constrain
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.prompt_cache import PromptEncoder
-from tracetrain.gateway.schemas import ChatCompletionIn, CompletionIn, _Sampling
+from tracetrain.gateway.schemas.openai import ChatCompletionIn, CompletionIn, _Sampling
 from tracetrain.gateway.tool_calls import Parser
 
 

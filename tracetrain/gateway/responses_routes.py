@@ -42,12 +42,12 @@ from fastapi.responses import Response
 from tracetrain.gateway import errors
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.jsonbytes import dumps
-from tracetrain.gateway.schemas import (
+from tracetrain.gateway.schemas.openai import _Sampling
+from tracetrain.gateway.schemas.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
     ResponsesIn,
-    _Sampling,
 )
 from tracetrain.gateway.streaming import EventStream, LiveTurn, TextDeltas
 from tracetrain.gateway.turn import (

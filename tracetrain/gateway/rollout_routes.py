@@ -24,7 +24,8 @@ from tracetrain.gateway.keys import (
     require_admin,
     rollout_access,
 )
-from tracetrain.gateway.schemas import (
+from tracetrain.gateway.schemas.base import State
+from tracetrain.gateway.schemas.rollouts import (
     CreatedRolloutOut,
     CreateRolloutsIn,
     CreateRolloutsOut,
@@ -39,7 +40,6 @@ from tracetrain.gateway.schemas import (
     RolloutDetailOut,
     RolloutOut,
     RolloutPageOut,
-    State,
     TurnOut,
     TurnRewardIn,
     TurnRewardOut,

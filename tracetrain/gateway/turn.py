@@ -38,7 +38,7 @@ from tracetrain.gateway import keys, render
 from tracetrain.gateway.context import Built, messages_json
 from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.jsonbytes import dumps
-from tracetrain.gateway.schemas import ID_PATTERN
+from tracetrain.gateway.schemas.base import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import TextDeltas
 from tracetrain.store import RolloutEnded, RolloutHead
