@@ -259,17 +259,19 @@ def returned_turn_rewards(value: Any) -> list[dict]:
     return items
 
 
-async def _post_turn_rewards(client: dict, items: list[dict]) -> None:
-    """Give the returned turn rewards through the gateway, as the agent itself could have."""
+async def post_to_rollout(client: dict, path: str, bodies: list[dict]) -> None:
+    """POST each of `bodies` to the rollout's `path` (turn-rewards, events) with its key, as the
+    agent itself could, on its HTTP client (or a short-lived one); ValueError naming the body the
+    gateway refused."""
     http = client.get("http_client")
     own = http is None
     http = httpx.AsyncClient() if own else http
     try:
-        for item in items:
-            r = await http.post(f"{client['rollout_url']}/turn-rewards", json=item,
+        for body in bodies:
+            r = await http.post(f"{client['rollout_url']}/{path}", json=body,
                                 headers={"Authorization": f"Bearer {client['api_key']}"})
             if r.status_code >= 400:
-                raise ValueError(f"turn reward {item} refused ({r.status_code}): {r.text[:500]}")
+                raise ValueError(f"{path} {body} refused ({r.status_code}): {r.text[:500]}")
     finally:
         if own:
             await http.aclose()
@@ -294,7 +296,8 @@ async def call_agent(agent: AgentFn, task: Any, client: dict,
             unknown = set(returned) - {"reward", "turn_rewards"}
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)} (reward, turn_rewards)")
-            await _post_turn_rewards(client, returned_turn_rewards(returned.get("turn_rewards", {})))
+            await post_to_rollout(client, "turn-rewards",
+                                  returned_turn_rewards(returned.get("turn_rewards", {})))
         except (ValueError, httpx.HTTPError) as e:
             state, error = "failed", f"agent returned unusable turn rewards: {e}"
     if state == "succeeded" and reward is not None:

@@ -334,16 +334,6 @@ _START = threading.Lock()
 
 async def post_event(client: dict, kind: str, payload: Any) -> None:
     """Record `payload` as the rollout's event `kind` (GET /rollouts/{id}/events)."""
-    import httpx
+    from tracetrain.agents.runner import post_to_rollout
 
-    http = client.get("http_client")
-    own = http is None
-    http = httpx.AsyncClient() if own else http
-    try:
-        r = await http.post(f"{client['rollout_url']}/events", json={"kind": kind, "payload": payload},
-                            headers={"Authorization": f"Bearer {client['api_key']}"})
-        if r.status_code >= 400:
-            raise RuntimeError(f"event {kind!r} refused ({r.status_code}): {r.text[:500]}")
-    finally:
-        if own:
-            await http.aclose()
+    await post_to_rollout(client, "events", [{"kind": kind, "payload": payload}])
