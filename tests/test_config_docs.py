@@ -82,7 +82,7 @@ def test_doc_is_generated_from_the_config():
     if have != want:
         diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
                                                  "docs/config.md", "config_reference()"))[:60])
-        raise AssertionError(f"docs/config.md is out of date with tracetrain/config.py; regenerate "
+        raise AssertionError(f"docs/config.md is out of date with tracetrain/config/; regenerate "
                              f"it with `{REFERENCE_COMMAND}`\n{diff}")
 
 

@@ -1,5 +1,5 @@
 """No config key is accepted and ignored: every leaf key of the config (tracetrain.config.leaf_keys)
-is read by the code outside tracetrain/config.py, or listed in CONSUMED_ELSEWHERE with the module
+is read by the code outside tracetrain/config/, or listed in CONSUMED_ELSEWHERE with the module
 that consumes it and how (checked to still say so). A key the code cannot honour on some path is
 refused there with an error naming it (rollout.top_p: tested below, with the path that hands it
 on from the config to the engine).
@@ -12,7 +12,7 @@ an expression that is its section, one of
                               parameter annotated with the section's class (`lc: LoraConfig`)
 within the function where the alias is made and the functions nested in it. A top-level key is an
 attribute of `cfg` itself (or of a parameter annotated TrainConfig). Reading a property of a config
-class (`cfg.lockstep`) reads the keys it reads through `self` in config.py. The checker is run on a
+class (`cfg.lockstep`) reads the keys it reads through `self` in config/sections.py. The checker is run on a
 made-up key nothing reads, and on planted reads of it, below: it can fail.
 """
 
@@ -34,12 +34,12 @@ from tracetrain.run.step import check_top_p, collect, rollout_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tracetrain"
-CONFIG = PACKAGE / "config.py"
+CONFIG = PACKAGE / "config" / "sections.py"
 
 # key -> (module that consumes it, text that module holds where it does, how). Only what the
 # static walk cannot see; each entry is checked to be needed and to still hold its text.
 CONSUMED_ELSEWHERE: dict[str, tuple[str, str, str]] = {
-    "plugins": ("tracetrain/config.py", "registry.import_plugins(plugins",
+    "plugins": ("tracetrain/config/sections.py", "registry.import_plugins(plugins",
                 "TrainConfig's own validator imports them while the config is built, before the "
                 "other keys are checked against the names they register"),
     **{f"env.{kind}": ("tracetrain/envs/base.py", "return cls(getattr(env_config, kind))",
@@ -168,7 +168,7 @@ def reads(sources: dict[str, str], keys: set[str],
 
 def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[str]]:
     """{(section prefix, attribute): the keys it reads} for the properties and public methods of
-    the config's classes in `text` (config.py): `cfg.lockstep` reads what TrainConfig.lockstep
+    the config's classes in `text` (config/sections.py): `cfg.lockstep` reads what TrainConfig.lockstep
     reads through `self`, and through the methods it calls on `self`."""
     _, classes, root = section_classes()
     prefix_of = {**classes, root: ""}
@@ -201,9 +201,9 @@ def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[st
 
 
 def package_sources() -> dict[str, str]:
-    """The package's modules but config.py (the config does not read itself into use)."""
+    """The package's modules but the config's own (the config does not read itself into use)."""
     return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))
-            if p != CONFIG}
+            if CONFIG.parent not in p.parents}
 
 
 def all_keys() -> list[str]:

@@ -129,7 +129,7 @@ class StepExplained:
 def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None) -> StepExplained:
     """The step's rows, credit and plan for `rollouts` (one step's finished rollouts), with the
     run's `TrainConfig` (a store without config.json: `TrainConfig()`'s defaults; not imported
-    here: config.py reaches the verl integration's keys, and this stage stays pure)."""
+    here: the config reaches the verl integration's keys, and this stage stays pure)."""
     ac, est, oc = cfg.aggregate, cfg.advantage, cfg.optim
     train_roles = cfg.roles.train
     pad = getattr(tokenizer, "pad_token_id", None) or 0

@@ -1,0 +1,3 @@
+from tracetrain.config.reference import main
+
+raise SystemExit(main())

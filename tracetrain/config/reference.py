@@ -1,0 +1,215 @@
+"""docs/config.md: every key with its type, default, constraints and meaning, generated from the
+section models (`python -m tracetrain.config --markdown > docs/config.md`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+)
+
+from tracetrain import registry
+from tracetrain.config.sections import Registered, TrainConfig, VerlConfig
+
+REFERENCE_COMMAND = "python -m tracetrain.config --markdown > docs/config.md"
+
+# Descriptions of the keys of sections defined elsewhere without attribute docstrings (the verl
+# section, tracetrain/integrations/verl/config.py); a field's own description wins.
+EXTERNAL_DESCRIPTIONS: dict[type[BaseModel], dict[str, str]] = {
+    VerlConfig: {
+        "nnodes": "Nodes of the Ray cluster verl uses.",
+        "n_gpus_per_node": "GPUs per node (the actor and the rollout servers share them).",
+        "strategy": "verl's actor strategy, `fsdp` or `fsdp2` (the engines the loss scaling was "
+                    "checked against).",
+        "rollout": "verl's rollout server; the gateway calls it.",
+        "rollout_tp": "Tensor-parallel size of one rollout replica (it must divide the GPUs).",
+        "gpu_memory_utilization": "The rollout servers' share of GPU memory while awake.",
+        "param_offload": "FSDP CPU offload of the parameters.",
+        "optimizer_offload": "FSDP CPU offload of the optimizer state.",
+        "gradient_checkpointing": "verl's model option `enable_gradient_checkpointing`.",
+        "use_remove_padding": "Packed sequences (needs flash-attn on the GPUs).",
+        "ray_address": "null: start a local Ray (or join RAY_ADDRESS if set); `auto`: the running "
+                       "cluster.",
+        "overrides": "Dotted verl config keys, applied last (`+key` adds a key verl's yaml does "
+                     "not have).",
+    },
+}
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """X for a field typed `X | None` with X a section (model.lora), else None."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and _is_section(args[0]) else None
+
+
+def describe(model: type[BaseModel], name: str) -> str:
+    """The meaning of `model`'s field `name`: its attribute docstring, else
+    EXTERNAL_DESCRIPTIONS."""
+    text = (model.model_fields[name].description
+            or EXTERNAL_DESCRIPTIONS.get(model, {}).get(name, ""))
+    return " ".join(text.split())
+
+
+def sections(
+    model: type[BaseModel] = TrainConfig, prefix: str = ""
+) -> list[tuple[str, type[BaseModel]]]:
+    """[(dotted prefix, model)]: the top level ("") and every section below it, in field order."""
+    out: list[tuple[str, type[BaseModel]]] = [(prefix, model)]
+    for name, field in model.model_fields.items():
+        section = field.annotation if _is_section(field.annotation) else _optional_section(field.annotation)
+        if section is not None:  # an optional one is also a key of its own (null: off)
+            out += sections(section, f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+def leaf_keys() -> list[tuple[str, type[BaseModel], str]]:
+    """[(dotted key, model, field name)] of every key that holds a value (not a section)."""
+    return [(f"{prefix}.{name}" if prefix else name, model, name)
+            for prefix, model in sections()
+            for name, field in model.model_fields.items() if not _is_section(field.annotation)]
+
+
+def _type_name(tp: Any) -> str:
+    import types
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    if origin is typing.Annotated:  # ObjectSpec, registered(...): the value's own type
+        return _type_name(args[0])
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_name(a) for a in args if a is not type(None)]
+        return " | ".join(parts + (["null"] if type(None) in args else []))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    return tp.__name__ if isinstance(tp, type) else str(tp)
+
+
+def _yaml_value(value: Any) -> str:
+    """`value` as YAML writes it in flow style (`null`, `true`, `1.0e-06`, `[]`)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip()
+    return text.removesuffix("...").strip()
+
+
+def _default(field: Any) -> Any:
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _constraints(field: Any) -> list[str]:
+    out = []
+    for m in field.metadata:
+        if isinstance(m, Registered):
+            aliases = {a: n for r in registry.KEYS[m.key] for a, n in r.aliases.items()}
+            names = [f"`{n}`" + (f" (= `{aliases[n]}`)" if n in aliases else "")
+                     for n in registry.known(m.key, builtin=True)]
+            out.append("a registered name: " + ", ".join(names))
+        for attr, op in _BOUNDS:
+            if getattr(m, attr, None) is not None:
+                out.append(f"{op} {getattr(m, attr)}")
+        if getattr(m, "min_length", None) is not None:
+            out.append(f"length >= {m.min_length}")
+        if getattr(m, "pattern", None) is not None:
+            out.append(f"matches `{m.pattern}`")
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+_HEADER = f"""\
+# Configuration reference
+
+<!-- Generated from tracetrain/config/sections.py by `{REFERENCE_COMMAND}`; do not edit.
+     tests/test_config_docs.py fails when the two differ. -->
+
+A run is configured by a YAML file, and `key.sub=value` overrides after it on the command line
+are applied over the file:
+
+```bash
+tracetrain train examples/guess/config.yaml optim.lr=3e-4 trainer.steps=200
+```
+
+```yaml
+# the same in the file
+optim: {{lr: 3.0e-4}}
+trainer:
+  steps: 200
+```
+
+An override's value is read as an int, else a float, else a YAML value (`true`, `null`,
+`[a, b]`, `{{k: v}}`; anything else is a string). In the YAML file an exponent needs a dot and a
+sign (`3.0e-4`): YAML 1.1 reads `3e-4` as a string, which a float key refuses.
+`tracetrain train --backend verl` is the same as the override `backend=verl`.
+
+Every key is typed and checked when the config is built: an unknown key, a value of the wrong
+type (nothing is coerced: `trainer.steps=true` and `optim.lr="0.1"` are refused) or one outside
+its constraints is an error that names the key. Defaults are shown as YAML writes them; a key
+not given takes its default. Some rules tie keys together (e.g. `model.path` is required for
+`model.kind: pretrained`); they are given with the keys they concern.
+"""
+
+
+def _intro(model: type[BaseModel], note: str) -> str:
+    import inspect
+
+    doc = inspect.cleandoc(model.__doc__ or "")
+    return "\n\n".join(p for p in (doc, note) if p)
+
+
+def config_reference() -> str:
+    """docs/config.md: every key of TrainConfig with its type, default, constraints and meaning,
+    generated from the models (deterministic)."""
+    parts, models = [_HEADER], dict(sections())
+    for prefix, model in models.items():
+        title = f"`{prefix}`" if prefix else "Top level"
+        parent, _, last = prefix.rpartition(".")
+        note = describe(models[parent], last) if prefix else ""  # the section's own field
+        lines = [f"## {title}", "", _intro(model, note), "",
+                 "| key | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+        for name, field in model.model_fields.items():
+            if _is_section(field.annotation):
+                continue
+            key = f"{prefix}.{name}" if prefix else name
+            cells = [_code(key), _code(_type_name(field.annotation)),
+                     "required" if field.is_required() else _code(_yaml_value(_default(field))),
+                     ", ".join(_constraints(field)),
+                     describe(model, name)]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m tracetrain.config",
+                                description="Print the configuration reference.")
+    p.add_argument("--markdown", action="store_true", required=True,
+                   help=f"the Markdown reference (`{REFERENCE_COMMAND}`)")
+    p.parse_args(argv)
+    sys.stdout.write(config_reference())
+    return 0
+
+
