@@ -161,7 +161,7 @@ class Trainer:
         self.collector_state: dict | None = None  # collect "continuous": what it had launched
         self.resumed_precision: str | None = None  # what "auto" chose
         # the services of `run` (None outside it)
-        self.agent = resolve_agent(task_module, cfg.agent)
+        self.agent = None  # the task source's agent (resolved when the run starts)
         self.nonce = secrets.token_hex(3)  # names this process's rollouts apart from a resumed run's
         self.store = None
         self.http_client = None
@@ -182,6 +182,7 @@ class Trainer:
         admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None
         check_top_p(cfg)
         preflight(cfg)
+        self.agent = resolve_agent(self.task, cfg.agent)
         self.started = time.perf_counter()
         resumed = cfg.trainer.resume and self.checkpoint_path().is_file()
         if resumed:
