@@ -20,8 +20,9 @@ The sides (each a child process of this script, one after another, never two at 
   overlap_collect, the lr and update split found for it; see the config's comments).
 - tracetrain-defaults: the config's task alone (env, data, model, rollout, advantage, the seed, the
   eval rows) with every other key at tracetrain's default, but `optim.lr` (--defaults-lr).
-- trl-best: GRPOTrainer with bf16 autocast and gradient checkpointing off (fp32, as
-  bench_grpo_smollm2 found faster on a CPU without AVX-512 BF16), --trl-lr.
+- trl-best: GRPOTrainer with gradient checkpointing off and bf16 autocast off (fp32, as
+  bench_grpo_smollm2 found faster on a CPU without AVX-512 BF16) or, with --trl-bf16, on (faster
+  where the CPU has AVX-512 BF16), --trl-lr.
 - trl-defaults: GRPOConfig as a CPU user gets it (bf16 autocast, gradient checkpointing, 8 rows per
   micro-batch, loss dapo, ...), lr --defaults-lr.
 Both TRL sides: the step's shape as above (per_device_train_batch_size 8, gradient accumulation so
@@ -245,7 +246,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
 
     best = args.side == "trl-best"
     micro = args.trl_micro if best else 8  # 8: TrainingArguments' per_device_train_batch_size
-    settings = {"bf16": False, "gradient_checkpointing": False} if best else {}
+    settings = {"bf16": args.trl_bf16, "gradient_checkpointing": False} if best else {}
     lr = (args.trl_lr if best else args.defaults_lr)
     # one generation batch of k x g rows; by default one optimizer step takes all of it (gradient
     # accumulation), with --trl-steps-per-generation n each takes 1/n of it
@@ -411,6 +412,9 @@ def main() -> None:
                     help="overrides of tracetrain-best alone (e.g. optim.lr=3e-5)")
     ap.add_argument("--trl-lr", type=float, default=1e-5, help="trl-best's lr")
     ap.add_argument("--defaults-lr", type=float, default=1e-5, help="the lr of both defaults sides")
+    ap.add_argument("--trl-bf16", action="store_true",
+                    help="trl-best keeps bf16 autocast (the default's) and only turns gradient "
+                         "checkpointing off: faster where the CPU has AVX-512 BF16")
     ap.add_argument("--trl-micro", type=int, default=8,
                     help="trl-best's per_device_train_batch_size (trl-defaults: 8, the default)")
     ap.add_argument("--trl-steps-per-generation", type=int, default=None,
