@@ -62,7 +62,7 @@ def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
     """A run directory with the demo's config and one step of 8 rollouts of `turns` turns."""
     from tracetrain.models.tiny import build_tokenizer
     from tracetrain.store import SQLiteStore
-    from tracetrain.store.records import NewRollout
+    from tracetrain.store.records import NewRollout, NewTurn
 
     out.mkdir(parents=True)
     cfg = json.loads((demo / "config.json").read_text())  # rows as long as the rollouts
@@ -80,7 +80,8 @@ def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
             for k, made in enumerate(rollouts):
                 rid = f"long-s0-t0-n{k}"
                 for prompt, response in made:
-                    await store.add_turn(rid, prompt, response, [-1.0] * len(response), 0, "stop")
+                    await store.add_turn(
+                        rid, NewTurn(prompt, response, [-1.0] * len(response), 0, "stop"))
                 await store.add_event(rid, "reward", reward=k / 8)
                 await store.set_state(rid, "succeeded")
         finally:

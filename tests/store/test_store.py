@@ -19,6 +19,7 @@ from tracetrain.store import (
     SCHEMA_VERSION,
     IllegalTransition,
     NewRollout,
+    NewTurn,
     RolloutConflict,
     RolloutEnded,
     SQLiteStore,
@@ -65,8 +66,8 @@ def test_create_is_idempotent_and_conflicts_are_atomic(store):
 def test_turns_round_trip_in_order(store):
     run(store.create_rollouts([new("a")]))
     lp = [-0.1, -2.5, -1e-9]
-    i0 = run(store.add_turn("a", [1, 2, 3], [4, 5, 2], lp, 7, "stop"))
-    i1 = run(store.add_turn("a", [1, 2, 3, 4, 5, 2, 9], [2**31 - 1], None, 8, "length"))
+    i0 = run(store.add_turn("a", NewTurn([1, 2, 3], [4, 5, 2], lp, 7, "stop")))
+    i1 = run(store.add_turn("a", NewTurn([1, 2, 3, 4, 5, 2, 9], [2**31 - 1], None, 8, "length")))
     assert (i0, i1) == (0, 1)
     rec = store.get_rollout("a")
     assert rec.state == RolloutState.running and rec.n_turns == 2  # first turn started it
@@ -108,8 +109,10 @@ def test_a_continued_prompt_keeps_only_what_it_adds_and_reads_back_whole(tmp_pat
             run(store.create_rollouts([new(rid)]))
             for prompt, response, earlier in turns:
                 reused = 0 if earlier is None else len(turns[earlier][0]) + len(turns[earlier][1])
-                how = ("exact" if earlier is not None else "rendered", None, reused)
-                run(store.add_turn(rid, prompt, response, None, 0, "stop", how, earlier))
+                how = "exact" if earlier is not None else "rendered"
+                turn = NewTurn(prompt, response, None, 0, "stop", context=how,
+                               reused_tokens=reused, prompt_from=earlier)
+                run(store.add_turn(rid, turn))
             got = store.get_turns(rid)
             assert [(t.prompt_ids, t.response_ids) for t in got] == [(p, r) for p, r, _ in turns]
             arrays = store.training_turns(rid)
@@ -129,11 +132,13 @@ def test_a_continued_prompt_keeps_only_what_it_adds_and_reads_back_whole(tmp_pat
 
 def test_a_continued_prompt_that_does_not_fit_its_earlier_turn_is_refused(store):
     run(store.create_rollouts([new("a")]))
-    run(store.add_turn("a", [1, 2, 3], [4, 5], None, 0, "stop"))
+    run(store.add_turn("a", NewTurn([1, 2, 3], [4, 5], None, 0, "stop")))
     with pytest.raises(ValueError, match="holds 5 ids"):  # claims 4 ids of turn 0, which has 5
-        run(store.add_turn("a", [1, 2, 3, 4, 9], [6], None, 0, "stop", ("exact", None, 4), 0))
+        run(store.add_turn("a", NewTurn([1, 2, 3, 4, 9], [6], None, 0, "stop", context="exact",
+                                        reused_tokens=4, prompt_from=0)))
     with pytest.raises(ValueError, match="does not exist"):
-        run(store.add_turn("a", [1, 2, 3, 4, 5, 9], [6], None, 0, "stop", ("exact", None, 5), 3))
+        run(store.add_turn("a", NewTurn([1, 2, 3, 4, 5, 9], [6], None, 0, "stop", context="exact",
+                                        reused_tokens=5, prompt_from=3)))
     assert [t.prompt_ids for t in store.get_turns("a")] == [[1, 2, 3]]  # nothing else written
 
 
@@ -142,11 +147,11 @@ def test_turn_after_end_and_unknown_rollout_are_refused(store):
     run(store.set_state("a", "running"))
     run(store.set_state("a", "succeeded"))
     with pytest.raises(RolloutEnded, match="succeeded"):
-        run(store.add_turn("a", [1], [2], None, 0, "stop"))
+        run(store.add_turn("a", NewTurn([1], [2], None, 0, "stop")))
     with pytest.raises(RolloutEnded):
         run(store.start("a"))
     with pytest.raises(UnknownRollout, match="'nope'"):
-        run(store.add_turn("nope", [1], [2], None, 0, "stop"))
+        run(store.add_turn("nope", NewTurn([1], [2], None, 0, "stop")))
     assert store.get_turns("a") == [] and store.get_rollout("a").n_turns == 0
 
 
@@ -215,7 +220,7 @@ def test_list_pages_by_state_and_group(store):
 
 def test_delete_cascades(store):
     run(store.create_rollouts([new("a"), new("b")]))
-    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    run(store.add_turn("a", NewTurn([1], [2], None, 0, "stop")))
     run(store.add_event("a", "reward", None, reward=1.0))
     assert run(store.delete_rollout("a")) and not run(store.delete_rollout("a"))
     assert store.get_rollout("a") is None and store.get_turns("a") == []
@@ -232,7 +237,7 @@ def test_concurrent_turns_are_dense_ordered_and_group_committed(store):
 
     async def agent(i):
         for k in range(n_turns):
-            idx = await store.add_turn(f"c{i}", [i, k], [k + 1], [-0.5], k, "stop")
+            idx = await store.add_turn(f"c{i}", NewTurn([i, k], [k + 1], [-0.5], k, "stop"))
             assert idx == k
 
     async def main():
@@ -254,10 +259,10 @@ def test_a_refused_write_fails_alone_in_its_group_and_a_group_of_one_rolls_back(
 
     async def group():  # issued in one loop iteration: one group, one commit
         return await asyncio.gather(
-            store.add_turn("ok", [1], [2], None, 0, "stop"),
-            store.add_turn("over", [1], [2], None, 0, "stop"),
+            store.add_turn("ok", NewTurn([1], [2], None, 0, "stop")),
+            store.add_turn("over", NewTurn([1], [2], None, 0, "stop")),
             store.create_rollouts([new("fresh"), new("ok", task="other")]),  # conflict: none
-            store.add_turn("ok", [3], [4], None, 0, "stop"),
+            store.add_turn("ok", NewTurn([3], [4], None, 0, "stop")),
             return_exceptions=True,
         )
 
@@ -269,7 +274,7 @@ def test_a_refused_write_fails_alone_in_its_group_and_a_group_of_one_rolls_back(
     with pytest.raises(RolloutConflict):
         run(store.create_rollouts([new("fresh"), new("ok", task="other")]))
     assert store.get_rollout("fresh") is None
-    assert run(store.add_turn("ok", [5], [6], None, 0, "stop")) == 2
+    assert run(store.add_turn("ok", NewTurn([5], [6], None, 0, "stop"))) == 2
     assert [t.prompt_ids for t in store.get_turns("ok")] == [[1], [3], [5]]
 
 
@@ -280,12 +285,12 @@ def test_key_lookups_follow_the_stores_writes(store):
     head = store.head_by_key_hash(b"hash-k")
     assert (head.rollout_id, head.state) == ("k", RolloutState.queued)
     assert store.head_by_key_hash(b"hash-k") is head  # from memory
-    run(store.add_turn("k", [1], [2], None, 0, "stop"))
+    run(store.add_turn("k", NewTurn([1], [2], None, 0, "stop")))
     assert store.head_by_key_hash(b"hash-k").state == RolloutState.running
     run(store.set_state("k", "succeeded"))
     assert store.head_by_key_hash(b"hash-k").state == RolloutState.succeeded
     with pytest.raises(RolloutEnded):
-        run(store.add_turn("k", [1], [2], None, 0, "stop"))
+        run(store.add_turn("k", NewTurn([1], [2], None, 0, "stop")))
     assert store.head_by_key_hash(b"hash-k").state == RolloutState.succeeded
     run(store.rekey_rollout("k", b"salt-2", b"hash-k2"))
     assert store.head_by_key_hash(b"hash-k") is None
@@ -302,8 +307,8 @@ def test_key_lookups_follow_the_stores_writes(store):
 
 def test_load_rollouts_gives_validated_finished_rollouts(store):
     run(store.create_rollouts([new("done", group_id="G"), new("live", group_id="G")]))
-    run(store.add_turn("done", [1, 2], [3, 2], [-0.5, -0.25], 3, "stop"))
-    run(store.add_turn("live", [1, 2], [3], [-0.5], 3, "stop"))
+    run(store.add_turn("done", NewTurn([1, 2], [3, 2], [-0.5, -0.25], 3, "stop")))
+    run(store.add_turn("live", NewTurn([1, 2], [3], [-0.5], 3, "stop")))
     run(store.add_event("done", "reward", None, reward=1.0))
     run(store.set_state("done", "succeeded"))
     (r,) = store.load_rollouts(group_id="G")
@@ -369,7 +374,8 @@ def test_a_version_2_file_is_migrated_and_its_turns_read_as_before(tmp_path):
     )
     conn.close()
     with SQLiteStore(path) as s:
-        run(s.add_turn("old", [5, 6, 7, 8, 9, 10], [11], None, 0, "stop", ("exact", None, 5), 0))
+        run(s.add_turn("old", NewTurn([5, 6, 7, 8, 9, 10], [11], None, 0, "stop", context="exact",
+                                      reused_tokens=5, prompt_from=0)))
         assert [t.prompt_ids for t in s.get_turns("old")] == [[5, 6, 7], [5, 6, 7, 8, 9, 10]]
         # turns from before roles (schema 4) are the default role's, with no turn reward
         assert [(t.role, t.reward) for t in s.get_turns("old")] == [("policy", None)] * 2
@@ -390,13 +396,13 @@ def test_bad_arguments_are_refused(tmp_path):
 CHILD = textwrap.dedent(
     """
     import asyncio, sys
-    from tracetrain.store import SQLiteStore, NewRollout
+    from tracetrain.store import SQLiteStore, NewRollout, NewTurn
     store = SQLiteStore(sys.argv[1])
     async def main():
         await store.create_rollouts([NewRollout("k", "g", None, None, b"s", b"h")])
         print("created", flush=True)
         for i in range(100000):
-            idx = await store.add_turn("k", [i], [i + 1], [-1.0], 0, "stop")
+            idx = await store.add_turn("k", NewTurn([i], [i + 1], [-1.0], 0, "stop"))
             print(idx, flush=True)  # acknowledged: committed before this line
     asyncio.run(main())
     """
@@ -431,7 +437,8 @@ def test_group_commit_in_both_durability_modes(tmp_path, synchronous):
         async def main():
             async def agent(i):
                 return [
-                    await store.add_turn(f"d{i}", [i, k], [1], None, 0, "stop") for k in range(10)
+                    await store.add_turn(f"d{i}", NewTurn([i, k], [1], None, 0, "stop"))
+                    for k in range(10)
                 ]
 
             return await asyncio.gather(*(agent(i) for i in range(8)))
@@ -449,7 +456,7 @@ def test_wal_is_checkpointed_in_the_background(tmp_path):
 
         async def main():
             for _ in range(2000):  # one commit each, ~6 WAL pages per commit: ~50 MB of WAL frames
-                await store.add_turn("w", prompt, [1], None, 0, "stop")
+                await store.add_turn("w", NewTurn(prompt, [1], None, 0, "stop"))
 
         run(main())
         wal = path.with_name(path.name + "-wal").stat().st_size
@@ -464,9 +471,9 @@ def test_roles_and_turn_rewards_round_trip_and_survive_reopen(tmp_path):
     path = tmp_path / "roles.db"
     with SQLiteStore(path) as s:
         run(s.create_rollouts([new("a", group_id="G")]))
-        run(s.add_turn("a", [1, 2], [3], [-0.5], 0, "stop", role="solver"))
-        run(s.add_turn("a", [1, 2, 3, 4], [5], [-0.25], 0, "stop", role="checker"))
-        run(s.add_turn("a", [1, 2, 3, 4, 5, 6], [7], [-0.125], 0, "stop"))  # no role named
+        run(s.add_turn("a", NewTurn([1, 2], [3], [-0.5], 0, "stop", role="solver")))
+        run(s.add_turn("a", NewTurn([1, 2, 3, 4], [5], [-0.25], 0, "stop", role="checker")))
+        run(s.add_turn("a", NewTurn([1, 2, 3, 4, 5, 6], [7], [-0.125], 0, "stop")))  # no role
         first = run(s.add_turn_reward("a", 0.5, turn=0, name="parsed"))
         run(s.add_turn_reward("a", -0.25, turn=0))
         latest = run(s.add_turn_reward("a", 2.0, name="tests_passed"))  # the latest turn: 2
@@ -491,7 +498,7 @@ def test_turn_rewards_for_a_missing_turn_or_an_ended_rollout_are_refused(store):
     run(store.create_rollouts([new("a")]))
     with pytest.raises(UnknownTurn, match="no turn yet"):
         run(store.add_turn_reward("a", 1.0))
-    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    run(store.add_turn("a", NewTurn([1], [2], None, 0, "stop")))
     for bad in (1, -1, 7):
         with pytest.raises(UnknownTurn, match=f"no turn {bad}: its turns are 0..0"):
             run(store.add_turn_reward("a", 1.0, turn=bad))
@@ -503,7 +510,7 @@ def test_turn_rewards_for_a_missing_turn_or_an_ended_rollout_are_refused(store):
     assert store.get_turn_rewards("a") == []  # nothing recorded from a refused write
     run(store.delete_rollout("a"))
     run(store.create_rollouts([new("a")]))
-    run(store.add_turn("a", [1], [2], None, 0, "stop"))
+    run(store.add_turn("a", NewTurn([1], [2], None, 0, "stop")))
     assert store.get_turns("a")[0].reward is None  # deleted with its rollout
 
 

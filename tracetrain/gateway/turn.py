@@ -41,7 +41,7 @@ from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas.base import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import TextDeltas
-from tracetrain.store import RolloutEnded, RolloutHead
+from tracetrain.store import NewTurn, RolloutEnded, RolloutHead
 from tracetrain.types import (
     DEFAULT_ROLE,
     POLICY,
@@ -145,7 +145,7 @@ async def generate_turn(
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
     was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it;
-    `prompt_from`: the earlier turn an exact prompt continues (Store.add_turn); `role`: the agent
+    `prompt_from`: the earlier turn an exact prompt continues (store.NewTurn); `role`: the agent
     that made the call (role_of), recorded with the turn; `messages`: the JSON of the chat
     messages it was sent after those of `prompt_from` (all of them without it)."""
     store = gw.store
@@ -173,18 +173,20 @@ async def generate_turn(
             check_generation(gen.response_ids, gen.response_logprobs, gen.model_version)
         except TraceError as e:
             raise EngineError(f"engine returned an invalid generation: {e}", status=502) from e
-        index = await store.add_turn(
-            rid,
+        how, reason, reused = context
+        index = await store.add_turn(rid, NewTurn(
             prompt_ids,
             gen.response_ids,
             gen.response_logprobs,
             gen.model_version,
             gen.finish_reason,
-            context,
-            prompt_from,
-            role,
-            messages,
-        )
+            context=how,
+            context_reason=reason,
+            reused_tokens=reused,
+            prompt_from=prompt_from,
+            role=role,
+            messages=messages,
+        ))
     return gen, index
 
 

@@ -1,8 +1,9 @@
 """The store: rollouts, their turns, rewards and events, durably, in one SQLite file.
 
 Contract (`Store`): writes are `async` and return only after their transaction is committed, so a
-gateway that answers 2xx after `await store.add_turn(...)` never loses an acknowledged turn when
-its process is killed (`kill -9`). Reads are plain calls, cheap and safe from any thread.
+gateway that answers 2xx after `await store.add_turn(rollout_id, NewTurn(...))` never loses an
+acknowledged turn when its process is killed (`kill -9`). Reads are plain calls, cheap and safe
+from any thread.
 
 `SQLiteStore(path)` implements it:
 - WAL journal, `synchronous=NORMAL` by default: a commit is in the WAL (the OS page cache) before
@@ -26,7 +27,7 @@ its process is killed (`kill -9`). Reads are plain calls, cheap and safe from an
 - Token ids are stored as little-endian int32 BLOBs and logprobs as little-endian float32 BLOBs
   (4 bytes per token; float32 keeps a logprob to ~1e-7 relative, the precision engines compute in).
   A prompt that continues an earlier turn of its rollout (the gateway's exact context:
-  `add_turn(..., prompt_from=k)`) is stored as the ids it adds to turn k's prompt + response, so
+  `NewTurn(..., prompt_from=k)`) is stored as the ids it adds to turn k's prompt + response, so
   a long conversation takes O(turns) bytes, not O(turns²); reads join it back.
 - Schema versioned with `PRAGMA user_version`; `MIGRATIONS[k]` takes version k to k + 1; the
   pending ones run in one transaction (a reader never sees a store half created).
@@ -44,6 +45,7 @@ from tracetrain.store.records import (
     EventRecord,
     IllegalTransition,
     NewRollout,
+    NewTurn,
     RolloutConflict,
     RolloutEnded,
     RolloutHead,
@@ -64,7 +66,7 @@ from tracetrain.store.schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from tracetrain.store.sqlite import SQLiteStore
 
 __all__ = [
-    "MIGRATIONS", "SCHEMA_VERSION", "EventRecord", "IllegalTransition", "NewRollout",
+    "MIGRATIONS", "SCHEMA_VERSION", "EventRecord", "IllegalTransition", "NewRollout", "NewTurn",
     "RolloutConflict", "RolloutEnded", "RolloutHead", "RolloutRecord", "SQLiteStore", "Store",
     "StoreError", "TurnRecord", "TurnReward", "UnknownRollout", "UnknownTurn",
     "blob_to_float_array", "blob_to_floats", "blob_to_id_array", "blob_to_ids", "floats_to_blob",

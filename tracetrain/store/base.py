@@ -9,13 +9,14 @@ from typing import Any
 from tracetrain.store.records import (
     EventRecord,
     NewRollout,
+    NewTurn,
     RolloutHead,
     RolloutRecord,
     TurnRecord,
     TurnReward,
     UnknownRollout,
 )
-from tracetrain.types import DEFAULT_ROLE, TERMINAL_STATES, Rollout, RolloutState, Turn
+from tracetrain.types import TERMINAL_STATES, Rollout, RolloutState, Turn
 
 
 class Store(ABC):
@@ -44,24 +45,10 @@ class Store(ABC):
         """queued -> running; a running rollout is returned as is; RolloutEnded if terminal."""
 
     @abstractmethod
-    async def add_turn(
-        self,
-        rollout_id: str,
-        prompt_ids: Sequence[int],
-        response_ids: Sequence[int],
-        response_logprobs: Sequence[float] | None,
-        model_version: int | None,
-        finish_reason: str | None,
-        context: tuple[str | None, str | None, int] = (None, None, 0),
-        prompt_from: int | None = None,
-        role: str = DEFAULT_ROLE,
-    ) -> int:
-        """Append a turn and return its index (0, 1, ...). A queued rollout becomes running;
-        RolloutEnded if it is terminal. `context`: how its prompt was built, (context, reason,
-        reused_tokens) as in TurnRecord. `prompt_from`: an earlier turn of the rollout whose prompt
-        + response ids are prompt_ids[:reused_tokens] (an exact context); the store may keep only
-        the ids after them. Reads return the whole prompt either way. `role`: the agent that made
-        the call (checked by the caller: types.check_role)."""
+    async def add_turn(self, rollout_id: str, turn: NewTurn) -> int:
+        """Append `turn` to the rollout and return its index (0, 1, ...: dense, in the order the
+        writes reached the store). A queued rollout becomes running; UnknownRollout if there is
+        no such rollout, RolloutEnded if it is terminal. What is kept of each field: NewTurn."""
 
     @abstractmethod
     async def add_turn_reward(

@@ -58,6 +58,39 @@ class NewRollout:
 
 
 @dataclass(frozen=True)
+class NewTurn:
+    """One model call for `Store.add_turn` to record; fields are named as `TurnRecord` names them.
+
+    prompt_ids, response_ids: the token ids the policy saw and produced, stored as int32 and read
+        back whole. response_logprobs: one per response id, stored as float32; None: the engine
+        gave none. model_version, finish_reason: stored as given.
+    context, context_reason, reused_tokens: how the prompt was built (exact | rendered, None for
+        a raw prompt; why it was rendered in full, types.REASONS; how many leading prompt ids
+        were taken as they were from the earlier turn), stored as given.
+    prompt_from: an earlier turn of the same rollout whose prompt + response ids are
+        prompt_ids[:reused_tokens] (an exact context). The store checks that turn exists and
+        holds exactly reused_tokens ids, no more than prompt_ids has (ValueError otherwise, and
+        nothing is written), then may keep only the prompt ids after them; reads return the
+        whole prompt either way.
+    role: the agent that made the call (checked by the caller: types.check_role).
+    messages: JSON of the chat messages the call was sent after those of `prompt_from` (all of
+        them without it); bytes are decoded as UTF-8; None: none kept.
+    """
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    response_logprobs: Sequence[float] | None
+    model_version: int | None
+    finish_reason: str | None
+    context: str | None = None
+    context_reason: str | None = None
+    reused_tokens: int = 0
+    prompt_from: int | None = None
+    role: str = DEFAULT_ROLE
+    messages: str | bytes | None = None
+
+
+@dataclass(frozen=True)
 class RolloutRecord:
     rollout_id: str
     group_id: str

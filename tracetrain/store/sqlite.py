@@ -133,33 +133,9 @@ class SQLiteStore(Store):
         self._running(rollout_id)
         return record
 
-    async def add_turn(
-        self,
-        rollout_id,
-        prompt_ids,
-        response_ids,
-        response_logprobs,
-        model_version,
-        finish_reason,
-        context=(None, None, 0),
-        prompt_from=None,
-        role=DEFAULT_ROLE,
-        messages=None,
-    ):
+    async def add_turn(self, rollout_id, turn):
         try:
-            index = await self._write(
-                _op_add_turn,
-                rollout_id,
-                prompt_ids,
-                response_ids,
-                response_logprobs,
-                model_version,
-                finish_reason,
-                context,
-                prompt_from,
-                role,
-                messages,
-            )
+            index = await self._write(_op_add_turn, rollout_id, turn)
         except StoreError:
             self._forget(rollout_id)
             raise

@@ -13,6 +13,7 @@ from tracetrain.store.records import (
     EventRecord,
     IllegalTransition,
     NewRollout,
+    NewTurn,
     RolloutConflict,
     RolloutEnded,
     RolloutRecord,
@@ -111,12 +112,10 @@ def _op_start(conn, rollout_id: str) -> RolloutRecord:
     return r
 
 
-def _op_add_turn(
-    conn, rollout_id, prompt_ids, response_ids, response_logprobs, model_version, finish_reason,
-    context, prompt_from=None, role=None, messages=None,
-) -> int:
+def _op_add_turn(conn, rollout_id: str, turn: NewTurn) -> int:
     """A turn; with `prompt_from` = k only the prompt ids after turn k's prompt + response ids
-    (context[2] of them) are stored, once that length is checked against turn k."""
+    (`reused_tokens` of them) are stored, once that length is checked against turn k."""
+    prompt_ids, prompt_from = turn.prompt_ids, turn.prompt_from
     row = conn.execute(
         "SELECT state, n_turns FROM rollouts WHERE rollout_id = ?", (rollout_id,)
     ).fetchone()
@@ -127,7 +126,7 @@ def _op_add_turn(
         raise RolloutEnded(f"rollout {rollout_id!r} has ended ({state.value}); no more turns")
     stored = prompt_ids
     if prompt_from is not None:
-        reused = context[2]
+        reused = turn.reused_tokens
         earlier = conn.execute(
             "SELECT COALESCE(prompt_len, length(prompt_ids) / 4) + length(response_ids) / 4"
             " FROM turns WHERE rollout_id = ? AND idx = ?",
@@ -149,16 +148,18 @@ def _op_add_turn(
             rollout_id,
             index,
             ids_to_blob(stored),
-            ids_to_blob(response_ids),
-            None if response_logprobs is None else floats_to_blob(response_logprobs),
-            model_version,
-            finish_reason,
+            ids_to_blob(turn.response_ids),
+            None if turn.response_logprobs is None else floats_to_blob(turn.response_logprobs),
+            turn.model_version,
+            turn.finish_reason,
             now,
-            *context,
+            turn.context,
+            turn.context_reason,
+            turn.reused_tokens,
             prompt_from,
             len(prompt_ids),
-            None if role == DEFAULT_ROLE else role,
-            messages.decode() if isinstance(messages, bytes) else messages,
+            None if turn.role == DEFAULT_ROLE else turn.role,
+            turn.messages.decode() if isinstance(turn.messages, bytes) else turn.messages,
         ),
     )
     if state == RolloutState.running:  # state is indexed: leave it, and its index page, alone
