@@ -12,7 +12,7 @@ wall-clock minutes, then is stopped:
     continuous-2  trainer.collect continuous, max_staleness 2
 
 All arms: the agents in the trainer's process (rollout.agent_workers 0: continuous collection
-refuses worker processes), overlap_collect off, no eval passes, the demo's other settings. The
+refuses worker processes), collect step, no eval passes, the demo's other settings. The
 arms run one after another, alone on the machine. Printed side by side: rollouts trained per
 second and its ratio to `step`, the engine's idle fraction (wall time with no request in flight),
 the steps done, the largest staleness, and the reward against wall time (the mean training reward
@@ -119,7 +119,7 @@ def main() -> None:
     per_step = cfg.rollout.tasks_per_step * cfg.rollout.n_per_task
     seconds = args.minutes * 60
     base = [*common, "model.kind=pretrained", f"model.path={policy}", "warm_start.steps=0",
-            "rollout.agent_workers=0", "trainer.overlap_collect=false", "trainer.max_staleness=0",
+            "rollout.agent_workers=0", "trainer.collect=step", "trainer.max_staleness=0",
             "trainer.eval_every=0", "trainer.steps=100000", "trainer.checkpoint_every=0"]
     results = {}
     for name in args.arms:

@@ -7,10 +7,10 @@ same steps, one setting changed at a time.
 Variants (all on examples/guess/config.yaml, 16 tasks x 8 rollouts, 2 mini-batches + KL):
   fp32 sequential        trainer.precision=fp32, collect then update (the engine shares the weights)
   bf16-mixed sequential  trainer.precision=bf16-mixed, collect then update
-  bf16-mixed overlap     bf16-mixed + trainer.overlap_collect (the demo's config; its batches in
+  bf16-mixed overlap     bf16-mixed + trainer.collect overlap (the demo's config; its batches in
                          lockstep, trainer.reproducible)
   ..., by arrival        the same with trainer.reproducible=false: batches close after a quiet
-                         rollout.batch_window_ms (what reproducibility costs)
+                         engine.batch_window_ms (what reproducibility costs)
 
 One warm start is done first (`tracetrain train ... trainer.steps=1`); every variant resumes from
 that checkpoint in its own run directory and trains `--steps` more steps (eval off). Each variant
@@ -33,13 +33,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "guess" / "config.yaml"
 VARIANTS = {
-    "fp32 sequential": ["trainer.precision=fp32", "trainer.overlap_collect=false",
+    "fp32 sequential": ["trainer.precision=fp32", "trainer.collect=step",
                         "trainer.update_threads=2"],
-    "bf16-mixed sequential": ["trainer.precision=bf16-mixed", "trainer.overlap_collect=false",
+    "bf16-mixed sequential": ["trainer.precision=bf16-mixed", "trainer.collect=step",
                               "trainer.update_threads=2"],
-    "bf16-mixed overlap": ["trainer.precision=bf16-mixed", "trainer.overlap_collect=true",
+    "bf16-mixed overlap": ["trainer.precision=bf16-mixed", "trainer.collect=overlap",
                            "trainer.max_staleness=1"],
-    "bf16-mixed overlap, by arrival": ["trainer.precision=bf16-mixed", "trainer.overlap_collect=true",
+    "bf16-mixed overlap, by arrival": ["trainer.precision=bf16-mixed", "trainer.collect=overlap",
                                        "trainer.max_staleness=1", "trainer.reproducible=false"],
 }
 

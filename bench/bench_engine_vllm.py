@@ -36,7 +36,7 @@ from pathlib import Path
 from bench_demo_step import ROOT, run_rounds  # the demo config, warm-started once, in rounds
 from bench_demo_step import summarize as step_times  # step, collect and update medians
 
-SEQUENTIAL = ["trainer.overlap_collect=false", "trainer.update_threads=2"]
+SEQUENTIAL = ["trainer.collect=step", "trainer.update_threads=2"]
 
 
 def variants(python: str) -> dict[str, list[str]]:

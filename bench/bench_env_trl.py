@@ -17,7 +17,7 @@ handed to GRPOTrainer as the module itself).
 
 The sides (each a child process of this script, one after another, never two at once):
 - tracetrain-best: `tracetrain train` on the config as it is (its best settings: precision auto,
-  overlap_collect, the lr and update split found for it; see the config's comments).
+  collect overlap, the lr and update split found for it; see the config's comments).
 - tracetrain-defaults: the config's task alone (env, data, model, rollout, advantage, the seed, the
   eval rows) with every other key at tracetrain's default, but `optim.lr` (--defaults-lr).
 - trl-best: GRPOTrainer with gradient checkpointing off and bf16 autocast off (fp32, as
@@ -28,7 +28,7 @@ The sides (each a child process of this script, one after another, never two at 
 Both TRL sides: the step's shape as above (per_device_train_batch_size 8, gradient accumulation so
 that one optimizer step takes one generation batch of tasks_per_step x n_per_task rows),
 shuffle_dataset off (the order above), a constant lr (tracetrain's; the budget, not max_steps,
-ends the run), torch threads = trainer.threads.
+ends the run), torch threads = engine.threads.
 
 Held-out pass@1: one greedy completion (temperature 0, max_tokens as in training) of each held-out
 row, scored by the same reward; pass = reward 1 (the dataset's score_answer gives partial credit
@@ -104,8 +104,9 @@ def defaults_overrides(path: Path, lr: float) -> dict:
 
     raw = yaml.safe_load(path.read_text())
     keep = {k: raw[k] for k in ("env", "data", "model", "rollout", "advantage") if k in raw}
-    trainer = {k: raw["trainer"][k] for k in ("seed", "eval_tasks", "threads") if k in raw.get("trainer", {})}
-    return {**keep, "trainer": trainer, "optim": {"lr": lr}}
+    trainer = {k: raw["trainer"][k] for k in ("seed", "eval_tasks") if k in raw.get("trainer", {})}
+    engine = {k: raw["engine"][k] for k in ("threads",) if k in raw.get("engine", {})}
+    return {**keep, "trainer": trainer, "engine": engine, "optim": {"lr": lr}}
 
 
 # ------------------------------------------------------------------ tracetrain side
@@ -226,8 +227,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
     base = path.resolve().parent
     env = load_source(cfg, base)
     data = open_task_data(cfg, base, env)
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
+    if cfg.engine.threads:
+        torch.set_num_threads(cfg.engine.threads)
     model, tok = load_policy(cfg.model, seed=cfg.trainer.seed)
     model.train()
     k, g, new = cfg.rollout.tasks_per_step, cfg.rollout.n_per_task, cfg.rollout.max_tokens
@@ -364,7 +365,8 @@ def report(out: Path) -> None:
             what = f"collect {gen:.1f} s, learn (rows + update + sync) {rest:.1f} s"
             prec = steps[-1]["precision"] if steps else "?"
             c = rec["config"]
-            what += (f"; precision {prec}, overlap_collect {c['trainer']['overlap_collect']}, "
+            collect = "overlap" if c["trainer"].get("overlap_collect") else c["trainer"]["collect"]  # (older records)
+            what += (f"; precision {prec}, collect {collect}, "
                      f"lr {c['optim']['lr']}, mini_batches {c['optim']['mini_batches']}")
         else:
             gen = median([s["gen_s"] for s in steps])

@@ -312,7 +312,8 @@ def bench_config(run_dir: Path, args: argparse.Namespace):
                 "ppo_epochs": 1,
             },
             "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir),
-                        "overlap_collect": args.overlap, "max_staleness": int(args.overlap)},
+                        "collect": "overlap" if args.overlap else "step",
+                        "max_staleness": int(args.overlap)},
         }
     )
 
@@ -377,7 +378,7 @@ async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
     runs during TRL's step)."""
     before = dict(engine.stats)
     t = time.perf_counter()
-    if not trainer.cfg.trainer.overlap_collect:
+    if trainer.cfg.trainer.collect != "overlap":
         m = await trainer.train_step(gateway, engine)
     else:
         if "next" not in state:  # the first collect, before the rounds overlap
@@ -682,7 +683,7 @@ def main() -> None:
     ap.add_argument(
         "--overlap",
         action="store_true",
-        help="tracetrain with trainer.overlap_collect (the next step's collect during the update)",
+        help="tracetrain with trainer.collect overlap (the next step's collect during the update)",
     )
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)

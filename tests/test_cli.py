@@ -18,7 +18,7 @@ EXAMPLE = ROOT / "examples" / "guess"
 # The demo at its smallest: no warm start, one step of 2 rollouts, everything in this process.
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
         "warm_start.steps=0", "rollout.tasks_per_step=1", "rollout.n_per_task=2",
-        "rollout.agent_workers=0", "trainer.steps=1", "trainer.overlap_collect=false",
+        "rollout.agent_workers=0", "trainer.steps=1", "trainer.collect=step",
         "trainer.eval_every=0", "trainer.precision=fp32"]
 
 

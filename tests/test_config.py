@@ -117,3 +117,79 @@ def test_every_example_config_loads(path):
 
     cfg = load_config(path)
     assert cfg.task
+
+
+# ------------------------------------------------- keys that moved, and the engine's keys by kind
+@pytest.mark.parametrize("key, value, says", [
+    ("trainer.overlap_collect", True, "replaced by trainer.collect: overlap (true) or step (false)"),
+    ("trainer.overlap_collect", False, "replaced by trainer.collect: overlap (true) or step (false)"),
+    ("trainer.threads", 2, "moved to engine.threads"),
+    ("rollout.batch_window_ms", 5.0, "moved to engine.batch_window_ms"),
+])
+def test_a_moved_key_is_refused_naming_where_it_went(tmp_path, key, value, says):
+    """In a file and as an override: an error naming the old key and the new one, not a key
+    silently dropped or an unexplained 'unknown key'."""
+    import yaml
+
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({section: {name: value}}))
+    for build in (lambda: load_config(path), lambda: build_config({}, [f"{key}={str(value).lower()}"])):
+        with pytest.raises(ConfigError) as e:
+            build()
+        assert str(e.value).startswith(f"config key {key!r}: {says}")
+
+
+def test_the_moved_keys_in_their_new_places():
+    cfg = build_config({}, ["trainer.collect=overlap", "trainer.max_staleness=1", "engine.threads=2",
+                            "engine.batch_window_ms=0"])
+    assert (cfg.trainer.collect, cfg.engine.threads, cfg.engine.batch_window_ms) == ("overlap", 2, 0.0)
+    vllm = build_config({"engine": {"kind": "vllm", "python": "p", "threads": 3}})
+    assert vllm.engine.threads == 3 and not hasattr(vllm.engine, "batch_window_ms")
+    assert TrainConfig.model_validate(vllm.model_dump()) == vllm
+
+
+@pytest.mark.parametrize("engine, says", [
+    ({"base_url": "http://127.0.0.1:9"},
+     "config key 'engine.base_url': only for engine.kind 'vllm' (engine.kind is 'local')"),
+    ({"kind": "local", "args": ["--x"]}, "config key 'engine.args': only for engine.kind 'vllm'"),
+    ({"kind": "local", "sleep_level": 1}, "config key 'engine.sleep_level': only for engine.kind 'vllm'"),
+    ({"kind": "vllm", "python": "p", "batch_window_ms": 1.0},
+     "config key 'engine.batch_window_ms': only for engine.kind 'local' (engine.kind is 'vllm')"),
+    ({"kind": "vllm", "python": "p", "sync": "ncl"}, "config key 'engine.sync': Input should be"),
+    ({"kind": "vllm", "python": "p", "pyhton": "x"}, "config key 'engine.pyhton': unknown key"),
+    ({"kind": "vllm"}, "config key 'engine.python': engine.kind 'vllm' needs either"),
+    ({"kind": "vlm"}, "config key 'engine.kind': unknown engine kind 'vlm'; known: local, vllm"),
+])
+def test_each_engine_kind_takes_its_own_keys(engine, says):
+    with pytest.raises(ConfigError) as e:
+        build_config({"engine": engine})
+    assert str(e.value).startswith(says)
+
+
+def test_a_plugin_engine_kind_takes_the_keys_of_both_kinds():
+    from tracetrain import registry
+
+    registry.ENGINE_KINDS.names()  # the built-in kinds registered before they are saved
+    saved = dict(registry.ENGINE_KINDS._entries)
+    registry.ENGINE_KINDS.register("mine")(lambda *a, **k: None)
+    try:
+        cfg = build_config({"engine": {"kind": "mine", "threads": 2, "batch_window_ms": 0.0,
+                                       "base_url": "http://127.0.0.1:9", "sync": "nccl"}})
+        assert type(cfg.engine).__name__ == "PluginEngineConfig"
+        assert (cfg.engine.kind, cfg.engine.threads, cfg.engine.sync) == ("mine", 2, "nccl")
+        assert TrainConfig.model_validate(cfg.model_dump()) == cfg
+    finally:
+        registry.ENGINE_KINDS._entries.clear()
+        registry.ENGINE_KINDS._entries.update(saved)
+
+
+def test_a_dumped_config_takes_another_engine_kind_by_override():
+    """A run's config.json holds every key, the local engine's defaults included: an override of
+    engine.kind drops those the new kind does not take; one holding another value is refused."""
+    dumped = build_config({"engine": {"threads": 2}}).model_dump(mode="json")
+    cfg = build_config(dumped, ["engine.kind=vllm", "engine.python=p"])
+    assert (cfg.engine.kind, cfg.engine.threads) == ("vllm", 2)
+    dumped["engine"]["batch_window_ms"] = 5.0
+    with pytest.raises(ConfigError, match=r"'engine\.batch_window_ms': only for engine\.kind 'local'"):
+        build_config(dumped, ["engine.kind=vllm", "engine.python=p"])

@@ -30,21 +30,38 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
 
 
-def walk(model: type[BaseModel], prefix: str = ""):
+def kinds(annotation) -> list[type[BaseModel]]:
+    """The models of a section that is a union of them, one per kind (`engine`), else []."""
+    inner = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+             for a in typing.get_args(annotation)]
+    models = [a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)]
+    return models if len(models) > 1 and len(models) == len(inner) else []
+
+
+def walk(model: type[BaseModel] | list[type[BaseModel]], prefix: str = ""):
     """(dotted key, model, field name) of every leaf of `model`, found independently of the
     generator's own walk: a section's own keys (an optional section, model.lora, is one: null
-    is off), then the sections below it in field order."""
-    below = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            assert field.annotation.__doc__, f"section {key!r} has no docstring (its intro)"
-            below.append((field.annotation, key))
-            continue
-        yield key, model, name
-        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
-        if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
-            below.append((inner[0], key))
+    is off), then the sections below it in field order. A union section (a list of models, one
+    per kind): each key once, with the first model that has it."""
+    below, seen = [], set()
+    for m in model if isinstance(model, list) else [model]:
+        for name, field in m.model_fields.items():
+            key = f"{prefix}.{name}" if prefix else name
+            if key in seen:
+                continue
+            seen.add(key)
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                assert field.annotation.__doc__, f"section {key!r} has no docstring (its intro)"
+                below.append((field.annotation, key))
+                continue
+            if kinds(field.annotation):
+                assert all(k.__doc__ for k in kinds(field.annotation)), f"a kind of {key!r} has no docstring"
+                below.append((kinds(field.annotation), key))
+                continue
+            yield key, m, name
+            inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+            if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+                below.append((inner[0], key))
     for section, key in below:
         yield from walk(section, key)
 
@@ -137,8 +154,24 @@ def test_documented_defaults_are_the_defaults():
             continue
         value = field.default_factory() if field.default_factory else field.default
         assert yaml.safe_load(row["default"]) == value, key
-    rows = {k: r for k, r in rows.items() if k not in under}
     default = TrainConfig()
+
+    def value_at(key: str):
+        got = default
+        for p in key.split("."):
+            got = getattr(got, p)
+        return got
+
+    for key in [k for k in rows if k not in under]:  # a key of another kind than the default's
+        try:
+            value_at(key)
+        except AttributeError:
+            under[key] = rows[key]
+            model, name = models[key]
+            field = model.model_fields[name]
+            value = field.default_factory() if field.default_factory else field.default
+            assert yaml.safe_load(rows[key]["default"]) == value, key
+    rows = {k: r for k, r in rows.items() if k not in under}
     overrides = [f"{key}={row['default']}" for key, row in rows.items()]
     assert build_config({}, overrides) == default
     tree: dict = {}

@@ -146,8 +146,8 @@ def run(cmd: list[str], env: dict) -> str:
 SMALL = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
          "warm_start.steps=2", "warm_start.batch_size=8", "rollout.tasks_per_step=2",
          "rollout.n_per_task=4", "optim.warmup_steps=0", "optim.mini_batches=1",
-         "trainer.steps=1", "trainer.seed=3", "trainer.eval_every=0", "trainer.threads=1",
-         "trainer.overlap_collect=false", "trainer.precision=fp32"]
+         "trainer.steps=1", "trainer.seed=3", "trainer.eval_every=0", "engine.threads=1",
+         "trainer.collect=step", "trainer.precision=fp32"]
 
 
 @pytest.mark.slow

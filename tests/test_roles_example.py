@@ -26,7 +26,7 @@ def small(run_dir: Path, steps: int, **extra):
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "warm_start.steps=3", "warm_start.batch_size=8",
         "rollout.tasks_per_step=3", "rollout.n_per_task=4", "rollout.timeout_s=60",
-        "optim.lr=1e-2", "optim.warmup_steps=0", "trainer.threads=1",
+        "optim.lr=1e-2", "optim.warmup_steps=0", "engine.threads=1",
         "loss.entropy_coef=0.01",  # the policy moves even when every advantage is 0
         f"trainer.steps={steps}", f"trainer.run_dir={run_dir}", "trainer.seed=5",
         "trainer.eval_every=0",

@@ -25,7 +25,7 @@ from gateway_fixtures import live_gateway
 from openai import OpenAI
 from safetensors import safe_open
 
-from tracetrain.config import ConfigError, build_config
+from tracetrain.config import ConfigError, LocalEngineConfig, build_config
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
 from tracetrain.engines.vllm import VLLMEngine, write_hf_dir
@@ -282,10 +282,10 @@ def vllm_config(run_dir: Path, steps: int, extra: list[str] = ()):
     (["engine.python=/usr/bin/python3", "engine.pyhton=x"], "engine.pyhton"),
     pytest.param(["engine.python=/usr/bin/python3", "engine.sync=nccl"], "engine.sync",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
-    pytest.param(["engine.python=/usr/bin/python3", "engine.sleep_level=1", "trainer.overlap_collect=false"],
+    pytest.param(["engine.python=/usr/bin/python3", "engine.sleep_level=1", "trainer.collect=step"],
                  "engine.sleep_level",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine")),
-    (["engine.python=/usr/bin/python3", "engine.sleep_level=2", "trainer.overlap_collect=true",
+    (["engine.python=/usr/bin/python3", "engine.sleep_level=2", "trainer.collect=overlap",
       "trainer.max_staleness=1"], "engine.sleep_level"),
     (["engine.base_url=http://127.0.0.1:9", "engine.sleep_level=1"], "engine.sleep_level"),
     pytest.param(["engine.python=/usr/bin/python3", "trainer.device=cuda"], "trainer.device",
@@ -682,9 +682,9 @@ def test_the_demo_trains_through_vllm_and_its_policy_dir_is_servable(tmp_path, v
 
 
 @pytest.mark.slow
-def test_overlap_collect_with_vllm_trains_on_rollouts_one_version_old(tmp_path, vllm_python):
+def test_collect_overlap_with_vllm_trains_on_rollouts_one_version_old(tmp_path, vllm_python):
     run = tmp_path / "run"
-    train(vllm_config(run, 3, [f"engine.python={vllm_python}", "trainer.overlap_collect=true",
+    train(vllm_config(run, 3, [f"engine.python={vllm_python}", "trainer.collect=overlap",
                                "trainer.max_staleness=1"]), base_dir=EXAMPLE, log=lambda *_: None)
     rows = metrics(run)
     assert [m["rollout_model_version"] for m in rows] == [0, 0, 1]
@@ -717,9 +717,8 @@ def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, 
 
     ck = torch.load(run / "checkpoint.pt", weights_only=False)
     assert ck["step"] == 2  # the checkpoint after step 1, whole
-    resumed = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={
-        "kind": "local", "python": None}), "trainer": cfg.trainer.model_copy(update={
-        "resume": True, "steps": 3})})
+    resumed = cfg.model_copy(update={"engine": LocalEngineConfig(threads=cfg.engine.threads),
+                                     "trainer": cfg.trainer.model_copy(update={"resume": True, "steps": 3})})
     resumed.task_args["kill_step"] = -1
     train(resumed, log=lambda *_: None)
     assert [m["step"] for m in metrics(run)] == [0, 1, 2]

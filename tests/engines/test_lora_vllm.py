@@ -1,7 +1,7 @@
 """LoRA with the vllm engine against a real vLLM server (the CPU build, as in test_engine_vllm.py):
 the server is launched on the base weights with LoRA enabled and each sync loads only the adapter.
 After each sync vLLM's logprobs are the trainer's for base + adapter and its greedy answer is the
-merged model's in transformers; a run trains through it, with and without overlap_collect, and
+merged model's in transformers; a run trains through it, with and without collect overlap, and
 changes only the adapter."""
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def set_adapter(pm, seed: int, scale: float = 0.3):
 # ----------------------------------------------------------------------------- no server needed
 def test_lora_with_vllm_is_accepted_and_the_server_gets_the_lora_flags():
     cfg = build_config({}, ["engine.kind=vllm", "engine.python=/usr/bin/python3", *LORA_KEYS,
-                            "trainer.overlap_collect=true", "trainer.max_staleness=1"])
-    assert cfg.model.lora.r == 8 and cfg.engine.kind == "vllm" and cfg.trainer.overlap_collect
+                            "trainer.collect=overlap", "trainer.max_staleness=1"])
+    assert cfg.model.lora.r == 8 and cfg.engine.kind == "vllm" and cfg.trainer.collect == "overlap"
     transport = LoraTransport("/tmp/adapters", cfg.model.lora.r)
     cmd = " ".join(server_command("py", "/m", 9, max_model_len=512, dtype="float32",
                                   args=transport.server_args, cuda=False))
@@ -79,7 +79,7 @@ def test_lora_with_vllm_is_accepted_and_the_server_gets_the_lora_flags():
     (["engine.kind=vllm", "engine.python=/usr/bin/python3", "engine.sync=nccl"], "engine.sync"),
     (["engine.kind=vllm", "engine.python=/usr/bin/python3", "engine.sleep_level=2"],
      "engine.sleep_level"),
-    (["trainer.overlap_collect=true", "trainer.max_staleness=1"], "trainer.overlap_collect"),
+    (["trainer.collect=overlap", "trainer.max_staleness=1"], "trainer.collect 'overlap'"),
 ])
 def test_what_lora_does_not_run_with_is_an_error_naming_the_key(extra, key):
     with pytest.raises(ConfigError) as e:
@@ -230,11 +230,11 @@ def test_a_lora_run_through_vllm_trains_only_the_adapter_and_vllm_matches_the_tr
 
 
 @pytest.mark.slow
-def test_overlap_collect_with_lora_and_vllm_trains_one_version_old_and_resumes(tmp_path, vllm_python):
+def test_collect_overlap_with_lora_and_vllm_trains_one_version_old_and_resumes(tmp_path, vllm_python):
     """The server keeps its own adapter while the update runs; a checkpoint keeps the engine's
     adapter (not a second copy of the base) and a resumed run continues from it."""
     run = tmp_path / "run"
-    overlap = [f"engine.python={vllm_python}", *LORA_KEYS, "trainer.overlap_collect=true",
+    overlap = [f"engine.python={vllm_python}", *LORA_KEYS, "trainer.collect=overlap",
                "trainer.max_staleness=1"]
     cfg = vllm_config(run, 2, overlap)
     train(cfg, base_dir=EXAMPLE, log=lambda *_: None)

@@ -94,4 +94,4 @@ class ScriptedPolicy(LocalEngine):
 async def start_scripted(cfg, weights, tokenizer, *, version, run_dir, threads, log, lockstep=None):
     return ScriptedPolicy(weights, tokenizer, max_batch_size=4096, model_version=version,
                           seed=cfg.trainer.seed, threads=threads,
-                          batch_window_ms=cfg.rollout.batch_window_ms)
+                          batch_window_ms=cfg.engine.batch_window_ms)

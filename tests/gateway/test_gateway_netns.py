@@ -110,8 +110,8 @@ def test_agents_in_another_namespace_train_through_the_public_address(tmp_path, 
          f"task={tmp_path / 'nettask.py'}", f"agent={agent}", "warm_start.steps=0",
          "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
          "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.timeout_s=120",
-         "rollout.agent_workers=0", "trainer.overlap_collect=false", "trainer.precision=fp32",
-         "trainer.steps=1", "trainer.eval_every=0", "trainer.threads=1", "trainer.update_threads=1",
+         "rollout.agent_workers=0", "trainer.collect=step", "trainer.precision=fp32",
+         "trainer.steps=1", "trainer.eval_every=0", "engine.threads=1", "trainer.update_threads=1",
          *where, f"trainer.run_dir={run_dir}"],
         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -200,7 +200,7 @@ def test_cli_backend_verl_names_what_it_needs(tmp_path, capsys):
     assert main(["train", "--backend", "verl", str(example / "config.yaml")]) == 2
     assert "config key 'trainer.precision'" in capsys.readouterr().err  # the demo's embedded-only keys
     assert main(["train", "--backend", "verl", str(example / "config.yaml"), "trainer.precision=fp32",
-                 "trainer.overlap_collect=false"]) == 2
+                 "trainer.collect=step"]) == 2
     assert "config key 'model.kind'" in capsys.readouterr().err
     missing = tmp_path / "no-model"
     assert main(["train", str(example / "verl.yaml"), f"model.path={missing}"]) == 2

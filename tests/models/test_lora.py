@@ -180,8 +180,8 @@ def test_lora_config_errors_name_the_key(tok):
     with pytest.raises(ConfigError, match="model.lora.target_modules"):
         lora.wrap(build_model(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1),
                   LoraConfig(target_modules=["no_such_proj"]))
-    with pytest.raises(ConfigError, match="model.lora.*overlap_collect"):
-        build_config({}, ["model.lora.r=4", "trainer.overlap_collect=true", "trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match="model.lora.*trainer.collect 'overlap'"):
+        build_config({}, ["model.lora.r=4", "trainer.collect=overlap", "trainer.max_staleness=1"])
     with pytest.raises(ConfigError, match="model.lora.*engine.base_url"):  # (tests/engines/test_lora_vllm.py)
         build_config({}, ["model.lora.r=4", "engine.kind=vllm", "engine.base_url=http://127.0.0.1:1"])
     with pytest.raises(ConfigError, match="model.lora.*backend"):
@@ -199,7 +199,7 @@ def test_a_lora_run_trains_the_adapter_checkpoints_it_and_resumes(tmp_path):
     from tracetrain.run.trainer import train
 
     lora_keys = {"model.lora.r": 4, "model.lora.target_modules": '["q_proj","v_proj"]',
-                 "trainer.overlap_collect": "false", "trainer.eval_every": 0}
+                 "trainer.collect": "step", "trainer.eval_every": 0}
     run = tmp_path / "run"
     train(small_config(run, 2, **lora_keys), base_dir=EXAMPLE, log=lambda *_: None)
     ck = torch.load(run / "checkpoint.pt", weights_only=False)

@@ -74,8 +74,7 @@ def test_group_specs_are_the_step_synchronous_runs():
 
 
 def test_the_config_names_what_continuous_does_not_run_with():
-    for extra, key in ((["trainer.overlap_collect=true", "trainer.max_staleness=1"], "trainer.overlap_collect"),
-                       (["rollout.agent_workers=2"], "rollout.agent_workers"),
+    for extra, key in ((["rollout.agent_workers=2"], "rollout.agent_workers"),
                        (["backend=verl"], "trainer.collect"),
                        (["engine.kind=vllm", "engine.python=/usr/bin/python3", "engine.sleep_level=1"],
                         "engine.sleep_level")):

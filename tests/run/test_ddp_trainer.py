@@ -142,7 +142,7 @@ def test_torchrun_two_ranks_train_the_demo_like_one_process(tmp_path):
         "warm_start.steps=3", "warm_start.batch_size=8",
         "rollout.tasks_per_step=3", "rollout.n_per_task=4", "rollout.timeout_s=60",
         "optim.lr=1e-2", "optim.warmup_steps=0", "optim.mini_batches=2", "optim.micro_batch_tokens=64",
-        "trainer.steps=2", "trainer.seed=3", "trainer.eval_every=0", "trainer.threads=1",
+        "trainer.steps=2", "trainer.seed=3", "trainer.eval_every=0", "engine.threads=1",
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     one, two = tmp_path / "one", tmp_path / "two"

@@ -1,4 +1,4 @@
-"""overlap_collect (the next step's rollouts are collected while this step's update runs) and
+"""trainer.collect overlap (the next step's rollouts are collected while this step's update runs) and
 bf16-mixed training precision: what each changes and what it must not."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess"
 
 def small_config(run_dir: Path, steps: int, **extra):
     """test_train_e2e's small run of the guess demo, collecting while it updates."""
-    return e2e_config(run_dir, steps, **{"trainer.overlap_collect": "true", "trainer.max_staleness": 1, **extra})
+    return e2e_config(run_dir, steps, **{"trainer.collect": "overlap", "trainer.max_staleness": 1, **extra})
 
 
 def turn_versions_of_step(run_dir: Path, step: int) -> set[int]:
@@ -38,7 +38,7 @@ def turn_versions_of_step(run_dir: Path, step: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_overlap_collect_is_one_version_behind_overlaps_and_resumes_identically(tmp_path, monkeypatch):
+def test_collect_overlap_is_one_version_behind_overlaps_and_resumes_identically(tmp_path, monkeypatch):
     # Wall-clock intervals of every collect and every update of the run.
     import tracetrain.run.trainer as T
 
@@ -91,12 +91,12 @@ def test_overlap_collect_is_one_version_behind_overlaps_and_resumes_identically(
 
 @pytest.mark.slow
 def test_a_run_resumed_without_overlap_shares_the_weights_again(tmp_path):
-    """A checkpoint of an overlapping run, resumed with overlap_collect off: the engine decodes
+    """A checkpoint of an overlapping run, resumed with collect step: the engine decodes
     with the policy itself again (every step's rollouts from the current version, all trained)."""
     run = tmp_path / "run"
     train(small_config(run, 2, **{"trainer.eval_every": 0}), base_dir=EXAMPLE, log=lambda *_: None)
     train(small_config(run, 4, **{"trainer.eval_every": 0, "trainer.resume": "true",
-                                  "trainer.overlap_collect": "false", "trainer.max_staleness": 0}),
+                                  "trainer.collect": "step", "trainer.max_staleness": 0}),
           base_dir=EXAMPLE, log=lambda *_: None)
     rows = read_metrics(run)[2:]
     assert [m["rollout_model_version"] for m in rows] == [2, 3]
@@ -104,11 +104,11 @@ def test_a_run_resumed_without_overlap_shares_the_weights_again(tmp_path):
     assert all(m["n_stale_rollouts"] == 0 and m["aggregate/n_rollouts"] == 12 for m in rows)
 
 
-def test_overlap_collect_config_errors_name_the_key():
+def test_collect_overlap_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"^config key 'trainer.max_staleness': must be >= 1"):
-        build_config({}, ["trainer.overlap_collect=true"])
-    with pytest.raises(ConfigError, match=r"^config key 'trainer.overlap_collect': for backend 'embedded'"):
-        build_config({}, ["trainer.overlap_collect=true", "trainer.max_staleness=1", "backend=verl"])
+        build_config({}, ["trainer.collect=overlap"])
+    with pytest.raises(ConfigError, match=r"^config key 'trainer.collect': 'overlap' is for backend 'embedded'"):
+        build_config({}, ["trainer.collect=overlap", "trainer.max_staleness=1", "backend=verl"])
     with pytest.raises(ConfigError, match="trainer.precision"):
         build_config({}, ["trainer.precision=fp16"])
     with pytest.raises(ConfigError, match=r"^config key 'trainer.precision': 'bf16-mixed' is for backend"):
@@ -237,7 +237,7 @@ def test_auto_precision_is_resolved_once_recorded_and_kept_by_a_resumed_run(tmp_
 
     monkeypatch.setattr(P, "faster_precision", lambda model: ("bf16-mixed", {"fp32": 2.0, "bf16-mixed": 1.0}))
     run, lines = tmp_path / "run", []
-    overrides = {"trainer.eval_every": 0, "trainer.precision": "auto", "trainer.overlap_collect": "false",
+    overrides = {"trainer.eval_every": 0, "trainer.precision": "auto", "trainer.collect": "step",
                  "trainer.max_staleness": 0}
     train(small_config(run, 1, **overrides), base_dir=EXAMPLE, log=lines.append)
     assert seen == ["bf16-mixed"]

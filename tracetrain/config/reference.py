@@ -11,7 +11,7 @@ from pydantic import (
 )
 
 from tracetrain import registry
-from tracetrain.config.sections import Registered, TrainConfig, VerlConfig
+from tracetrain.config.sections import Registered, TrainConfig, VerlConfig, union_sections
 
 REFERENCE_COMMAND = "python -m tracetrain.config --markdown > docs/config.md"
 
@@ -61,20 +61,29 @@ def describe(model: type[BaseModel], name: str) -> str:
 def sections(
     model: type[BaseModel] = TrainConfig, prefix: str = ""
 ) -> list[tuple[str, type[BaseModel]]]:
-    """[(dotted prefix, model)]: the top level ("") and every section below it, in field order."""
+    """[(dotted prefix, model)]: the top level ("") and every section below it, in field order; a
+    section that is a tagged union (`engine`, one model per kind) once per model."""
     out: list[tuple[str, type[BaseModel]]] = [(prefix, model)]
     for name, field in model.model_fields.items():
         section = field.annotation if _is_section(field.annotation) else _optional_section(field.annotation)
+        below = f"{prefix}.{name}" if prefix else name
         if section is not None:  # an optional one is also a key of its own (null: off)
-            out += sections(section, f"{prefix}.{name}" if prefix else name)
+            out += sections(section, below)
+        for variant in union_sections(field.annotation).values():
+            out += sections(variant, below)
     return out
 
 
 def leaf_keys() -> list[tuple[str, type[BaseModel], str]]:
-    """[(dotted key, model, field name)] of every key that holds a value (not a section)."""
-    return [(f"{prefix}.{name}" if prefix else name, model, name)
-            for prefix, model in sections()
-            for name, field in model.model_fields.items() if not _is_section(field.annotation)]
+    """[(dotted key, model, field name)] of every key that holds a value (not a section), once
+    (a key of several kinds of a union section: with the first model that has it)."""
+    out: dict[str, tuple[str, type[BaseModel], str]] = {}
+    for prefix, model in sections():
+        for name, field in model.model_fields.items():
+            key = f"{prefix}.{name}" if prefix else name
+            if not _is_section(field.annotation) and not union_sections(field.annotation):
+                out.setdefault(key, (key, model, name))
+    return list(out.values())
 
 
 def _type_name(tp: Any) -> str:
@@ -177,27 +186,57 @@ def _intro(model: type[BaseModel], note: str) -> str:
     return "\n\n".join(p for p in (doc, note) if p)
 
 
+def _unique(items: list[str]) -> list[str]:
+    return list(dict.fromkeys(i for i in items if i))
+
+
+def _rows(prefix: str, models: list[type[BaseModel]], tags: dict[type[BaseModel], str],
+          default_model: type[BaseModel] | None) -> list[str]:
+    """The table rows of a section: one model's keys, or those of a union's models (`engine`), each
+    key once, marked with the kinds that have it when not all do."""
+    names = _unique([n for m in models for n, f in m.model_fields.items()
+                     if not _is_section(f.annotation) and not union_sections(f.annotation)])
+    rows = []
+    for name in names:
+        having = [m for m in models if name in m.model_fields]
+        field = (default_model if default_model in having else having[0]).model_fields[name]
+        meaning = " ".join(_unique([describe(m, name) for m in having]))
+        if len(having) < len(models):
+            labels = ["a plugin's" if tags[m] == "plugin" else f"`{tags[m]}`" for m in having]
+            meaning = f"(kind {' or '.join(labels)}) {meaning}"
+        key = f"{prefix}.{name}" if prefix else name
+        cells = [_code(key),
+                 _code(" | ".join(_unique([_type_name(m.model_fields[name].annotation) for m in having]))),
+                 "required" if field.is_required() else _code(_yaml_value(_default(field))),
+                 ", ".join(_unique([c for m in having for c in _constraints(m.model_fields[name])])),
+                 meaning]
+        rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return rows
+
+
 def config_reference() -> str:
     """docs/config.md: every key of TrainConfig with its type, default, constraints and meaning,
     generated from the models (deterministic)."""
-    parts, models = [_HEADER], dict(sections())
-    for prefix, model in models.items():
+    parts, found = [_HEADER], {}
+    for prefix, model in sections():
+        found.setdefault(prefix, []).append(model)
+    for prefix, models in found.items():
         title = f"`{prefix}`" if prefix else "Top level"
         parent, _, last = prefix.rpartition(".")
-        note = describe(models[parent], last) if prefix else ""  # the section's own field
-        lines = [f"## {title}", "", _intro(model, note), "",
-                 "| key | type | default | constraints | meaning |", "|---|---|---|---|---|"]
-        for name, field in model.model_fields.items():
-            if _is_section(field.annotation):
-                continue
-            key = f"{prefix}.{name}" if prefix else name
-            cells = [_code(key), _code(_type_name(field.annotation)),
-                     "required" if field.is_required() else _code(_yaml_value(_default(field))),
-                     ", ".join(_constraints(field)),
-                     describe(model, name)]
-            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        field = found[parent][0].model_fields[last] if prefix else None
+        note = describe(found[parent][0], last) if prefix else ""  # the section's own field
+        tags = {m: t for t, m in union_sections(field.annotation).items()} if field else {}
+        default = _default(field) if field is not None and not field.is_required() else None
+        docs = [_intro(m, "") for m in models]  # a union's: what it is, then each kind
+        lines = [f"## {title}", "", _intro_join(*(docs + [note] if len(models) == 1 else [note] + docs)), "",
+                 "| key | type | default | constraints | meaning |", "|---|---|---|---|---|",
+                 *_rows(prefix, models, tags, type(default) if isinstance(default, BaseModel) else None)]
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
+
+
+def _intro_join(*paragraphs: str) -> str:
+    return "\n\n".join(p for p in paragraphs if p)
 
 
 def main(argv: list[str] | None = None) -> int:

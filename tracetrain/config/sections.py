@@ -13,7 +13,9 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -97,7 +99,7 @@ class ModelConfig(_Section):
     extra): only the adapter is trained and checkpointed; `run_dir/policy` holds the merged model
     and the adapter (`policy/adapter`). Embedded backend. With engine.kind `vllm` the server is
     launched (`engine.python`) with LoRA enabled on the base weights and each sync loads only the
-    adapter (engines/vllm.py); with the local engine, not with `trainer.overlap_collect`. null:
+    adapter (engines/vllm.py); with the local engine, not with `trainer.collect: overlap`. null:
     full fine-tuning."""
 
     @model_validator(mode="after")
@@ -396,9 +398,6 @@ class RolloutConfig(_Section):
     """Response-token limit of one model call, handed to each agent (`client["max_tokens"]`)."""
     agent_workers: int = Field(0, ge=0)
     """0: agents on the trainer's event loop; k: in k processes (tracetrain/agents/workers.py)."""
-    batch_window_ms: float = Field(2.0, ge=0)
-    """Local engine gathering: a batch closes after a quiet `batch_window_ms` (the loop awake, no
-    request)."""
 
 
 class AggregateConfig(_Section):
@@ -605,21 +604,24 @@ class TrainerConfig(_Section):
     so the same config, seed, code, machine and thread counts give the same run: tokens, rewards,
     every metric but measured times, and weights (docs/reproducibility.md says what is and is not
     reproduced). null: on where it applies (engine.kind local, agents in this process or in
-    rollout.agent_workers, collect step), off elsewhere; true: on, an error where it cannot
-    be; false: off (a batch closes after a quiet rollout.batch_window_ms)."""
+    rollout.agent_workers, collect step or overlap), off elsewhere; true: on, an error where it
+    cannot be; false: off (a batch closes after a quiet engine.batch_window_ms)."""
     max_staleness: int = Field(0, ge=0)
     """How many versions (updates) old a trained turn may be. `collect: continuous`: the bound the
-    collection keeps (nothing is dropped); `collect: step`: rollouts with an older trained turn
-    are dropped (counted)."""
-    collect: Literal["step", "continuous"] = "step"
-    """`step`: each step collects its rollouts, then learns. `continuous`: agents keep running
+    collection keeps (nothing is dropped); `collect: step` or `overlap`: rollouts with an older
+    trained turn are dropped (counted)."""
+    collect: Literal["step", "overlap", "continuous"] = "step"
+    """`step`: each step collects its rollouts, then learns. `overlap`: step k+1's rollouts are
+    collected while step k's update runs, with the policy before that update (its rollouts are one
+    version old, so max_staleness must be >= 1); the engine keeps its own copy of the weights and
+    takes the new ones between two collects. `continuous`: agents keep running
     while the policy learns; step s trains `rollout.tasks_per_step` finished groups, the first
     launched first, plus every group launched at a version <= s - max_staleness (after this update
     it would be older than the bound); at most (max_staleness + 1) x tasks_per_step groups are
     launched and not yet trained, and after each update the engine takes the new weights while
     the requests in flight finish first (tracetrain/run/continuous.py). With max_staleness 0 it is
-    the `step` run. Backend `embedded`; not with `overlap_collect`, `engine.sleep_level` or
-    `rollout.agent_workers`."""
+    the `step` run (not with `rollout.agent_workers`). `overlap` and `continuous`: backend
+    `embedded`, not with `engine.sleep_level`."""
     eval_every: int = Field(0, ge=0)
     """Every this many steps, an eval pass: one greedy rollout on each of `eval_tasks` tasks (not
     trained on); 0: no eval pass."""
@@ -640,21 +642,15 @@ class TrainerConfig(_Section):
     """Continue from the checkpoint in `run_dir` (none there: start over in it)."""
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
     """Where the policy trains (and the local engine decodes): `cpu`, `cuda` or `cuda:N`."""
-    threads: int = Field(0, ge=0)
-    """Torch intra-op threads (engine decode); 0: torch's default."""
     update_threads: int = Field(0, ge=0)
-    """Torch threads of the update (the warm start: the larger of the two); 0: `threads`."""
+    """Torch threads of the update (the warm start: the larger of this and engine.threads); 0:
+    engine.threads."""
     precision: Literal["fp32", "bf16-mixed", "auto"] = "fp32"
     """The training forward passes (warm start, update, reference): `bf16-mixed` runs them under
     torch.autocast(bfloat16) with fp32 weights, optimizer and loss; the engine is not affected.
     `auto`: whichever of the two a forward and backward pass of the model measures faster on this
     machine at the start of the run (logged, and kept by a resumed run). `bf16-mixed` and `auto`
     are for backend `embedded`."""
-    overlap_collect: bool = False
-    """Collect step k+1's rollouts while step k's update runs (with the policy before that update:
-    its rollouts are one version old, so max_staleness must be >= 1); the engine keeps its own
-    copy of the weights and takes the new ones between two collects. Backend `embedded` only, and
-    not with `engine.sleep_level`."""
     tensorboard: bool = False
     """Also log each step's metrics to TensorBoard, in run_dir/tensorboard (needs tensorboard)."""
     wandb: bool = False
@@ -701,25 +697,33 @@ class GatewayConfig(_Section):
         return url
 
 
-class EngineConfig(_Section):
-    """What generates the rollouts. `local` (default): the trainer's own transformers loop, in this
-    process. `vllm`: a vLLM server, either one already running at `base_url` (started with
-    VLLM_SERVER_DEV_MODE=1, on this machine's files for `sync: disk`), or one tracetrain launches
-    with `python` (the interpreter of the venv that has vLLM, scripts/install-vllm.sh) and `args`
-    (extra server arguments), on the initial policy written as a Hugging Face directory; it is
-    stopped at the end and its log kept in the run dir. After every update the new weights are
-    pushed to it (engines/vllm.py)."""
+class _EngineKeys(_Section):
+    """The keys of every engine kind."""
 
-    kind: registered("engine.kind") = "local"
-    """`local`: the trainer's own transformers loop, in this process; `vllm`: a vLLM server (one
-    of `base_url` and `python`); or a kind registered by a module of `plugins`
-    (engines/start.py)."""
+    kind: str
+    threads: int = Field(0, ge=0)
+    """Torch intra-op threads of the trainer's process: the local engine's decode thread (a
+    plugin's starter is handed the count too), and the update unless trainer.update_threads
+    says otherwise; 0: torch's default."""
+
+
+class _LocalKeys(_EngineKeys):
+    """The keys of an engine that decodes in the trainer's process."""
+
+    batch_window_ms: float = Field(2.0, ge=0)
+    """Batch gathering: a batch closes after a quiet `batch_window_ms` (the loop awake, no
+    request)."""
+
+
+class _ServerKeys(_EngineKeys):
+    """The keys of a vLLM server."""
+
     base_url: str | None = Field(None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
     """A running vLLM server (started with VLLM_SERVER_DEV_MODE=1) the new weights are pushed to
-    (kind `vllm`; not with `python`)."""
+    (not with `python`)."""
     python: str | None = Field(None, min_length=1)
-    """The interpreter of the venv that has vLLM: tracetrain launches the server with it (kind
-    `vllm`; not with `base_url`)."""
+    """The interpreter of the venv that has vLLM: tracetrain launches the server with it (not
+    with `base_url`)."""
     args: list[str] = Field(default_factory=list)
     """Extra arguments of the server tracetrain launches (`python`)."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -732,7 +736,8 @@ class EngineConfig(_Section):
     sleep_level: Literal[0, 1, 2] = 0
     """One GPU for vLLM and the trainer: the server sleeps during each update (1: weights to CPU
     memory, KV cache dropped; 2: both dropped, the sync brings new weights); 0: never (CUDA only).
-    For a server tracetrain launches (`python`); not with `trainer.overlap_collect`."""
+    For a server tracetrain launches (`python`); not with `trainer.collect` overlap or
+    continuous."""
     start_timeout_s: float = Field(600.0, gt=0)
     """Seconds until the server answers /health (a launched one: from its launch)."""
     request_timeout_s: float = Field(300.0, gt=0)
@@ -741,30 +746,81 @@ class EngineConfig(_Section):
     """The server's context (prompt + response tokens); null: aggregate's prompt + response
     lengths."""
 
+
+class LocalEngineConfig(_LocalKeys):
+    """`local` (the default): the trainer's own transformers loop, in this process."""
+
+    kind: Literal["local"] = "local"
+    """`local`: the trainer's own transformers loop, in this process."""
+
+
+class VllmEngineConfig(_ServerKeys):
+    """`vllm`: a vLLM server, either one already running at `base_url` (started with
+    VLLM_SERVER_DEV_MODE=1, on this machine's files for `sync: disk`), or one tracetrain launches
+    with `python` (the interpreter of the venv that has vLLM, scripts/install-vllm.sh) and `args`
+    (extra server arguments), on the initial policy written as a Hugging Face directory; it is
+    stopped at the end and its log kept in the run dir. After every update the new weights are
+    pushed to it (engines/vllm.py)."""
+
+    kind: Literal["vllm"] = "vllm"
+    """`vllm`: a vLLM server (one of `base_url` and `python`)."""
+
     @model_validator(mode="after")
-    def _where(self) -> EngineConfig:
-        """vLLM's keys for kind vllm only; a plugin's kind takes what its starter reads."""
-        if self.kind == "local":
-            for key in ("base_url", "python"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
-            for key in ("args", "env"):
-                if getattr(self, key):
-                    raise ValueError(f"engine.{key}: only for engine.kind 'vllm'")
-        elif self.kind != "vllm":
-            pass
-        elif (self.base_url is None) == (self.python is None):
+    def _one_server(self) -> VllmEngineConfig:
+        if (self.base_url is None) == (self.python is None):
             raise ValueError("engine.python: engine.kind 'vllm' needs either engine.base_url (a "
                              "running server) or engine.python (the interpreter tracetrain "
                              "launches vLLM with), not both")
-        elif self.sleep_level and self.base_url is not None:
+        if self.sleep_level and self.base_url is not None:
             raise ValueError("engine.sleep_level: for a server tracetrain launches (it adds "
                              "--enable-sleep-mode); start yours with it and use engine.python")
-        elif self.base_url is not None and (self.args or self.env):
+        if self.base_url is not None and (self.args or self.env):
             key = "args" if self.args else "env"
             raise ValueError(f"engine.{key}: for a server tracetrain launches (engine.python); a "
                              "running server at engine.base_url has its own")
         return self
+
+
+class PluginEngineConfig(_LocalKeys, _ServerKeys):
+    """A plugin's kind (one registered by a module of `plugins`, engines/start.py): it takes the
+    keys of both kinds above, unchecked, for its starter to read."""
+
+    kind: registered("engine.kind")
+    """Or a kind registered by a module of `plugins` (engines/start.py)."""
+
+
+def _engine_tag(data: Any) -> str:
+    """The model of an `engine` section: its kind's (none given: `local`), `plugin` for a kind a
+    plugin registered."""
+    kind = data.get("kind", "local") if isinstance(data, dict) else getattr(data, "kind", "local")
+    return kind if kind in ("local", "vllm") else "plugin"
+
+
+EngineConfig = Annotated[
+    Annotated[LocalEngineConfig, Tag("local")] | Annotated[VllmEngineConfig, Tag("vllm")]
+    | Annotated[PluginEngineConfig, Tag("plugin")],
+    Discriminator(_engine_tag),
+]
+"""The `engine` section: one model per kind, chosen by `kind` (absent: `local`); a key of another
+kind is an error naming it."""
+
+
+def union_sections(annotation: Any) -> dict[str, type[BaseModel]]:
+    """{tag: model} of a field typed as a tagged union of sections (`engine`), else {}."""
+    import typing
+
+    if typing.get_origin(annotation) is Annotated:  # the Discriminator around it
+        annotation = typing.get_args(annotation)[0]
+    out = {}
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is not Annotated:
+            return {}
+        model, *meta = typing.get_args(arg)
+        tag = next((m.tag for m in meta if isinstance(m, Tag)), None)
+        if tag is None or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return {}
+        out[tag] = model
+    return out
 
 
 class VerlConfig(_Section):
@@ -824,8 +880,10 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    """For backend `embedded` only."""
+    engine: EngineConfig = Field(default_factory=LocalEngineConfig)
+    """What generates the rollouts, chosen by `engine.kind`: each kind takes its own keys (the
+    table marks the keys of some kinds only; one given to another kind is an error). For backend
+    `embedded` only."""
     verl: VerlConfig = Field(default_factory=VerlConfig)
     """For backend `verl` only."""
 
@@ -879,18 +937,15 @@ class TrainConfig(_Section):
         if self.trainer.collect == "continuous":
             if self.backend != "embedded":
                 raise ValueError("trainer.collect: 'continuous' is for backend 'embedded'")
-            if self.trainer.overlap_collect:
-                raise ValueError("trainer.overlap_collect: not with trainer.collect 'continuous' "
-                                 "(it collects beside the update already; max_staleness 1)")
             if self.rollout.agent_workers:
                 raise ValueError("rollout.agent_workers: not with trainer.collect 'continuous' yet "
                                  "(a worker process plays one group's agents at a time, so a slow "
                                  "group would hold the others back); set it to 0")
-        if self.trainer.overlap_collect:
+        if self.trainer.collect == "overlap":
             if self.backend != "embedded":
-                raise ValueError("trainer.overlap_collect: for backend 'embedded' only")
+                raise ValueError("trainer.collect: 'overlap' is for backend 'embedded'")
             if self.trainer.max_staleness < 1:
-                raise ValueError("trainer.max_staleness: must be >= 1 with trainer.overlap_collect "
+                raise ValueError("trainer.max_staleness: must be >= 1 with trainer.collect 'overlap' "
                                  "(it trains on rollouts one version old)")
         return self
 
@@ -925,12 +980,9 @@ class TrainConfig(_Section):
         if self.engine.kind != "local" and self.backend != "embedded":
             raise ValueError("engine.kind: for backend 'embedded' (verl's rollout engine is "
                              "configured in the verl section)")
-        if self.engine.sleep_level and self.trainer.collect == "continuous":
+        if getattr(self.engine, "sleep_level", 0) and self.trainer.collect != "step":
             raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
-                             "trainer.collect 'continuous' collects beside it")
-        if self.engine.sleep_level and self.trainer.overlap_collect:
-            raise ValueError("engine.sleep_level: the server cannot sleep during the update while "
-                             "trainer.overlap_collect collects beside it")
+                             f"trainer.collect {self.trainer.collect!r} collects beside it")
         frozen = sorted(r for r, e in self.roles.serve.items() if e == "frozen")
         if frozen and (self.engine.kind != "local" or self.backend != "embedded"):
             raise ValueError(f"roles.serve: 'frozen' ({frozen}) is a copy of the policy in a local "
@@ -948,8 +1000,8 @@ class TrainConfig(_Section):
             raise ValueError("model.lora: not with trainer.collect 'continuous' (max_staleness >= 1) "
                              "and engine.kind 'local' (the engine's own copy of the policy would copy "
                              "the base weights too); with engine.kind 'vllm' it runs")
-        if self.engine.kind == "local" and self.trainer.overlap_collect:
-            raise ValueError("model.lora: not with trainer.overlap_collect and engine.kind 'local' "
+        if self.engine.kind == "local" and self.trainer.collect == "overlap":
+            raise ValueError("model.lora: not with trainer.collect 'overlap' and engine.kind 'local' "
                              "(the engine's own copy of the policy would copy the base weights too); "
                              "with engine.kind 'vllm' it runs")
         if self.engine.kind == "vllm":  # the adapter alone is synced, by vLLM's runtime LoRA loading

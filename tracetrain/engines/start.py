@@ -32,7 +32,7 @@ def preflight(cfg: TrainConfig) -> None:
     from tracetrain.config import ConfigError
 
     ec = cfg.engine
-    if ec.python is not None:
+    if getattr(ec, "python", None) is not None:  # (a key of kind vllm and a plugin's)
         from tracetrain.engines.vllm_server import check_interpreter
 
         check_interpreter(ec.python)
@@ -61,7 +61,7 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
 
     return LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
                        seed=cfg.trainer.seed, threads=threads,
-                       batch_window_ms=cfg.rollout.batch_window_ms, lockstep=lockstep)
+                       batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep)
 
 
 @register_engine("vllm")

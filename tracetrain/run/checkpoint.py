@@ -2,9 +2,9 @@
 
     step, version        the next step, and the policy's model version
     model                the policy's weights (the adapter alone under LoRA)
-    engine               overlap_collect: the weights the next step's rollouts come from (the
+    engine               collect overlap: the weights the next step's rollouts come from (the
                          engine's: the policy before the last update), with their version
-    next_collected       overlap_collect: that collect's results when it already ran (the
+    next_collected       collect overlap: that collect's results when it already ran (the
                          rollouts themselves are in the store)
     optimizer, scheduler their state
     ref_model            the KL reference, when the loss has one

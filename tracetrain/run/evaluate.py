@@ -110,7 +110,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
         lockstep = Lockstep() if cfg.lockstep else None  # the same tries on every call
         engine = await start_engine(cfg, model, tokenizer, version=0, run_dir=Path(tmp),
-                                    threads=cfg.trainer.threads, log=log, lockstep=lockstep)
+                                    threads=cfg.engine.threads, log=log, lockstep=lockstep)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(store, {"default": engine}, admin_key=admin_key)
         try:

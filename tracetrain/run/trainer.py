@@ -12,13 +12,13 @@ The policy module is shared by the engine and the optimizer: the weight update i
 "sync" is a version bump done while the gateway holds new requests (pause) and no request is in
 flight (drain).
 
-trainer.overlap_collect: the engine keeps its own copy of the weights, and step k+1's rollouts are
+trainer.collect overlap: the engine keeps its own copy of the weights, and step k+1's rollouts are
 collected while step k's update runs, by the policy before that update (one version old: PPO's
 ratio uses the logprobs the engine recorded). Between two collects the engine takes the new
 weights (pause, drain, load, resume). On two cores this fills the core the update leaves idle.
 
 engine.kind vllm: a vLLM server generates (engines/vllm.py); it always has its own copy of the
-weights, so after every update (or, with overlap_collect, between two collects) they are pushed
+weights, so after every update (or, with collect overlap, between two collects) they are pushed
 to it the same way: pause, drain, write + reload, resume. Under LoRA the server holds the base
 weights from its launch and the push is the adapter alone (LoraTransport).
 """
@@ -120,12 +120,12 @@ class Trainer:
         self.log = log if dp.is_main else (lambda *a, **k: None)
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
         # Torch threads of the model's worker threads (the count is per thread, run_with_threads):
         # the engine's decode thread uses `threads`, the update `update_threads`, the warm start (it
         # runs alone) the larger of the two.
-        self.threads = cfg.trainer.threads or torch.get_num_threads()
+        self.threads = cfg.engine.threads or torch.get_num_threads()
         self.update_threads = cfg.trainer.update_threads or self.threads
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
@@ -149,10 +149,10 @@ class Trainer:
         self.ref_model: torch.nn.Module | None = None  # loss.kl_coef > 0: the KL reference
         self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
         # The engine's weights: the policy's own (shared), or a copy one version behind while the
-        # update runs (overlap_collect; continuous collection ahead of a local engine), or a server's.
+        # update runs (collect overlap; continuous collection ahead of a local engine), or a server's.
         ahead = cfg.trainer.collect == "continuous" and cfg.trainer.max_staleness > 0
-        self.sync = WeightSync(self.model, sleep_level=cfg.engine.sleep_level, own_copy=(
-            cfg.trainer.overlap_collect or (ahead and cfg.engine.kind == "local")))
+        self.sync = WeightSync(self.model, sleep_level=getattr(cfg.engine, "sleep_level", 0), own_copy=(
+            cfg.trainer.collect == "overlap" or (ahead and cfg.engine.kind == "local")))
         # where the run is (what a checkpoint saves and a resumed run restores, run/checkpoint.py)
         self.step = 0
         self.version = 0  # the policy's model version: one bump per update step
@@ -210,12 +210,12 @@ class Trainer:
         return self.history
 
     async def run_steps(self, gateway: GatewayClient, engine, bar, sinks: list) -> None:
-        """The steps of the run. overlap_collect: step k+1's rollouts are collected while step k's
+        """The steps of the run. collect "overlap": step k+1's rollouts are collected while step k's
         update runs, by the policy before that update (one version behind); the engine takes the
         new weights between the two collects, so each step's rollouts come from one version.
         collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
-        cfg, overlap = self.cfg, self.cfg.trainer.overlap_collect
-        pending: asyncio.Task | None = None  # overlap_collect: the next step's collect
+        cfg, overlap = self.cfg, self.cfg.trainer.collect == "overlap"
+        pending: asyncio.Task | None = None  # collect overlap: the next step's collect
         initial = await self.evaluate(gateway) if cfg.trainer.eval_every and self.step == 0 else None
         if cfg.trainer.collect == "continuous":
             self.collector = continuous.start(self, gateway, engine)
@@ -277,7 +277,7 @@ class Trainer:
                 self.update_threads, ppo_update, self.policy, self.optimizer,
                 batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
                 measure_gap=collected.engine_version == self.version,
-            ), self.version + 1, push_now=not cfg.trainer.overlap_collect)
+            ), self.version + 1, push_now=cfg.trainer.collect != "overlap")
             self.version += 1
             metrics.update(times)
             metrics.update(update_metrics(updates))
@@ -295,7 +295,7 @@ class Trainer:
         overlapped collect of the next step finishes on the old ones before)."""
         if pending is not None:
             await asyncio.wait([pending])
-        elif self.cfg.trainer.overlap_collect:  # the last step: keep what a resumed run collects with
+        elif self.cfg.trainer.collect == "overlap":  # the last step: keep what a resumed run collects with
             self.sync.keep_for_resume()
         await self.sync.catch_up(gateway, self.version)
         return await self.evaluate(gateway)

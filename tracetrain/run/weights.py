@@ -3,7 +3,7 @@
     shared    the engine decodes with the policy module itself (the local engine, given the
               policy): the update changes the weights in place inside a held window (new requests
               wait, none in flight), and the version bump is the whole sync.
-    own copy  the engine keeps weights of its own: a local copy (trainer.overlap_collect, or
+    own copy  the engine keeps weights of its own: a local copy (trainer.collect overlap, or
               continuous collection ahead of the update: one version behind while the update
               runs) or a vLLM server's. `push` copies the policy's in, in a held window: right
               after each update when collection waits for it, else between two collects.
