@@ -147,7 +147,8 @@ def tracetrain_config(run_dir: Path, args: argparse.Namespace):
         "optim": {"lr": args.lr, "warmup_steps": 0, "grad_clip": 1.0, "mini_batches": 1,
                   "ppo_epochs": 1},
         "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir),
-                    "threads": args.threads, "update_threads": args.threads, "precision": "auto"},
+                    "update_threads": args.threads, "precision": "auto"},
+        "engine": {"threads": args.threads},
     })
 
 
@@ -167,12 +168,13 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
     import torch
     from transformers.utils import logging as hf_logging
 
+    from tracetrain.run.precision import resolve_precision
     from tracetrain.run.trainer import Trainer
 
     hf_logging.disable_progress_bar()
     task = load_task()
     trainer = Trainer(tracetrain_config(work / "run", args), task, log=lambda *_: None)
-    trainer.cfg = await trainer.resolve_precision()
+    trainer.cfg = await resolve_precision(trainer)
     model_dir = work / "model"  # TRL's copy of the same weights and tokenizer
     trainer.model.save_pretrained(model_dir)
     trainer.tokenizer.save_pretrained(model_dir)

@@ -33,6 +33,7 @@ import asyncio
 import copy
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +94,9 @@ class LocalEngine:
     `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
     (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
     `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens forwarded
-    (padding included, a shared prefix once) and decode row-steps ("tokens"). `threads`: torch
+    (padding included, a shared prefix once) and decode row-steps ("tokens"), and the seconds
+    (perf_counter, cumulative) of prefill ("prefill_s"), of the decode steps' forward calls
+    ("decode_forward_s") and of sampling with its bookkeeping ("sample_s"). `threads`: torch
     intra-op threads of the decode thread (0: the creating thread's count).
     """
 
@@ -178,6 +181,7 @@ class LocalEngine:
             "prefix_cache_tokens": 0,
             "tokens": 0,
             "max_batch": 0,
+            "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
 
     # ------------------------------------------------------------------ requests
@@ -404,8 +408,10 @@ class LocalEngine:
     @torch.inference_mode()
     def _decode(self, reqs: list[_Request]) -> None:
         """Fill r.ids, r.logprobs, r.finish for each request; one batched loop."""
-        dev, B = self.device, len(reqs)
+        dev, B, clock, stats = self.device, len(reqs), time.perf_counter, self.stats
+        t0 = clock()
         logits, cache, mask, next_pos = self._prefill([r.prompt_ids for r in reqs])
+        stats["prefill_s"] += clock() - t0
         temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
         top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
         stops = [self.stop_ids | set(r.params.stop_token_ids) for r in reqs]
@@ -415,6 +421,7 @@ class LocalEngine:
         self.stats["requests"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
         for step in range(max(r.params.max_tokens for r in reqs)):
+            t0 = clock()
             u = torch.tensor(
                 [uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev
             )
@@ -443,6 +450,7 @@ class LocalEngine:
                 self._loop.call_soon_threadsafe(_deliver, runs)
             n_alive = sum(alive)
             self.stats["tokens"] += len(rows)
+            stats["sample_s"] += clock() - t0
             if n_alive == 0:
                 break
             if 4 * (len(rows) - n_alive) >= len(rows):  # drop finished rows from batch and cache
@@ -453,7 +461,9 @@ class LocalEngine:
                 rows = [rows[b] for b in range(len(rows)) if alive[b]]
                 alive = [True] * len(rows)
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            t0 = clock()
             logits, cache = self._forward(y[:, None], mask, next_pos[:, None], cache)
+            stats["decode_forward_s"] += clock() - t0
             next_pos = next_pos + 1
 
     # ------------------------------------------------------------------ weights
