@@ -80,13 +80,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def terminate(signum, frame) -> None:
-    """SIGTERM (kill, a scheduler's stop): stop the vLLM servers this run launched (their own
-    session: the signal does not reach them), then end at once, as SIGTERM's default would
-    (the trace store survives that; an update in its thread would delay a normal exit)."""
+    """SIGTERM on the verl backend: stop the vLLM servers this run launched (their own session:
+    the signal does not reach them), then end at once, as SIGTERM's default would. (The embedded
+    trainer stops at its next stop point and checkpoints: run/stop.py.)"""
     from tracetrain.engines.vllm_server import stop_launched
 
     stop_launched()
     os._exit(128 + signum)
+
+
+def before_the_loop(signum, frame) -> None:
+    """SIGTERM before the trainer's loop takes the signals (run/stop.py): nothing of the run is
+    done in this process yet, so it ends at once, exit 0."""
+    raise SystemExit(0)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -94,9 +100,10 @@ def run_train(args: argparse.Namespace) -> int:
     from tracetrain.run.trainer import train
 
     overrides = list(args.overrides) + ([f"backend={args.backend}"] if args.backend else [])
+    signal.signal(signal.SIGTERM, before_the_loop)
     cfg = load_config(args.config, overrides)
-    signal.signal(signal.SIGTERM, terminate)
     if cfg.backend == "verl":  # verl's PPO workers on Ray train; the gateway and runner collect
+        signal.signal(signal.SIGTERM, terminate)
         from tracetrain.integrations.verl.trainer import train_verl
 
         train_verl(cfg, base_dir=args.config.resolve().parent)

@@ -155,24 +155,14 @@ def test_rollouts_spanning_weight_updates_train_within_the_bound_and_lose_no_req
     every trained token is at most 2 versions old, nothing is dropped or failed, and some rollouts
     hold turns of two versions, each recorded with its own. A run resumed from a checkpoint
     written while groups were in flight plays those groups again, then goes on."""
-    import shutil
 
-    import torch
 
     from tracetrain.run import checkpoint
     from tracetrain.run.trainer import train
 
-    saved = checkpoint.save
-
-    def save_and_keep(tr, path, *args):  # each step's checkpoint, kept aside
-        out = saved(tr, path, *args)
-        shutil.copy(out, path.with_name(f"checkpoint-{tr.step}.pt"))
-        return out
-
-    monkeypatch.setattr(checkpoint, "save", save_and_keep)
     run = tmp_path / "run"
     cfg = config(run, 3, "trainer.collect=continuous", "trainer.max_staleness=2",
-                 "trainer.checkpoint_every=1")
+                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10")  # each step's kept
     cfg = build_config({**json.loads(cfg.model_dump_json()), "task_args": {"slow_every": 2, "slow_s": 0.3}}, [])
     train(cfg, base_dir=TESTS, log=lambda *_: None)
     rows = metrics(run)
@@ -197,9 +187,10 @@ def test_rollouts_spanning_weight_updates_train_within_the_bound_and_lose_no_req
     assert dealt_elsewhere > 0  # (the slow games' groups were trained at later steps)
     view.close()
     # the checkpoint after step 1 (step 2 next) had groups in flight: resume from it
-    state = torch.load(run / "checkpoint-2.pt", weights_only=False)["collector"]
+    state = checkpoint.load(run / "checkpoints" / "step-000002.pt")["collector"]
     assert state["redo"] and state["next_group"] > 8
-    shutil.copy(run / "checkpoint-2.pt", run / "checkpoint.pt")
+    for later in ("step-000003.pt", "step-000003.pt.sha256"):  # the newest is now step 2's
+        (run / "checkpoints" / later).unlink()
     before = rollout_ids(run)
     resumed = json.loads(cfg.model_dump_json())
     resumed["trainer"].update(steps=4, resume=True)

@@ -634,7 +634,19 @@ class TrainerConfig(_Section):
     the untrained policy generated (`reward_untrained`; `untrained_gain_step`,
     `untrained_gain_elapsed_s`)."""
     checkpoint_every: int = Field(0, ge=0)
-    """Write a checkpoint every this many steps; 0: only at the end."""
+    """Write a checkpoint every this many steps (besides `checkpoint_minutes`); 0: not by steps.
+    One is always written at the end and when a signal stops the run (`stop_grace_s`)."""
+    checkpoint_minutes: float = Field(5.0, ge=0)
+    """Write a checkpoint at the end of the first step that ends this many minutes after the last
+    one (or the run's start): a kill loses at most that much work. 0: not by time. Written by a
+    thread while the next step runs (the state copied first); run_dir/checkpoints keeps the last
+    `keep_checkpoints`, each with its sha256 (a torn or corrupt one is skipped on resume)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many checkpoints run_dir/checkpoints keeps (the newest also as run_dir/checkpoint.pt)."""
+    stop_grace_s: float = Field(20.0, gt=0)
+    """SIGTERM / SIGINT: the run stops at its next stop point, writes the checkpoint of its last
+    completed step, stops what it started and exits 0; if that takes longer than this many
+    seconds (or at a second signal) it ends at once with exit 1 (run/stop.py)."""
     run_dir: str = "runs/default"
     """The run's directory (metrics.jsonl, traces.db, checkpoint.pt, ...); one that holds an
     earlier run is refused unless `resume` is true."""

@@ -6,13 +6,16 @@
                         on the last micro-batch) -> clip grad norm -> AdamW step -> lr schedule
 
 `ppo_update` is what the embedded trainer runs on its update thread; the verl backend hands the
-same rows and weights to verl's actor instead (integrations/verl).
+same rows and weights to verl's actor instead (integrations/verl). `stop` (run/stop.py) is asked
+before each micro-batch until the first optimizer step: when it says yes the update raises
+UpdateStopped with the weights and the optimizer as they were (the gradients dropped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +134,17 @@ class Forward:
         return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
 
 
+class UpdateStopped(Exception):
+    """A stop was asked before the update's first optimizer step: nothing of it was applied."""
+
+
+def _check(stop: Callable[[], bool] | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    if stop is not None and stop():
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        raise UpdateStopped
+
+
 def plan(s: StepRows, fwd: Forward, cfg: TrainConfig, world_size: int, rank: int):
     """The step's mini-batches of whole rollouts and this rank's micro-batches (minibatch.py)."""
     return plan_step(s.train_mask, s.batch.rollout_index,
@@ -140,12 +154,14 @@ def plan(s: StepRows, fwd: Forward, cfg: TrainConfig, world_size: int, rank: int
                      micro_costs=fwd.costs(s), world_size=world_size, rank=rank)
 
 
-def proximal_logprobs(model: torch.nn.Module, s: StepRows, fwd: Forward, cfg: TrainConfig) -> torch.Tensor:
+def proximal_logprobs(model: torch.nn.Module, s: StepRows, fwd: Forward, cfg: TrainConfig,
+                      stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """[rows, S]: the policy's logprobs before this step's first update, over every row (no grad)."""
     old = torch.zeros(s.train_mask.shape, dtype=torch.float32, device=s.ids.device)
     with torch.no_grad():
         for mb in plan(s, fwd, cfg, 1, 0):
             for micro in mb.micro_batches:
+                _check(stop)
                 old[micro.rows.to(old.device)] = fwd(model, s, micro.rows)[0]
     return old
 
@@ -185,14 +201,17 @@ class Gap:
 
 
 def mini_batch_step(model, optimizer, scheduler, s: StepRows, mb, fwd: Forward, cfg: TrainConfig,
-                    dp: DataParallel, ref_model, gap: Gap | None) -> tuple[float, float, dict]:
+                    dp: DataParallel, ref_model, gap: Gap | None,
+                    stop: Callable[[], bool] | None = None) -> tuple[float, float, dict]:
     """One optimizer update on mini-batch `mb` -> (loss, grad norm, metrics): the plain sum of
     its micro-batches' policy_loss, backward each (DDP: all-reduce once, on the last), clip,
-    AdamW step, lr schedule. `gap`: measured on these micro-batches before the step."""
+    AdamW step, lr schedule. `gap`: measured on these micro-batches before the step. `stop`:
+    asked before each micro-batch (UpdateStopped, the gradients dropped)."""
     lc = cfg.loss
     optimizer.zero_grad(set_to_none=True)
     total, sums = 0.0, {}
     for j, micro in enumerate(mb.micro_batches):
+        _check(stop, optimizer)
         last = j == len(mb.micro_batches) - 1
         sync = model.no_sync() if dp.enabled and not last else contextlib.nullcontext()
         with sync:  # the forward too: DDP arms its all-reduce in the forward pass
@@ -258,6 +277,7 @@ def ppo_update(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     dp: DataParallel = DataParallel(),
     measure_gap: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> list[UpdateResult]:
     """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
     of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
@@ -272,13 +292,15 @@ def ppo_update(
     this rank trains its shard's micro-batches; DDP all-reduces once per mini-batch, so the update
     equals the one-process update. Metrics are summed over ranks. measure_gap (the rollouts came
     from these very weights): the first update's result carries mean and max |engine logprob -
-    trainer logprob| over its trained tokens (this rank's)."""
+    trainer logprob| over its trained tokens (this rank's). `stop`: module docstring (not asked
+    under DDP: every rank would have to stop at the same micro-batch)."""
+    stop = None if dp.enabled else stop
     s = StepRows.of(batch, advantages, next(model.parameters()).device)
     fwd = Forward(model, cfg)
     corrected = None
     s.old = s.behaviour
     if s.behaviour is None or cfg.correction.old == "trainer":
-        s.old = proximal_logprobs(model, s, fwd, cfg)
+        s.old = proximal_logprobs(model, s, fwd, cfg, stop)
         if cfg.correction.old == "trainer" and s.behaviour is not None:
             s, corrected = apply_correction(s, cfg)
             if s is None:  # every rollout rejected: no update
@@ -286,13 +308,15 @@ def ppo_update(
     model.train()
     mini_batches = plan(s, fwd, cfg, dp.world_size, dp.rank)  # a function of the rows alone
     results: list[UpdateResult] = []
-    for _epoch in range(cfg.optim.ppo_epochs):
-        for mb in mini_batches:
-            first = not results
-            gap = Gap() if first and measure_gap and s.behaviour is not None else None
-            loss, grad_norm, metrics = mini_batch_step(model, optimizer, scheduler, s, mb, fwd, cfg,
-                                                       dp, ref_model, gap)
-            results.append(UpdateResult(loss, grad_norm, metrics, gap and gap.result(),
-                                        corrected.metrics if first and corrected else None))
-    model.eval()
+    try:
+        for _epoch in range(cfg.optim.ppo_epochs):
+            for mb in mini_batches:
+                first = not results
+                gap = Gap() if first and measure_gap and s.behaviour is not None else None
+                loss, grad_norm, metrics = mini_batch_step(model, optimizer, scheduler, s, mb, fwd, cfg,
+                                                           dp, ref_model, gap, stop if first else None)
+                results.append(UpdateResult(loss, grad_norm, metrics, gap and gap.result(),
+                                            corrected.metrics if first and corrected else None))
+    finally:
+        model.eval()
     return results

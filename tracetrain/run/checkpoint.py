@@ -9,12 +9,16 @@
     optimizer, scheduler their state
     ref_model            the KL reference, when the loss has one
     frozen               roles.serve "frozen": the copy of the policy that serves those roles
-    rng, history         torch's and Python's random state; the metrics of the steps so far
+    rng, history         torch's and Python's random state at the end of the step; the metrics of
+                         the steps so far
     precision            what trainer.precision "auto" chose, kept on resume
     collector            collect "continuous": the next group and the groups launched, not trained
+    eval_pending         the last step's eval was stopped by a signal: the resumed run runs it
 
-`save` writes it atomically (a crash leaves the previous checkpoint whole); `restore` puts it back
-into a Trainer built from the same config.
+`state` is that dict (its tensors copied when it is written while the run goes on); `save` writes
+it whole or not at all (run/durable.py); `restore` checks it and puts it back into a Trainer built
+from the same config. `Checkpoints` writes a run's into run_dir/checkpoints/ on its own thread,
+one at a time, and finds the newest that verifies.
 
 `save_weights` writes a weights-only checkpoint (`tracetrain sft`'s): kind "weights", the model
 (the adapter alone under LoRA) and what made it. `tracetrain eval --policy` and `sft --policy` read
@@ -26,12 +30,20 @@ from __future__ import annotations
 
 import copy
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tracetrain.models import lora
+from tracetrain.run import durable
+
+KEYS = ("step", "version", "model", "optimizer", "scheduler", "rng", "history")  # what every run's has
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from (the message names the file and why)."""
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -41,30 +53,97 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
+def rng_state() -> dict:
+    """torch's and Python's random state now."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _copied(x: Any) -> Any:
+    """`x` with every tensor in it cloned (dicts, lists and tuples followed)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _copied(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
+        return type(x)(*(_copied(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_copied(v) for v in x)
+    return x
+
+
+def state(tr: Any, next_collected: Any = None, *, copied: bool = False) -> dict:
+    """Trainer `tr`'s checkpoint (module docstring). `copied`: every tensor cloned and the
+    history copied, so the run may go on while it is written."""
+    out = {
+        "step": tr.step,
+        "version": tr.version,
+        "model": lora.weights(tr.model),
+        "engine": None if tr.sync.engine_model is None else tr.sync.next_weights or {
+            "model": lora.weights(tr.sync.engine_model), "version": tr.sync.engine_version},
+        "next_collected": next_collected,
+        "optimizer": tr.optimizer.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "ref_model": None if tr.ref_model is None else tr.ref_model.state_dict(),
+        "frozen": None if tr.frozen_model is None else lora.weights(tr.frozen_model),
+        "rng": getattr(tr, "step_rng", None) or rng_state(),
+        "history": tr.history,
+        "precision": tr.cfg.trainer.precision,
+        "collector": tr.collector.state() if tr.collector is not None else tr.collector_state,
+        "eval_pending": getattr(tr, "eval_pending", False),
+    }
+    return {**_copied(out), "history": copy.deepcopy(tr.history)} if copied else out
+
+
 def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
-    """Write trainer `tr`'s checkpoint to `path` (through a temporary file and a rename)."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "step": tr.step,
-            "version": tr.version,
-            "model": lora.weights(tr.model),
-            "engine": None if tr.sync.engine_model is None else tr.sync.next_weights or {
-                "model": lora.weights(tr.sync.engine_model), "version": tr.sync.engine_version},
-            "next_collected": next_collected,
-            "optimizer": tr.optimizer.state_dict(),
-            "scheduler": tr.scheduler.state_dict(),
-            "ref_model": None if tr.ref_model is None else tr.ref_model.state_dict(),
-            "frozen": None if tr.frozen_model is None else lora.weights(tr.frozen_model),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "history": tr.history,
-            "precision": tr.cfg.trainer.precision,
-            "collector": tr.collector.state() if tr.collector is not None else tr.collector_state,
-        },
-        tmp,
-    )
-    tmp.replace(path)
-    return path
+    """Write trainer `tr`'s checkpoint to `path`, whole or not at all (durable.write)."""
+    payload = state(tr, next_collected)
+    return durable.write(path, lambda f: torch.save(payload, f))
+
+
+class Checkpoints:
+    """A run's checkpoints in run_dir/checkpoints/ (durable.py's layout), the last `keep` kept.
+    `write` hands a state to one writer thread (the previous write finished first) and returns;
+    `wait` blocks until it is on disk and raises what its write raised."""
+
+    def __init__(self, run_dir: Path, keep: int):
+        self.run_dir, self.folder, self.keep = run_dir, run_dir / "checkpoints", keep
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: Future | None = None
+        self.written: Path | None = None  # the newest whole checkpoint of this process
+
+    def write(self, payload: dict, *, wait: bool) -> None:
+        self.wait()
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.pending = self.pool.submit(self._write, payload)
+        if wait:
+            self.wait()
+
+    def _write(self, payload: dict) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for tmp in self.folder.glob("*.tmp"):  # a write a crash cut short
+            tmp.unlink(missing_ok=True)
+        path = self.folder / f"step-{payload['step']:06d}.pt"
+        try:
+            durable.write(path, lambda f: torch.save(payload, f))
+        except OSError as e:
+            prev = durable.newest_valid(self.run_dir)[0]
+            raise durable.CheckpointWriteError(
+                e.errno, f"checkpoint {path}: {e.strerror or e}; "
+                + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")) from e
+        durable.publish(self.run_dir, path, self.keep)
+        self.written = path
+        return path
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
 
 
 def write_policy(model: torch.nn.Module, tokenizer, path: Path) -> Path:
@@ -86,15 +165,28 @@ def save_weights(model: torch.nn.Module, path: Path, made_by: dict) -> Path:
     return path
 
 
-def restore(tr: Any, path: Path) -> None:
-    """Load the checkpoint at `path` into trainer `tr`."""
-    ck = torch.load(path, weights_only=False)
+def load(path: Path) -> dict:
+    """The run checkpoint at `path`, checked: loadable, and every key a run's has."""
+    try:
+        ck = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 (torch raises RuntimeError, pickle its own, zipfile its own)
+        raise CheckpointError(f"{path}: not a loadable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ck, dict):
+        raise CheckpointError(f"{path}: not a checkpoint (a {type(ck).__name__})")
     if ck.get("kind") == "weights":
         from tracetrain.config import ConfigError
 
         raise ConfigError(f"{path}: a weights-only checkpoint ({ck['made_by'].get('command', '?')}'s), "
                           "not a run's: start a run from the policy/ folder beside it "
                           "(model.kind=pretrained model.path=...)")
+    if missing := [k for k in KEYS if k not in ck]:
+        raise CheckpointError(f"{path}: not a run's checkpoint (no {', '.join(missing)})")
+    return ck
+
+
+def restore(tr: Any, path: Path) -> None:
+    """Load the checkpoint at `path` into trainer `tr`."""
+    ck = load(path)
     lora.load_weights(tr.model, ck["model"])
     tr.optimizer.load_state_dict(ck["optimizer"])
     tr.scheduler.load_state_dict(ck["scheduler"])
@@ -116,3 +208,4 @@ def restore(tr: Any, path: Path) -> None:
     tr.next_collected = ck.get("next_collected")
     tr.resumed_precision = ck.get("precision")
     tr.collector_state = ck.get("collector")
+    tr.eval_pending = ck.get("eval_pending", False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tracetrain.config import ConfigError, TrainConfig
 
-RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "traces.db")  # what a run leaves in its run_dir
+RUN_FILES = ("metrics.jsonl", "checkpoint.pt", "checkpoints", "traces.db")  # what a run leaves in its run_dir
 
 
 def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
@@ -17,10 +17,18 @@ def refuse_earlier_run(run_dir: Path, *, resumable: bool) -> None:
         return
     how = "give a new or empty directory"
     if resumable:
-        how = ("trainer.resume=true continues it" if "checkpoint.pt" in earlier else
+        how = ("trainer.resume=true continues it" if {"checkpoint.pt", "checkpoints"} & set(earlier) else
                "trainer.resume=true starts it over (it has no checkpoint)") + "; or " + how
     raise ConfigError(f"config key 'trainer.run_dir': {run_dir} already holds a run "
                       f"({', '.join(earlier)}); {how}")
+
+
+def rewrite_metrics(run_dir: Path, history: list[dict]) -> None:
+    """metrics.jsonl := one line per step of `history`, through a rename (a kill mid-write leaves
+    the earlier file)."""
+    tmp = run_dir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
+    tmp.replace(run_dir / "metrics.jsonl")
 
 
 def claim_run_dir(run_dir: Path, cfg: TrainConfig, resumed: list[dict] | None) -> None:
@@ -28,7 +36,7 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig, resumed: list[dict] | None) -
     checkpoint's history: those logged after it are run again), then config.json."""
     metrics = run_dir / "metrics.jsonl"
     if resumed is not None:
-        metrics.write_text("".join(json.dumps(m) + "\n" for m in resumed))
+        rewrite_metrics(run_dir, resumed)
     elif cfg.trainer.resume:  # nothing to resume from: start over
         metrics.unlink(missing_ok=True)
     else:

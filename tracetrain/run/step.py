@@ -111,10 +111,11 @@ async def collect(gateway, specs: list[dict], agent, cfg: TrainConfig, *, temper
 NEVER_TRAINED = "cancelled: the run ended before this rollout finished; never trained"
 
 
-async def end_unfinished(store, prefix: str, log=print) -> int:
-    """Fail every rollout of the groups `prefix`-* (`prefix`: no glob characters) still queued or
-    running, with the error NEVER_TRAINED, and `log` how many; returns how many. For the end of a
-    run, after its collects are cancelled: nothing else ends them. Failed is an infrastructure
+async def end_unfinished(store, prefix: str | None, log=print) -> int:
+    """Fail every rollout of the groups `prefix`-* (`prefix`: no glob characters; None: every
+    group) still queued or running, with the error NEVER_TRAINED, and `log` how many; returns how
+    many. For the end of a run, after its collects are cancelled, and the start of a resumed one
+    (what a killed process left running): nothing else ends them. Failed is an infrastructure
     state: such a rollout is never trained, nor counted as reward 0."""
     import asyncio
 
@@ -123,7 +124,8 @@ async def end_unfinished(store, prefix: str, log=print) -> int:
     unfinished = []
     for state in ("queued", "running"):
         after = 0
-        while page := store.list_rollouts(state=state, group_glob=f"{prefix}-*", after=after, limit=1000):
+        glob = None if prefix is None else f"{prefix}-*"
+        while page := store.list_rollouts(state=state, group_glob=glob, after=after, limit=1000):
             unfinished += [r.rollout_id for r in page]
             after = page[-1].seq
 
@@ -253,3 +255,31 @@ def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s:
             "rollouts_per_s": n_rollouts / max(collect_s, 1e-9),
             "trained_tokens_per_s": n_tokens / max(train_s, 1e-9),
             "rows_per_rollout": batch.n_rows / max(1, batch.n_rollouts)}
+
+
+def update_metrics(updates: list) -> dict[str, float]:
+    """A step's metrics of its updates (update.UpdateResult): means over them, the correction's
+    and the engine-trainer logprob gap of the first."""
+    n, out = len(updates), {**(updates[0].correction or {})}
+    if updates[0].logprob_gap is not None:
+        out["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
+        out["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
+    out["loss"] = sum(u.loss for u in updates) / n
+    out["grad_norm"] = sum(u.grad_norm for u in updates) / n
+    out.update({f"loss/{k}": sum(u.metrics[k] for u in updates) / n for k in updates[0].metrics})
+    return out
+
+
+class EngineClock:
+    """How idle the engine was between two steps: 1 - busy seconds / wall seconds (its gateway
+    slot's busy time), and the engine's stats at the last step (continuous.take_step's base)."""
+
+    def __init__(self, slot, engine):
+        self.slot, self.engine = slot, engine
+        self.wall, self.busy, self.stats = time.perf_counter(), slot.busy_seconds(), dict(engine.stats)
+
+    def idle_since_last(self) -> float:
+        wall, busy = time.perf_counter(), self.slot.busy_seconds()
+        idle = 1 - (busy - self.busy) / max(wall - self.wall, 1e-9)
+        self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
+        return idle

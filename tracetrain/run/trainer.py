@@ -40,25 +40,25 @@ from typing import Any
 import torch
 
 from tracetrain.agents.lockstep import Lockstep
-from tracetrain.agents.runner import GatewayClient, RolloutResult, agent_http_client
+from tracetrain.agents.runner import GatewayClient, RolloutResult
 from tracetrain.agents.tasks import load_source, open_task_data, resolve_agent
-from tracetrain.agents.workers import AgentRef, AgentWorkers
+from tracetrain.agents.workers import AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
-from tracetrain.engines.start import preflight, start_engine
+from tracetrain.engines.start import preflight
 from tracetrain.gateway.inprocess import admin_key_for
 from tracetrain.learn.distributed import DataParallel, from_main, wrap
 from tracetrain.learn.optim import adamw
 from tracetrain.learn.threads import run_with_threads
-from tracetrain.learn.update import lr_factor, ppo_update
+from tracetrain.learn.update import UpdateStopped, lr_factor, ppo_update
 from tracetrain.models import lora
-from tracetrain.rows.roles import role_engines
-from tracetrain.run import checkpoint, continuous
+from tracetrain.run import checkpoint, continuous, durable, services
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
-from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks
+from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks, rewrite_metrics
 from tracetrain.run.step import (
     ENGINE_WORK,
     Collected,
+    EngineClock,
     build_rows,
     check_top_p,
     collect,
@@ -66,7 +66,9 @@ from tracetrain.run.step import (
     rollout_specs,
     step_tasks,
     throughput,
+    update_metrics,
 )
+from tracetrain.run.stop import Stop, Stopped
 from tracetrain.run.weights import WeightSync
 
 log = logging.getLogger("tracetrain.trainer")
@@ -160,6 +162,8 @@ class Trainer:
         self.next_collected: Collected | None = None  # step `step`'s rollouts, collected before the checkpoint
         self.collector_state: dict | None = None  # collect "continuous": what it had launched
         self.resumed_precision: str | None = None  # what "auto" chose
+        self.step_rng: dict | None = None  # the random state at the end of the last step
+        self.eval_pending = False  # a signal stopped the last step's eval: run it on resume
         # the services of `run` (None outside it)
         self.agent = None  # the task source's agent (resolved when the run starts)
         self.nonce = secrets.token_hex(3)  # names this process's rollouts apart from a resumed run's
@@ -171,11 +175,31 @@ class Trainer:
         self.update_executor: ThreadPoolExecutor | None = None  # see on_update_thread
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.started = time.perf_counter()  # time/elapsed_s counts from `run`'s start
+        self.checkpoints = checkpoint.Checkpoints(self.run_dir, cfg.trainer.keep_checkpoints)
+        self.checkpointed = time.monotonic()  # when the last checkpoint was written
+        self.stop = Stop(cfg.trainer.stop_grace_s, self.log)  # SIGTERM / SIGINT (run/stop.py)
         self.cancelled_at_end = 0  # rollouts still running when the collection ended
 
     # -- the run, top down -----------------------------------------------------------------
     async def run(self) -> list[dict]:
-        """Resume or warm-start, then every step with the services up; a checkpoint at the end."""
+        """Resume or warm-start, then every step with the services up; a checkpoint at the end
+        (or, stopped by a signal, of the last completed step: run/stop.py)."""
+        self.stop.install(asyncio.get_running_loop())
+        try:
+            with contextlib.suppress(Stopped):
+                await self.run_all()
+            if self.step_rng is not None:  # the warm start (if any) is done: a state to resume
+                self.save_checkpoint(final=True)
+        finally:
+            self.stop.uninstall()
+            self.checkpoints.close()
+        if self.stop.requested.is_set():
+            saved = (f"checkpoint of step {self.step} written to {self.checkpoint_path()}"
+                     if self.step_rng is not None else "stopped before the first step: nothing saved")
+            self.log(f"stopped: {saved}; trainer.resume=true continues the run")
+        return self.history
+
+    async def run_all(self) -> None:
         cfg = self.cfg
         # refused before any work: a gateway off loopback without an admin key, top_p the engine
         # cannot honour, the engine's interpreter, GPU-only engine keys
@@ -184,10 +208,7 @@ class Trainer:
         preflight(cfg)
         self.agent = resolve_agent(self.task, cfg.agent)
         self.started = time.perf_counter()
-        resumed = cfg.trainer.resume and self.checkpoint_path().is_file()
-        if resumed:
-            self.load_checkpoint()
-            self.log(f"resumed from {self.checkpoint_path()} at step {self.step}")
+        resumed = cfg.trainer.resume and self.load_checkpoint()
         if cfg.trainer.precision == "auto":
             cfg = self.cfg = await resolve_precision(self)
         if self.dp.is_main:
@@ -198,48 +219,60 @@ class Trainer:
         self.start_reference()
         if not self.dp.is_main:
             await self.on_update_thread(self.update_threads, self.follow)
-            return self.history
-        async with self.services(admin_key) as (gateway, engine):
+            return
+        async with services.started(self, admin_key) as (gateway, engine):
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
-            await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
-            bar.close()
-        self.save_checkpoint()
-        return self.history
+            try:
+                await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
+            finally:
+                bar.close()
 
     async def run_steps(self, gateway: GatewayClient, engine, bar, sinks: list) -> None:
         """The steps of the run. collect "overlap": step k+1's rollouts are collected while step k's
         update runs, by the policy before that update (one version behind); the engine takes the
         new weights between the two collects, so each step's rollouts come from one version.
         collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
-        cfg, overlap = self.cfg, self.cfg.trainer.collect == "overlap"
+        cfg, overlap, stop = self.cfg, self.cfg.trainer.collect == "overlap", self.stop
         pending: asyncio.Task | None = None  # collect overlap: the next step's collect
-        initial = await self.evaluate(gateway) if cfg.trainer.eval_every and self.step == 0 else None
+        self.step_rng = checkpoint.rng_state()  # (a resumed run's: its checkpoint's, just restored)
+        await end_unfinished(self.store, None, self.log)  # what a killed process left running
+        if self.eval_pending:
+            await stop.until(self.eval_again(gateway))
+        initial = await stop.until(self.evaluate(gateway)) if cfg.trainer.eval_every and self.step == 0 else None
         if cfg.trainer.collect == "continuous":
             self.collector = continuous.start(self, gateway, engine)
         clock = EngineClock(self.sync.slot, engine)
         try:
             while self.step < cfg.trainer.steps:
-                collected = await self.next_rollouts(gateway, engine, pending, clock)
+                collected = await stop.until(self.next_rollouts(gateway, engine, pending, clock))
                 pending = None
                 if overlap:
                     await self.sync.catch_up(gateway, self.version)
                     if self.step + 1 < cfg.trainer.steps:
                         pending = asyncio.create_task(self.collect_step(gateway, engine, self.step + 1))
-                m = await self.learn(gateway, engine, collected)
+                try:
+                    m = await self.learn(gateway, engine, collected)
+                except UpdateStopped:
+                    raise Stopped from None
                 if self.collector is not None:
                     self.collector.trained()  # (after the engine took the new weights)
                 m["engine/idle_frac"] = clock.idle_since_last()
-                if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-                    m["eval/reward_mean"] = await self.eval_after_update(gateway, pending)
                 if initial is not None:
                     m["eval/initial_reward_mean"], initial = initial, None
-                m["time/elapsed_s"] = time.perf_counter() - self.started
-                self.record(m, bar, sinks)
-                if cfg.trainer.checkpoint_every and self.step % cfg.trainer.checkpoint_every == 0:
-                    self.save_checkpoint(await pending if pending is not None else None)
+                try:
+                    if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+                        m["eval/reward_mean"] = await stop.until(self.eval_after_update(gateway, pending))
+                except Stopped:  # the step is done but for its eval: a resumed run runs it
+                    self.eval_pending = True
+                    raise
+                finally:
+                    m["time/elapsed_s"] = time.perf_counter() - self.started
+                    self.record(m, bar, sinks)
+                if self.checkpoint_due():
+                    self.save_checkpoint(await stop.until(pending) if pending is not None else None)
         finally:  # the collection ends: what is still running is cancelled, its rollouts failed
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -276,7 +309,7 @@ class Trainer:
             updates, times = await self.sync.update(gateway, lambda: self.on_update_thread(
                 self.update_threads, ppo_update, self.policy, self.optimizer,
                 batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
-                measure_gap=collected.engine_version == self.version,
+                measure_gap=collected.engine_version == self.version, stop=self.stop.requested.is_set,
             ), self.version + 1, push_now=cfg.trainer.collect != "overlap")
             self.version += 1
             metrics.update(times)
@@ -300,11 +333,27 @@ class Trainer:
         await self.sync.catch_up(gateway, self.version)
         return await self.evaluate(gateway)
 
+    async def eval_again(self, gateway: GatewayClient) -> None:
+        """The eval a signal stopped (the last step's), into its metrics line; an engine with its
+        own copy of the weights holds the next step's, not the step's: then it is left out."""
+        self.eval_pending = False
+        if self.sync.own_copy:
+            self.log(f"step {self.step - 1}'s eval was stopped by a signal; not run again (the engine "
+                     "holds the weights of the next step's rollouts)")
+            return
+        self.history[-1]["eval/reward_mean"] = await self.evaluate(gateway)
+        rewrite_metrics(self.run_dir, self.history)
+
     def record(self, m: dict, bar, sinks: list) -> None:
-        """A step's metrics: history, metrics.jsonl, the sinks, the progress bar and its line."""
+        """A step's metrics: history, metrics.jsonl, the sinks, the progress bar and its line;
+        the random state of the step's end (what a checkpoint of it keeps)."""
         self.history.append(m)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
+        self.step_rng = checkpoint.rng_state()
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+        except OSError as e:
+            raise OSError(e.errno, f"{self.metrics_path}: {e.strerror or e}") from e
         for sink in sinks:
             sink(m)
         bar.update(1)
@@ -352,70 +401,6 @@ class Trainer:
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
-    # -- the services: store, engines, agent workers, gateway --------------------------------
-    @contextlib.asynccontextmanager
-    async def services(self, admin_key: str):
-        """(gateway client, engine) of the run, started in order and stopped in reverse: the
-        store, the engine (and roles.serve's), the agent workers, the in-process gateway, the
-        agents' HTTP client."""
-        from tracetrain.gateway.app import create_app
-        from tracetrain.gateway.inprocess import app_options, bind, serve_in_loop
-        from tracetrain.store import SQLiteStore
-
-        cfg = self.cfg
-        self.store = SQLiteStore(self.run_dir / "traces.db")
-        engines = {}
-        try:
-            weights, version = self.sync.engine_weights(self.version)
-            engines["default"] = engine = await start_engine(
-                cfg, weights, self.tokenizer, version=version, run_dir=self.run_dir,
-                threads=self.threads, log=self.log, lockstep=self.lockstep)
-            engines.update(await self.start_role_engines())
-            if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
-                self.workers = AgentWorkers(self.agent_ref(), cfg.rollout.agent_workers,
-                                            max_connections=cfg.rollout.concurrency)
-            sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
-            app = create_app(self.store, engines, admin_key=admin_key, default_engine="default",
-                             **app_options(cfg.gateway, sock.getsockname()[1]))
-            app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
-            self.sync.attach(engine, app.state.gateway.slots["default"])  # held in-process around updates
-            async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
-                gateway = GatewayClient(url, admin_key)
-                self.http_client = http
-                try:
-                    yield gateway, engine
-                finally:
-                    await gateway.aclose()
-        finally:
-            if self.workers is not None:
-                self.workers.close()
-            for e in engines.values():
-                await e.aclose()
-            self.store.close()
-            if self.update_executor is not None:
-                self.update_executor.shutdown(wait=False)
-                self.update_executor = None
-
-    def agent_ref(self) -> AgentRef:
-        """How an agent worker process finds the agent: the task module's file or name, or the
-        environment (pickled as its config section)."""
-        cfg = self.cfg
-        task_spec = getattr(self.task, "__file__", None) if cfg.task.endswith(".py") else cfg.task
-        env = self.task if cfg.env is not None else None
-        return AgentRef(task_spec or cfg.task, None, cfg.agent, env)
-
-    async def start_role_engines(self) -> dict:
-        """The engines of roles.serve's "frozen" roles: a local engine on a copy of the policy as
-        training starts (after the warm start; a resumed run's from its checkpoint), given no
-        new weights ever."""
-        if "frozen" not in self.cfg.roles.serve.values():
-            return {}
-        if self.frozen_model is None:
-            self.frozen_model = checkpoint.frozen_copy(self.model)
-        return {"frozen": await start_engine(self.cfg, self.frozen_model, self.tokenizer, version=0,
-                                             run_dir=self.run_dir, threads=self.threads,
-                                             log=self.log, lockstep=self.lockstep)}
-
     # -- before the steps ------------------------------------------------------------------
     def start_reference(self) -> None:
         """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
@@ -451,39 +436,29 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoint.pt"
 
-    def save_checkpoint(self, next_collected: Collected | None = None) -> Path:
-        """checkpoint.save: everything a resumed run needs; then run_dir/policy."""
-        path = checkpoint.save(self, self.checkpoint_path(), next_collected)
-        checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
-        return path
+    def checkpoint_due(self) -> bool:
+        """trainer.checkpoint_every steps, or trainer.checkpoint_minutes, since the last one."""
+        t = self.cfg.trainer
+        return bool(t.checkpoint_every and self.step % t.checkpoint_every == 0
+                    or t.checkpoint_minutes and time.monotonic() - self.checkpointed >= 60 * t.checkpoint_minutes)
 
-    def load_checkpoint(self) -> None:
-        checkpoint.restore(self, self.checkpoint_path())
+    def save_checkpoint(self, next_collected: Collected | None = None, *, final: bool = False) -> None:
+        """The run's state into run_dir/checkpoints (checkpoint.Checkpoints): copied, and written
+        while the run goes on; `final` (the run's end): written before this returns, and
+        run_dir/policy too."""
+        self.checkpoints.write(checkpoint.state(self, next_collected, copied=not final), wait=final)
+        self.checkpointed = time.monotonic()
+        if final:
+            checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
 
-
-def update_metrics(updates: list) -> dict[str, float]:
-    """A step's metrics of its updates (update.UpdateResult): means over them, the correction's
-    and the engine-trainer logprob gap of the first."""
-    n, out = len(updates), {**(updates[0].correction or {})}
-    if updates[0].logprob_gap is not None:
-        out["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
-        out["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]
-    out["loss"] = sum(u.loss for u in updates) / n
-    out["grad_norm"] = sum(u.grad_norm for u in updates) / n
-    out.update({f"loss/{k}": sum(u.metrics[k] for u in updates) / n for k in updates[0].metrics})
-    return out
-
-
-class EngineClock:
-    """How idle the engine was between two steps: 1 - busy seconds / wall seconds (its gateway
-    slot's busy time), and the engine's stats at the last step (continuous.take_step's base)."""
-
-    def __init__(self, slot, engine):
-        self.slot, self.engine = slot, engine
-        self.wall, self.busy, self.stats = time.perf_counter(), slot.busy_seconds(), dict(engine.stats)
-
-    def idle_since_last(self) -> float:
-        wall, busy = time.perf_counter(), self.slot.busy_seconds()
-        idle = 1 - (busy - self.busy) / max(wall - self.wall, 1e-9)
-        self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
-        return idle
+    def load_checkpoint(self) -> bool:
+        """The newest checkpoint that verifies (durable.newest_valid) into this trainer; False
+        when there is none."""
+        path, skipped = durable.newest_valid(self.run_dir)
+        for why in skipped:
+            self.log(f"checkpoint skipped: {why}")
+        if path is None:
+            return False
+        checkpoint.restore(self, path)
+        self.log(f"resumed from {path} at step {self.step}")
+        return True

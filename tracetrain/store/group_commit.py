@@ -100,7 +100,7 @@ class _GroupCommit:
         except Exception as e:  # the commit itself failed (disk full, I/O error): nothing holds
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            err = StoreError(f"store write failed: {type(e).__name__}: {e}")
+            err = StoreError(f"store write failed ({self.path}): {type(e).__name__}: {e}")
             results = [(fut, None, err) for _, _, fut in group]
         self.groups += 1
         self.writes += len(group)

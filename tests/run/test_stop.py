@@ -1,0 +1,249 @@
+"""A run stopped by a signal (run/stop.py): SIGTERM in each phase of a step ends the run within
+the grace with the checkpoint of its last completed step, and the run resumed from it ends as the
+uninterrupted one does (the same metrics but the times, the same weights, bit for bit)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracetrain.config import build_config
+from tracetrain.run import checkpoint, durable
+from tracetrain.run import trainer as trainer_module
+from tracetrain.run.trainer import Trainer, train
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, TRIGGER = 5, 2  # the signal comes during step TRIGGER (0-based)
+TIMES = ("time/", "rollouts_per_s", "trained_tokens_per_s", "memory/", "engine/idle_frac")
+
+
+def config(run: Path, *extra: str):
+    """continuous_task: rewards differ within a group, so every update moves the policy."""
+    return build_config({}, [
+        "task=continuous_task.py", "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2",
+        "model.num_kv_heads=1", "rollout.tasks_per_step=2", "rollout.n_per_task=3",
+        "rollout.max_tokens=6", "optim.lr=1e-2", "optim.warmup_steps=0", "optim.mini_batches=2",
+        "trainer.eval_every=1", "trainer.eval_tasks=2", f"trainer.steps={STEPS}", "trainer.seed=5",
+        "trainer.checkpoint_minutes=0", f"trainer.run_dir={run}", "trainer.resume=true", *extra])
+
+
+def run(cfg) -> float:
+    t = time.perf_counter()
+    train(cfg, base_dir=SUPPORT, log=lambda *_: None)
+    return time.perf_counter() - t
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(ms: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(TIMES)} for m in ms]
+
+
+def signal_self(sig=signal.SIGTERM) -> None:
+    os.kill(os.getpid(), sig)
+
+
+def wait_for(flag, timeout_s: float = 10.0) -> None:
+    """Until the loop has handled the signal (flag() true)."""
+    end = time.monotonic() + timeout_s
+    while not flag() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    path = tmp_path_factory.mktemp("straight")
+    run(config(path))
+    return path
+
+
+def patch_phase(phase: str, monkeypatch, stop_flags: list) -> None:
+    """Send SIGTERM to this process when step TRIGGER reaches `phase`."""
+    if phase == "update":
+        real = trainer_module.ppo_update
+
+        def update(*a, **kw):
+            stop_flags.append(1)
+            if len(stop_flags) == TRIGGER + 1:  # step TRIGGER's update (one per step)
+                signal_self()
+                wait_for(kw["stop"])
+            return real(*a, **kw)
+
+        monkeypatch.setattr(trainer_module, "ppo_update", update)
+    elif phase == "collect":
+        real_collect = trainer_module.collect
+
+        async def collect(gateway, specs, *a, step, **kw):
+            if step == TRIGGER and "-eval" not in specs[0]["rollout_id"]:  # the step's, not an eval's
+                signal_self()
+                await asyncio.sleep(0.5)  # (cancelled by the stop)
+            return await real_collect(gateway, specs, *a, step=step, **kw)
+
+        monkeypatch.setattr(trainer_module, "collect", collect)
+    elif phase == "eval":
+        real_eval = Trainer.evaluate
+
+        async def evaluate(self, gateway):
+            if self.step == TRIGGER + 1:  # the eval after step TRIGGER's update
+                signal_self()
+                await asyncio.sleep(0.5)
+            return await real_eval(self, gateway)
+
+        monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    elif phase == "checkpoint":
+        real_write = durable.write
+
+        def write(path, fill):
+            if path.name == f"step-{TRIGGER + 1:06d}.pt" and not stop_flags:  # (once)
+                stop_flags.append(1)
+                signal_self()
+                time.sleep(0.3)  # the loop goes on while this write finishes
+            return real_write(path, fill)
+
+        monkeypatch.setattr(durable, "write", write)
+
+
+@pytest.mark.parametrize("phase", ["collect", "update", "eval", "checkpoint"])
+def test_sigterm_in_any_phase_saves_the_last_step_and_the_resumed_run_is_the_straight_one(
+        phase, tmp_path, monkeypatch, straight):
+    path = tmp_path / "run"
+    extra = ["trainer.checkpoint_every=1"] if phase == "checkpoint" else []
+    flags: list = []
+    patch_phase(phase, monkeypatch, flags)
+    seconds = run(config(path, *extra))
+    monkeypatch.undo()
+    assert seconds < 60  # (the grace is 20 s past the signal; the run itself takes a few)
+
+    # the checkpoint of the last completed step: whole, loadable, the steps logged its steps
+    newest, skipped = durable.newest_valid(path)
+    assert newest is not None and skipped == []
+    ck = checkpoint.load(newest)
+    # collect, update: step TRIGGER is not done; eval: it is, but for its eval (run on resume);
+    # checkpoint: it is, and the stop comes at the next stop point (step TRIGGER + 1's collect)
+    done = {"collect": TRIGGER, "update": TRIGGER, "eval": TRIGGER + 1, "checkpoint": TRIGGER + 1}[phase]
+    assert ck["step"] == done and len(lines(path)) == done < STEPS
+    assert ck["eval_pending"] == (phase == "eval")
+    assert (path / "checkpoint.pt").samefile(newest)
+
+    run(config(path, *extra))  # resumed to the end
+    assert [m["step"] for m in lines(path)] == list(range(STEPS))
+    assert without_times(lines(path)) == without_times(lines(straight))
+    a, b = checkpoint.load(path / "checkpoint.pt")["model"], checkpoint.load(straight / "checkpoint.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], v) for k, v in Trainer(config(tmp_path / "fresh"), None).model.state_dict().items())
+
+
+def test_the_cli_exits_0_on_sigterm_with_a_checkpoint_and_no_child_left(tmp_path):
+    """`tracetrain train` as a scheduler stops it: SIGTERM -> exit 0 within the grace, the
+    checkpoint of the steps logged, the agent worker process gone."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"task: {SUPPORT / 'continuous_task.py'}\n"
+                   "model: {hidden_size: 32, num_layers: 2, num_heads: 2, num_kv_heads: 1}\n"
+                   "rollout: {tasks_per_step: 2, n_per_task: 3, max_tokens: 6, agent_workers: 1}\n"
+                   "trainer: {steps: 100000, checkpoint_minutes: 0}\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "tracetrain", "train", str(cfg),
+                             f"trainer.run_dir={run_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    end = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").is_file() and lines(run_dir)) and time.monotonic() < end:
+        time.sleep(0.1)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert children  # the agent worker
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-2000:]
+    assert time.monotonic() - t < 20 and "stopped: checkpoint of step" in out
+    assert checkpoint.load(run_dir / "checkpoint.pt")["step"] == len(lines(run_dir))
+    gone_by = time.monotonic() + 5  # (a worker polls for its parent every 0.5 s)
+    while (alive := [c for c in children if Path(f"/proc/{c}").exists()]) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert alive == []
+
+
+def test_a_second_signal_or_the_end_of_the_grace_ends_at_once(monkeypatch):
+    """Stop's two ways out without a checkpoint: a second signal, and the grace running out."""
+    from tracetrain.run import stop as stop_module
+
+    ended: list[str] = []
+    monkeypatch.setattr(stop_module.Stop, "_end_now", lambda self, why: ended.append(why))
+    s = stop_module.Stop(grace_s=60, log=lambda *_: None)
+    s._on_signal(signal.SIGTERM)
+    assert s.requested.is_set() and ended == []
+    s._on_signal(signal.SIGINT)
+    assert ended == ["a second SIGINT"]
+    s = stop_module.Stop(grace_s=0.2, log=lambda *_: None)
+    s.request("a test")
+    deadline = time.monotonic() + 10
+    while len(ended) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ended[1] == "the grace of 0.2 s ran out"
+    s = stop_module.Stop(grace_s=0.2, log=lambda *_: None)  # a run that returned in time
+    s.request("a test")
+    s.uninstall()
+    time.sleep(0.5)
+    assert len(ended) == 2  # its watchdog stood down
+
+
+async def _stopped_while_waiting() -> tuple[bool, bool]:
+    from tracetrain.run.stop import Stop, Stopped
+
+    s = Stop(grace_s=60, log=lambda *_: None)
+    s.install(asyncio.get_running_loop())
+    s._watchdog = lambda: None  # (no end of grace in this test)
+    cancelled = asyncio.Event()
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    asyncio.get_running_loop().call_later(0.1, s.request, "a test")
+    try:
+        await s.until(work())
+        raised = False
+    except Stopped:
+        raised = True
+    finally:
+        s.uninstall()
+    return raised, cancelled.is_set()
+
+
+def test_until_cancels_the_work_when_a_stop_comes_first():
+    assert asyncio.run(_stopped_while_waiting()) == (True, True)
+
+
+@pytest.mark.slow
+def test_the_short_chaos_run_loses_and_repeats_nothing(tmp_path):
+    """bench/chaos.py's short version, both modes: SIGKILL at random moments, resumed each time;
+    every step (continuous: every group) trained once, the checkpoint whole, the store whole, and
+    the end the uninterrupted run's (step mode: the same metrics and weights, bit for bit)."""
+    for mode, sig in (("step", "kill"), ("continuous", "term")):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--mode", mode,
+                               "--signal", sig, "--kills", "3", "--steps", "6", "--warm-steps", "5",
+                               "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        r = json.loads(done.stdout)
+        assert r["steps_lost"] == r["steps_repeated"] == 0 and r["steps_logged"] == 6
+        assert r["checkpoint_verifies"] and r["traces_integrity"] == "ok" and r["hung"] == 0
+        if mode == "continuous":
+            assert r["groups_lost"] == r["groups_repeated"] == 0
+            assert set(r["exit_codes"]) <= {0}  # SIGTERM: a clean exit every time
+        else:
+            assert r["metrics_bitwise_equal"] and r["weights_max_abs_diff"] == 0.0
