@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "invariants.md"
-BUILT = range(1, 11)  # 11 and 12 (several policies) are not built yet
+BUILT = range(1, 11)
+PARTLY = (11, 12)  # several policies: the weights are built (and tested), the update and run not yet
 SCANNED = [ROOT / "tracetrain", ROOT / "tests", ROOT / "docs", ROOT / "README.md"]
 SUFFIXES = {".py", ".md", ".html", ".js", ".txt", ".toml", ".yaml", ".yml", ".cfg"}
 OUTSIDE_DESIGN = "DESIGN" + ".md"  # spelled apart so this file does not cite it
@@ -79,12 +80,15 @@ def bad_citations(name: str, text: str, numbers: set[int]) -> list[str]:
 
 
 def built_without_tests(doc: str) -> list[int]:
-    """Built invariants whose section lists no test, and unbuilt ones that list one or do not say
-    they are not built."""
+    """Built invariants whose section lists no test, unbuilt ones that list one or do not say
+    they are not built, and partly built ones that lack either (a test, and what is not built)."""
     secs = sections(doc)
     wrong = [n for n in BUILT if n not in secs or not listed_tests(secs[n])]
     for n, text in secs.items():
-        if n not in BUILT and (listed_tests(text) or "not built yet" not in text.lower()):
+        unbuilt_said = "not built yet" in text.lower()
+        if n in PARTLY and not (listed_tests(text) and unbuilt_said):
+            wrong.append(n)
+        elif n not in BUILT and n not in PARTLY and (listed_tests(text) or not unbuilt_said):
             wrong.append(n)
     return wrong
 
@@ -192,4 +196,5 @@ def test_a_planted_bad_citation_in_a_copy_of_the_package_is_found(tmp_path):
 
 
 def test_a_built_invariant_without_tests_and_an_unbuilt_one_with_tests_are_found():
-    assert built_without_tests(MADE_UP) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12]
+    # 11, partly built, lists no test; 12 lists one but does not say what is not built yet
+    assert built_without_tests(MADE_UP) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
