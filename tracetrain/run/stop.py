@@ -10,7 +10,8 @@
     grace          trainer.stop_grace_s after the first signal, if the run has not returned by
                    then, a watchdog ends the process: the vLLM servers it launched first, then
                    exit 1; the checkpoint on disk is the last one written before the signal.
-    second signal  the watchdog's end at once.
+    second signal  the watchdog's end at once, until the checkpoint is written; after it (the
+                   services stopping: a server's end may signal its parent) it is logged.
 
 Installed by the trainer's loop when it runs in the main thread (where signals are delivered).
 """
@@ -45,6 +46,7 @@ class Stop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._installed: list[tuple[int, object]] = []
         self._over = threading.Event()  # the run has returned: the watchdog stands down
+        self.saved = False  # the stop's checkpoint is written (a later signal waits for the end)
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         """Handle SIGTERM and SIGINT in `loop` (nothing outside the main thread)."""
@@ -78,6 +80,9 @@ class Stop:
 
     def _on_signal(self, sig: int) -> None:
         name = signal.Signals(sig).name
+        if self.requested.is_set() and self.saved:  # only the services' end is left (bounded by the grace)
+            self.log(f"{name} again: the checkpoint is written; the services are stopping")
+            return
         if self.requested.is_set():
             self._end_now(f"a second {name}")
         self.signal = sig

@@ -188,8 +188,6 @@ class Trainer:
         try:
             with contextlib.suppress(Stopped):
                 await self.run_all()
-            if self.step_rng is not None:  # the warm start (if any) is done: a state to resume
-                self.save_checkpoint(final=True)
         finally:
             self.stop.uninstall()
             self.checkpoints.close()
@@ -227,6 +225,12 @@ class Trainer:
                        dynamic_ncols=True)
             try:
                 await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
+            except Stopped:  # saved before the services stop: a slow server's end must not cost it
+                self.save_checkpoint(final=True)
+                self.stop.saved = True
+                raise
+            else:
+                self.save_checkpoint(final=True)
             finally:
                 bar.close()
 
