@@ -5,6 +5,7 @@ and a resume that continues the same run."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -228,6 +229,7 @@ def test_a_new_run_never_writes_into_an_earlier_one(tmp_path):
     assert steps == [0, 1, 2] and read_metrics(run)[2]["reward_mean"] >= 0
 
     (run / "checkpoint.pt").unlink()  # a run that died before its first checkpoint
+    shutil.rmtree(run / "checkpoints")
     train(small_config(run, 1, **{"trainer.eval_every": 0, "trainer.resume": "true"}), base_dir=EXAMPLE,
           log=lambda *a: None)
     assert [m["step"] for m in read_metrics(run)] == [0]
