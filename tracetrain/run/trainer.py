@@ -224,15 +224,12 @@ class Trainer:
             bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
             try:
-                await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
-            except Stopped:  # saved before the services stop: a slow server's end must not cost it
-                self.save_checkpoint(final=True)
-                self.stop.saved = True
-                raise
-            else:
-                self.save_checkpoint(final=True)
+                with contextlib.suppress(Stopped):  # (a stop saves the last completed step too)
+                    await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
             finally:
                 bar.close()
+            self.save_checkpoint(final=True)  # before the services stop: a slow server's end must not cost it
+            self.stop.saved = True
 
     async def run_steps(self, gateway: GatewayClient, engine, bar, sinks: list) -> None:
         """The steps of the run. collect "overlap": step k+1's rollouts are collected while step k's
