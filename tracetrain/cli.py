@@ -109,6 +109,9 @@ def run_train(args: argparse.Namespace) -> int:
         train_verl(cfg, base_dir=args.config.resolve().parent)
         return 0
     train(cfg, base_dir=args.config.resolve().parent)
+    # the run is written and its services stopped: a SIGTERM has nothing left to stop (and, once
+    # the interpreter finalizes, Python's handlers are gone: it would end the process with -15)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return 0
 
 

@@ -18,6 +18,7 @@ import torch
 
 from tracetrain.config import build_config
 from tracetrain.run import checkpoint, durable
+from tracetrain.run import stop as stop_module
 from tracetrain.run import trainer as trainer_module
 from tracetrain.run.trainer import Trainer, train
 
@@ -123,9 +124,16 @@ def test_sigterm_in_any_phase_saves_the_last_step_and_the_resumed_run_is_the_str
     extra = ["trainer.checkpoint_every=1"] if phase == "checkpoint" else []
     flags: list = []
     patch_phase(phase, monkeypatch, flags)
+    seen: list[int] = []  # every signal the run's Stop is handed
+    real_on_signal = stop_module.Stop._on_signal
+    monkeypatch.setattr(stop_module.Stop, "_on_signal",
+                        lambda self, sig: (seen.append(sig), real_on_signal(self, sig)))
     seconds = run(config(path, *extra))
     monkeypatch.undo()
     assert seconds < 60  # (the grace is 20 s past the signal; the run itself takes a few)
+    # one signal sent, one seen: nothing else in the process (the gateway's uvicorn) takes it
+    # for itself or hands it on again
+    assert seen == [signal.SIGTERM]
 
     # the checkpoint of the last completed step: whole, loadable, the steps logged its steps
     newest, skipped = durable.newest_valid(path)
@@ -177,8 +185,6 @@ def test_the_cli_exits_0_on_sigterm_with_a_checkpoint_and_no_child_left(tmp_path
 
 def test_a_second_signal_or_the_end_of_the_grace_ends_at_once(monkeypatch):
     """Stop's two ways out without a checkpoint: a second signal, and the grace running out."""
-    from tracetrain.run import stop as stop_module
-
     ended: list[str] = []
     monkeypatch.setattr(stop_module.Stop, "_end_now", lambda self, why: ended.append(why))
     s = stop_module.Stop(grace_s=60, log=lambda *_: None)
@@ -186,6 +192,7 @@ def test_a_second_signal_or_the_end_of_the_grace_ends_at_once(monkeypatch):
     assert s.requested.is_set() and ended == []
     s._on_signal(signal.SIGINT)
     assert ended == ["a second SIGINT"]
+    s.uninstall()  # its watchdog stands down (else, 60 s on, it would end this process)
     s = stop_module.Stop(grace_s=0.2, log=lambda *_: None)
     s.request("a test")
     deadline = time.monotonic() + 10
@@ -227,6 +234,38 @@ async def _stopped_while_waiting() -> tuple[bool, bool]:
 
 def test_until_cancels_the_work_when_a_stop_comes_first():
     assert asyncio.run(_stopped_while_waiting()) == (True, True)
+
+
+async def _signal_while_the_gateway_serves() -> tuple[list[int], int, bool]:
+    import httpx
+    from fastapi import FastAPI
+
+    from tracetrain.gateway.inprocess import serve_in_loop
+
+    app = FastAPI()
+    app.get("/health")(lambda: {"ok": True})
+    seen: list[int] = []
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, seen.append, signal.SIGTERM)
+    try:
+        async with serve_in_loop(app) as url, httpx.AsyncClient() as http:
+            signal_self()
+            await asyncio.sleep(0.3)
+            status = (await http.get(f"{url}/health")).status_code  # still serving
+        await asyncio.sleep(0.3)  # (a signal raised again as the server ends would arrive here)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    return seen, status, True
+
+
+def test_the_gateway_leaves_the_signals_to_the_run():
+    """The gateway's uvicorn in the run's loop neither takes SIGTERM for itself (a stock
+    uvicorn.Server ends at the first one) nor raises it again when it ends: the run's Stop sees one
+    signal per signal sent, and the gateway serves until the run stops it."""
+    before = signal.getsignal(signal.SIGTERM)
+    seen, status, _ = asyncio.run(_signal_while_the_gateway_serves())
+    assert seen == [signal.SIGTERM] and status == 200
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 @pytest.mark.slow

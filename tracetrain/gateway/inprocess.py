@@ -10,6 +10,7 @@ agents, wherever they run, call with their rollout's own key (the gateway has no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import secrets
@@ -102,6 +103,16 @@ def local_url(sock: socket.socket) -> str:
     return f"http://{_url_host(host)}:{port}"
 
 
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn serving inside a run's event loop. The process's signals are the run's
+    (run/stop.py), never the server's: a stock `uvicorn.Server` in the main thread takes SIGTERM and
+    SIGINT for itself, ends at once on the first one and raises it again when it has ended."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 @asynccontextmanager
 async def serve_in_loop(app, sock: socket.socket | None = None, *, startup_timeout_s: float = 30.0):
     """Serve `app` on `sock` (default: a free loopback port) in this event loop; yields its local
@@ -111,7 +122,7 @@ async def serve_in_loop(app, sock: socket.socket | None = None, *, startup_timeo
     # a client is about to reuse (the runner's clients close theirs after 2 s).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_keep_alive=120)
-    server = uvicorn.Server(config)
+    server = EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     deadline = asyncio.get_running_loop().time() + startup_timeout_s
     try:
