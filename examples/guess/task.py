@@ -23,12 +23,14 @@ FIRST = "Guess."
 
 
 def tasks(n: int, *, seed: int, high: int = 8, max_turns: int = 3, slow_every: int = 0,
-          slow_s: float = 0.0, **_: Any) -> list[dict]:
+          slow_s: float = 0.0, check_reward: float = 0.0, **_: Any) -> list[dict]:
     """`n` tasks with hidden numbers drawn uniformly from 1..high (every `slow_every`-th answered
-    after `slow_s` seconds: module docstring)."""
+    after `slow_s` seconds: module docstring; `check_reward`: checked_agent's checker verdicts
+    get turn rewards)."""
     rng = random.Random(seed)
     return [{"target": rng.randint(1, high), "high": high, "max_turns": max_turns,
-             **({"delay_s": slow_s} if slow_every and j % slow_every == 0 else {})} for j in range(n)]
+             **({"delay_s": slow_s} if slow_every and j % slow_every == 0 else {}),
+             **({"check_reward": check_reward} if check_reward else {})} for j in range(n)]
 
 
 def feedback(guess_text: str, target: int) -> tuple[str | None, float | None]:
@@ -154,7 +156,8 @@ def in_range(guess: str, lo: int, hi: int) -> bool:
 
 async def checked_agent(task: dict, client: dict) -> dict:
     """The guesser (model "guesser") and the checker (model "checker"); returns the game's reward
-    and the guesser's turn rewards ({turn index: reward}, the gateway's index of each call)."""
+    and the turn rewards ({turn index: reward}, the gateway's index of each call): the guesser's,
+    and with task["check_reward"] the checker's (examples/guess/two_policies.yaml)."""
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"], max_retries=0,
                          http_client=client.get("http_client"))
     sampling = {"temperature": client.get("temperature", 1.0), "top_p": client.get("top_p", 1.0),
@@ -173,7 +176,12 @@ async def checked_agent(task: dict, client: dict) -> dict:
         check = await openai.chat.completions.create(
             model="checker", messages=check_prompt(lo, hi, text),
             seed=None if seed is None else seed + 2 * turn + 1, **sampling)
-        if (check.choices[0].message.content or "").strip() == "no":
+        verdict = (check.choices[0].message.content or "").strip()
+        if task.get("check_reward"):  # the checker learns too: +c for the right verdict, -c else
+            right = "yes" if in_range(text, lo, hi) else "no"
+            turn_rewards[check.model_extra["tracetrain"]["turn_index"]] = (
+                task["check_reward"] if verdict == right else -task["check_reward"])
+        if verdict == "no":
             history.append((text, f"{text.strip()} is out"))
             continue
         reply, reward = feedback(text, task["target"])

@@ -88,7 +88,7 @@ def _kind_switched(data: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-_KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[a-z_]+)*): (.*)$", re.S)
+_KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[A-Za-z0-9_][A-Za-z0-9_-]*)*): (.*)$", re.S)
 
 
 def _key(loc: tuple) -> tuple[str, dict[str, type[BaseModel]], str | None]:

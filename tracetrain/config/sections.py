@@ -6,6 +6,7 @@ validators across sections live on `TrainConfig`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -590,6 +591,45 @@ class OptimConfig(_Section):
     held at once are [chunk, vocab], recomputed in the backward); 0: all at once."""
 
 
+# peft names the rows of a batch without an adapter "__base__"; an adapter's name must not be
+# part of its layers' prefix "lora_" (peft would take its weights for a layer's on loading).
+RESERVED_POLICY_NAMES = ("__base__",)
+POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # (an adapter's name is a module key)
+
+
+class PolicyConfig(_Section):
+    """One of several policies of a run (`policies`): a LoRA adapter on the run's base model
+    (`model`), making its roles' calls and learning from their trained tokens only, with its own
+    optimizer and learning-rate schedule (docs/policies.md)."""
+
+    roles: list[str] = Field(min_length=1)
+    """The roles whose calls this policy makes and learns from; a role belongs to one policy at
+    most (a role of none is served by the base model, without an adapter, and does not train)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Its adapter (rank, alpha, target layers)."""
+    lr: float | None = Field(None, gt=0)
+    """Its AdamW learning rate; null: `optim.lr`."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Its learning-rate warm-up; null: `optim.warmup_steps`."""
+    decay: Literal["constant", "cosine", "linear"] | None = None
+    """Its learning-rate decay; null: `optim.decay`."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Its weight decay; null: `optim.weight_decay`."""
+    grad_clip: float | None = Field(None, gt=0)
+    """Its gradient norm clip; null: `optim.grad_clip`."""
+    kl_coef: float | None = Field(None, ge=0)
+    """Its KL penalty against the base model; null: `loss.kl_coef`."""
+
+    @field_validator("roles")
+    @classmethod
+    def _role_names(cls, v: list[str]) -> list[str]:
+        for role in v:
+            check_role(role)
+        if len(set(v)) != len(v):
+            raise ValueError(f"a role named twice: {v}")
+        return v
+
+
 class TrainerConfig(_Section):
     """The run: its length, seed, directory, checkpoints, eval passes, devices and metric sinks."""
 
@@ -886,6 +926,9 @@ class TrainConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     aggregate: AggregateConfig = Field(default_factory=AggregateConfig)
     roles: RolesConfig = Field(default_factory=RolesConfig)
+    policies: dict[str, PolicyConfig] | None = None
+    """Several policies in one run, by name: each a LoRA adapter on `model` with its roles and
+    optimizer (docs/policies.md); null: one policy, the whole model (or `model.lora`)."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
@@ -1031,6 +1074,42 @@ class TrainConfig(_Section):
             if self.model.lora.r > 512:
                 raise ValueError("model.lora.r: at most 512 with engine.kind 'vllm' (vLLM's "
                                  "largest --max-lora-rank)")
+        return self
+
+    @model_validator(mode="after")
+    def _policies(self) -> TrainConfig:
+        if self.policies is None:
+            return self
+        if not self.policies:
+            raise ValueError("policies: name at least one policy, or leave it null")
+        owner: dict[str, str] = {}
+        for name, pc in self.policies.items():
+            if name in RESERVED_POLICY_NAMES or name in "lora_" or not POLICY_NAME.fullmatch(name):
+                raise ValueError(f"policies.{name}: not a policy name (letters, digits, _ and -, "
+                                 "starting with a letter or digit, at most 64; not '__base__' nor "
+                                 "part of 'lora_')")
+            for role in pc.roles:
+                if role in owner:
+                    raise ValueError(f"policies.{name}.roles: role {role!r} is already policy "
+                                     f"{owner[role]!r}'s (a role belongs to one policy)")
+                owner[role] = name
+        unmapped = sorted(set(self.roles.train or ()) - set(owner))
+        if unmapped:
+            raise ValueError(f"roles.train: {unmapped} belong to no policy (policies.*.roles): "
+                             "with several policies each trained role is a policy's")
+        elsewhere = sorted(r for r, e in self.roles.serve.items() if e != "policy" and r in owner)
+        if elsewhere:
+            raise ValueError(f"roles.serve: {elsewhere} are policies' roles (policies.*.roles) and "
+                             "are served by their policy's adapter")
+        if self.model.lora is not None:
+            raise ValueError("model.lora: not with policies (each policy is its own adapter: "
+                             "policies.<name>.lora)")
+        why = (f"backend {self.backend!r}" if self.backend != "embedded" else None) or (
+            f"engine.kind {self.engine.kind!r}" if self.engine.kind != "local" else None) or (
+            f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect != "step" else None)
+        if why:
+            raise ValueError(f"policies: not with {why} yet (several policies run as adapters on "
+                             "the local engine of the embedded backend, trainer.collect 'step')")
         return self
 
     @model_validator(mode="after")

@@ -46,6 +46,9 @@ class SamplingParams:
     # Constrained decoding: vLLM's `structured_outputs` object, sent as is (engines that constrain
     # only): {"json": schema}, {"json_object": True} or {"structural_tag": "<JSON text>"}.
     structured: dict[str, Any] | None = None
+    # Several policies (config `policies`): the LoRA adapter that decodes, a policy's name or
+    # "__base__" (the base model alone), for engines that serve adapters; None: the engine's model.
+    adapter: str | None = None
 
 
 # vLLM's structured_outputs constraints (StructuredOutputsParams); an object holds exactly one.
@@ -57,10 +60,11 @@ def can_constrain(engine: Any) -> bool:
     return getattr(engine, "constrains", False) is True
 
 
-def check_sampling_params(params: SamplingParams, *, constrains: bool = False) -> None:
+def check_sampling_params(params: SamplingParams, *, constrains: bool = False,
+                          adapters: tuple[str, ...] = ()) -> None:
     """ValueError naming the field when params are out of range (engines call it; nothing is
-    clamped), or carry a `structured` constraint that an engine which cannot constrain
-    (`constrains` False) would ignore."""
+    clamped), carry a `structured` constraint that an engine which cannot constrain
+    (`constrains` False) would ignore, or name an adapter not among the engine's `adapters`."""
     mt, t, p, seed = params.max_tokens, params.temperature, params.top_p, params.seed
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {mt!r}")
@@ -77,6 +81,9 @@ def check_sampling_params(params: SamplingParams, *, constrains: bool = False) -
         if not isinstance(text, str) or not text:
             raise ValueError(f"stop[{k}] must be a non-empty string, got {text!r}")
     _check_structured(params.structured, constrains)
+    if params.adapter is not None and params.adapter not in adapters:
+        raise ValueError(f"adapter {params.adapter!r}: this engine serves "
+                         + (f"the adapters {list(adapters)}" if adapters else "no adapter"))
 
 
 def _check_structured(structured: Any, constrains: bool) -> None:

@@ -21,16 +21,15 @@ request's stop_token_ids; the stop id is kept in the response, finish "stop"), a
 completes one of the request's stop strings (finish "stop") or at max_tokens
 ("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
 
-Prefill computes the prompts' common prefix once (a group's samples share their whole first
-prompt; agents of one task share the system and task messages) and each row's rest after it; the
-KV of the last such prefix is kept for the next batch of the same model version, which computes
-only what it does not share with it (the step's system prompt is prefilled once, not per batch).
+Prefill computes the prompts' common prefix once and keeps the KV of the last such prefix for the
+next batch (tracetrain/engines/prefill.py). With several policies (config `policies`) each request
+names its LoRA adapter (SamplingParams.adapter) and one batch decodes rows of several adapters
+(peft's `adapter_names`: the base weights' matmuls shared, each row's adapter its own).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import random
 import threading
 import time
@@ -49,19 +48,8 @@ from tracetrain.engines.base import (
     check_sampling_params,
     stop_string_in,
 )
+from tracetrain.engines.prefill import Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
-
-MIN_SHARED_PREFIX = 8  # a shorter common prefix is not worth a separate forward pass
-
-
-def _common_prefix_len(prompts: list[list[int]]) -> int:
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for p in prompts[1:]:
-        k = 0
-        while k < n and p[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 def _batch_order(req: _Request) -> tuple:
@@ -158,8 +146,9 @@ class LocalEngine:
             else min(self.stop_ids, default=0)
         )
         self.prefix_cache = prefix_cache
-        # the last shared prefix prefilled: (its ids, the model version, its KV cache for one row)
-        self._prefix: tuple[list[int], int, Any] | None = None
+        # several policies: the model's adapters (lora.adapter_names), which requests may name
+        names = list(getattr(self.model, "peft_config", {}))
+        self.adapters = () if names in ([], ["default"]) else (*names, "__base__")
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
         # torch's thread count is per OS thread: the decode thread sets its own (0: this thread's)
@@ -183,11 +172,13 @@ class LocalEngine:
             "max_batch": 0,
             "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
+        self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
+                                keep=prefix_cache, stats=self.stats)
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError on bad params or ids; PromptTooLong if prompt + max_tokens > max_context."""
-        check_sampling_params(params)
+        check_sampling_params(params, adapters=self.adapters)
         if not isinstance(prompt_ids, list) or not prompt_ids:
             raise ValueError("prompt_ids must be a non-empty list of token ids")
         for k, i in enumerate(prompt_ids):
@@ -345,7 +336,8 @@ class LocalEngine:
             self._decode(reqs)
         return [Generation(r.ids, r.logprobs, r.finish, version) for r in reqs]
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, adapters=None):
+        """(next-token logits [B, V] float32, the cache); `adapters`: each row's adapter."""
         self.stats["forward_calls"] += 1
         out = self.model(
             input_ids=input_ids,
@@ -354,63 +346,21 @@ class LocalEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **({} if adapters is None else {"adapter_names": adapters}),
         )
         return out.logits[:, -1, :].float(), out.past_key_values
-
-    def _prefill(self, prompts: list[list[int]]):
-        """Forward the prompts, their common prefix once. Row layout of the KV cache:
-
-            [common prefix, L tokens (computed once, repeated per row)] [pad ... pad | suffix_b]
-
-        with positions 0..L-1 then L, L+1, ... over each row's own suffix (every row keeps at
-        least one suffix token). With `prefix_cache`, the KV of the last prefix prefilled is kept
-        (for the same model version): a later batch whose prefix starts with c >= 8 of its ids
-        (the step's system prompt, a group's question) computes only the rest. A lone prompt's
-        prefix is all but its last token. Returns (next-token logits [B, V], cache, attention
-        mask, position of the next token [B])."""
-        dev, B = self.device, len(prompts)
-        L = _common_prefix_len(prompts) if B > 1 else (len(prompts[0]) if self.prefix_cache else 0)
-        L = min(L, min(len(p) for p in prompts) - 1)
-        cache, reused = None, 0
-        if L >= MIN_SHARED_PREFIX:
-            head = prompts[0][:L]
-            if self.prefix_cache and self._prefix is not None and self._prefix[1] == self.model_version:
-                reused = _common_prefix_len([self._prefix[0][:L], head])
-                if reused >= MIN_SHARED_PREFIX:
-                    cache = copy.deepcopy(self._prefix[2])
-                    cache.crop(reused)
-                else:
-                    reused = 0
-            if L > reused:
-                prefix = torch.tensor([head[reused:]], device=dev)
-                _, cache = self._forward(prefix, torch.ones((1, L), dtype=torch.long, device=dev),
-                                         torch.arange(reused, L, device=dev)[None], cache)
-            if self.prefix_cache:
-                self._prefix = (head, self.model_version, copy.deepcopy(cache))
-            cache.batch_repeat_interleave(B)
-            self.stats["prefix_cache_tokens"] += reused
-        else:
-            L = 0
-        S = max(len(p) - L for p in prompts)
-        ids = torch.full((B, S), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L + S), dtype=torch.long)
-        mask[:, :L] = 1
-        # left padding: the last column holds each row's last prompt token
-        for b, p in enumerate(prompts):
-            ids[b, S - (len(p) - L) :] = torch.tensor(p[L:])
-            mask[b, L + S - (len(p) - L) :] = 1
-        position = L + (mask[:, L:].cumsum(-1) - 1).clamp_(min=0)
-        ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
-        logits, cache = self._forward(ids, mask, position, cache)
-        self.stats["prefill_tokens"] += L - reused + B * S
-        return logits, cache, mask, position[:, -1] + 1
 
     @torch.inference_mode()
     def _decode(self, reqs: list[_Request]) -> None:
         """Fill r.ids, r.logprobs, r.finish for each request; one batched loop."""
         dev, B, clock, stats = self.device, len(reqs), time.perf_counter, self.stats
         t0 = clock()
-        logits, cache, mask, next_pos = self._prefill([r.prompt_ids for r in reqs])
+        # several policies: each row's adapter (a request naming none: the active one)
+        by_request = None if not self.adapters else [
+            r.params.adapter or self.model.active_adapter for r in reqs]
+        adapters = by_request
+        logits, cache, mask, next_pos = self._prefill(
+            [r.prompt_ids for r in reqs], self.model_version, adapters)
         stats["prefill_s"] += clock() - t0
         temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
         top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
@@ -460,9 +410,10 @@ class LocalEngine:
                 temperature, top_p = temperature[keep], top_p[keep]
                 rows = [rows[b] for b in range(len(rows)) if alive[b]]
                 alive = [True] * len(rows)
+                adapters = None if adapters is None else [by_request[i] for i in rows]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
             t0 = clock()
-            logits, cache = self._forward(y[:, None], mask, next_pos[:, None], cache)
+            logits, cache = self._forward(y[:, None], mask, next_pos[:, None], cache, adapters)
             stats["decode_forward_s"] += clock() - t0
             next_pos = next_pos + 1
 
@@ -474,7 +425,7 @@ class LocalEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with self._lock:
-            self._prefix = None  # its KV came from the old weights
+            self._prefill.clear()  # its kept prefix's KV came from the old weights
             if state_dict is not None:
                 with torch.no_grad():
                     self.model.load_state_dict(state_dict, strict=True)

@@ -61,6 +61,10 @@ class Gateway:
     # role -> the engine (slot name) that serves its calls, whatever the rollout's engine (a role
     # that does not train, served by a frozen copy of the policy or an upstream model)
     role_engines: dict[str, str] = field(default_factory=dict)
+    # several policies (config `policies`): role -> the adapter that makes its calls on the
+    # policy's engine; a role not named: `base_adapter` (None: the engine's model as it is)
+    role_adapters: dict[str, str] = field(default_factory=dict)
+    base_adapter: str | None = None
     calls: RoleCalls = field(init=False)  # which roles of each rollout have called (first_calls.py)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,12 @@ class Gateway:
                 slot.warm(self.tool_parser)
             except Exception as e:
                 log.warning("engine %r not warmed: %s: %s", slot.name, type(e).__name__, e)
+
+    def adapter_for(self, role: str, slot: EngineSlot) -> str | None:
+        """The adapter that makes `role`'s call on `slot` (role_adapters; the policy's engine only)."""
+        if slot.name != self.default_engine:
+            return None
+        return self.role_adapters.get(role, self.base_adapter)
 
     def slot_for(self, rollout: RolloutHead, role: str | None = None) -> EngineSlot:
         """The engine of a call: its role's (role_engines), else the rollout's, else the default."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -154,6 +154,8 @@ async def generate_turn(
         raise RolloutEnded(
             f"rollout {rid!r} has ended ({rollout.state.value}); no more model calls"
         )
+    if (adapter := gw.adapter_for(role, slot)) is not None:  # several policies: the role's
+        params = replace(params, adapter=adapter)
     async with slot.admit() as engine:  # waits here while paused; in flight until recorded
         if rollout.state == RolloutState.queued:
             await store.start(rid)

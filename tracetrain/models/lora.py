@@ -11,6 +11,7 @@ of W, for `run_dir/policy` and for anything that does not know peft. A vLLM engi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -35,8 +36,72 @@ def wrap(model: torch.nn.Module, lc: LoraConfig) -> torch.nn.Module:
         raise ConfigError(f"config key 'model.lora.target_modules': {e}") from None
 
 
+def wrap_policies(model: torch.nn.Module, adapters: dict[str, LoraConfig]) -> torch.nn.Module:
+    """`model` with one fresh adapter per policy (config `policies`), named by it, made in the
+    order given; the base frozen; in eval mode (as `wrap`). A forward pass runs the active adapter
+    (`model.set_adapter(name)`, which also makes its parameters alone require a gradient), or one
+    per row with `adapter_names=[...]` (peft; BASE for a row without one)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    for k, (name, lc) in enumerate(adapters.items()):
+        config = PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                target_modules=list(lc.target_modules), task_type="CAUSAL_LM")
+        try:
+            if k == 0:
+                model = get_peft_model(model, config, adapter_name=name)
+            else:
+                model.add_adapter(name, config)
+        except ValueError as e:  # e.g. a target module the model does not have
+            raise ConfigError(f"config key 'policies.{name}.lora.target_modules': {e}") from None
+    model.set_adapter(next(iter(adapters)))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def base_trainable(model: torch.nn.Module):
+    """Within: a forward pass is the base model's alone (every adapter off) and the base's
+    parameters require a gradient, so a warm start trains the base that every policy shares;
+    as before after."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    with model.disable_adapter():
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            yield model
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch's adapter_names
+
+
 def is_lora(model: Any) -> bool:
     return hasattr(model, "peft_config")
+
+
+def adapter_names(model: Any) -> list[str]:
+    """The adapters of a model with several policies (wrap_policies), in order; [] for a model
+    with one policy (a plain model, or `wrap`'s single adapter "default")."""
+    names = list(getattr(model, "peft_config", {}))
+    return [] if names in ([], ["default"]) else names
+
+
+def policy_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parameter]:
+    """The parameters of adapter `name` (what policy `name`'s optimizer updates)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            for layer in module.adapter_layer_names:
+                part = getattr(module, layer)
+                if name in part:
+                    out += list(part[name].parameters()) if isinstance(part[name], torch.nn.Module) else [part[name]]
+    if not out:
+        raise ValueError(f"the model has no adapter {name!r} (it has {adapter_names(model)})")
+    return out
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -50,6 +115,9 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if is_lora(model):
         from peft import get_peft_model_state_dict
 
+        if names := adapter_names(model):  # several policies: {policy: its adapter's}
+            return {name: {k: v.detach().clone() for k, v in
+                           get_peft_model_state_dict(model, adapter_name=name).items()} for name in names}
         return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     return model.state_dict()
 
@@ -61,10 +129,14 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
         return
     from peft import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(model, state)
-    unexpected = getattr(result, "unexpected_keys", None)
-    if unexpected:
-        raise ValueError(f"adapter weights with keys the model's adapter lacks: {unexpected[:4]}")
+    names = adapter_names(model)
+    if names and sorted(state) != sorted(names):
+        raise ValueError(f"adapter weights of policies {sorted(state)}; the model's are {sorted(names)}")
+    for name, part in ([(n, state[n]) for n in names] or [("default", state)]):
+        result = set_peft_model_state_dict(model, part, adapter_name=name)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise ValueError(f"adapter weights with keys the model's adapter lacks: {unexpected[:4]}")
 
 
 def base(model: torch.nn.Module) -> torch.nn.Module:
@@ -75,9 +147,11 @@ def base(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).unload()
 
 
-def merged(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain transformers model with the adapter merged into the base weights (a copy; the
-    policy keeps its adapter). Not under LoRA: the model itself."""
+def merged(model: torch.nn.Module, adapter: str | None = None) -> torch.nn.Module:
+    """The plain transformers model with the adapter (with several policies: `adapter`) merged
+    into the base weights (a copy; the policy keeps its adapter). Not under LoRA: the model itself."""
     if not is_lora(model):
         return model
-    return copy.deepcopy(model).merge_and_unload()
+    if adapter is None:
+        return copy.deepcopy(model).merge_and_unload()
+    return copy.deepcopy(model).merge_and_unload(adapter_names=[adapter])

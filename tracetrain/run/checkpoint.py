@@ -1,7 +1,8 @@
 """A run's checkpoint: everything a resumed run needs to continue identically.
 
     step, version        the next step, and the policy's model version
-    model                the policy's weights (the adapter alone under LoRA)
+    model                the policy's weights (the adapter alone under LoRA; several policies:
+                         {policy: its adapter's})
     engine               collect overlap: the weights the next step's rollouts come from (the
                          engine's: the policy before the last update), with their version
     next_collected       collect overlap: that collect's results when it already ran (the
@@ -148,9 +149,19 @@ class Checkpoints:
 
 def write_policy(model: torch.nn.Module, tokenizer, path: Path) -> Path:
     """`path` (a run's policy/): the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
-    under LoRA the merged model, and the adapter alone in path/adapter (peft's format)."""
+    under LoRA the merged model, and the adapter alone in path/adapter (peft's format). With
+    several policies: path/<policy>/ each, its own adapter merged, and the adapter alone in
+    path/<policy>/adapter."""
     from tracetrain.engines.vllm import write_hf_dir
 
+    if names := lora.adapter_names(model):
+        for name in names:
+            write_hf_dir(lora.merged(model, name), tokenizer, path / name)
+            model.save_pretrained(path / name / "adapter", selected_adapters=[name])
+            for f in (path / name / "adapter" / name).iterdir():  # (peft puts a named one in a folder)
+                f.replace(path / name / "adapter" / f.name)
+            (path / name / "adapter" / name).rmdir()
+        return path
     write_hf_dir(lora.merged(model), tokenizer, path)
     if lora.is_lora(model):
         model.save_pretrained(path / "adapter")

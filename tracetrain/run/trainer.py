@@ -47,11 +47,11 @@ from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.engines.start import preflight
 from tracetrain.gateway.inprocess import admin_key_for
 from tracetrain.learn.distributed import DataParallel, from_main, wrap
-from tracetrain.learn.optim import adamw
+from tracetrain.learn.optim import optimizer_and_schedule
 from tracetrain.learn.threads import run_with_threads
-from tracetrain.learn.update import UpdateStopped, lr_factor, ppo_update
+from tracetrain.learn.update import UpdateStopped, ppo_update
 from tracetrain.models import lora
-from tracetrain.run import checkpoint, continuous, durable, services
+from tracetrain.run import checkpoint, continuous, durable, policies, services
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks, rewrite_metrics
@@ -134,20 +134,20 @@ class Trainer:
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
         if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
             self.model = lora.wrap(self.model, cfg.model.lora)
+        if cfg.policies is not None:  # several policies: an adapter each (run/policies.py)
+            self.model = lora.wrap_policies(self.model, {n: p.lora for n, p in cfg.policies.items()})
         if cfg.trainer.device != "cpu":
             if not torch.cuda.is_available():
                 raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
                                   "machine has no CUDA device")
             self.model.to(cfg.trainer.device)
+        if cfg.policies is not None and dp.enabled:
+            raise ConfigError("config key 'policies': not under torchrun yet (one process)")
         self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
-        self.optimizer = adamw(lora.trainable(self.model), lr=cfg.optim.lr,
-                               weight_decay=cfg.optim.weight_decay)
-        updates_per_step = cfg.optim.ppo_epochs * cfg.optim.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda k: lr_factor(k, warmup=cfg.optim.warmup_steps * updates_per_step,
-                                total=cfg.trainer.steps * updates_per_step, decay=cfg.optim.decay),
-        )
+        # AdamW and its schedule; several policies: one each, by policy (policies.ByPolicy)
+        self.optimizer, self.scheduler = (
+            policies.optimizers(cfg, self.model) if cfg.policies is not None else
+            optimizer_and_schedule(lora.trainable(self.model), cfg.optim, cfg.trainer.steps))
         self.ref_model: torch.nn.Module | None = None  # loss.kl_coef > 0: the KL reference
         self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
         # The engine's weights: the policy's own (shared), or a copy one version behind while the
@@ -301,20 +301,28 @@ class Trainer:
         results = collected.results
         batch, adv, row_metrics = build_rows(self.store, results, cfg, self.tokenizer, self.version)
         metrics: dict[str, Any] = {"step": self.step, **row_metrics, **collected.metrics}
+        if cfg.policies is not None:  # several policies: each its own rows (run/policies.py)
+            parts = policies.build_policy_rows(self.store, results, cfg, self.tokenizer, self.version)
+            metrics.update(policies.row_metrics(parts))
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
         t1 = time.perf_counter()
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
         if batch.n_rows:
-            updates, times = await self.sync.update(gateway, lambda: self.on_update_thread(
-                self.update_threads, ppo_update, self.policy, self.optimizer,
-                batch, adv, cfg, ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp,
-                measure_gap=collected.engine_version == self.version, stop=self.stop.requested.is_set,
-            ), self.version + 1, push_now=cfg.trainer.collect != "overlap")
+            common = {"ref_model": self.ref_model, "measure_gap": collected.engine_version == self.version,
+                      "stop": self.stop.requested.is_set}
+            work = (functools.partial(policies.update, self.model, parts, self.optimizer,
+                                      self.scheduler, cfg, **common) if cfg.policies is not None else
+                    functools.partial(ppo_update, self.policy, self.optimizer, batch, adv, cfg,
+                                      scheduler=self.scheduler, dp=self.dp, **common))
+            updates, times = await self.sync.update(
+                gateway, lambda: self.on_update_thread(self.update_threads, work),
+                self.version + 1, push_now=cfg.trainer.collect != "overlap")
             self.version += 1
             metrics.update(times)
-            metrics.update(update_metrics(updates))
+            metrics.update(update_metrics(updates) if cfg.policies is None else
+                           policies.policy_update_metrics(updates, self.scheduler))
         metrics["model_version"] = self.version
         metrics["rollout_model_version"] = collected.engine_version
         metrics["lr"] = self.scheduler.get_last_lr()[0]
@@ -404,8 +412,9 @@ class Trainer:
 
     # -- before the steps ------------------------------------------------------------------
     def start_reference(self) -> None:
-        """loss.kl_coef > 0: the KL reference, checkpoint.frozen_copy of the policy (or restored)."""
-        if self.cfg.loss.kl_coef > 0 and self.ref_model is None:
+        """loss.kl_coef > 0 (or a policy's): the KL reference, checkpoint.frozen_copy of the policy
+        (or restored)."""
+        if policies.needs_reference(self.cfg) and self.ref_model is None:
             self.ref_model = checkpoint.frozen_copy(self.model)
 
     async def warm_start(self) -> None:
@@ -417,10 +426,12 @@ class Trainer:
         if not callable(make):
             raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
         transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
-        losses = await self.on_update_thread(  # nothing else runs yet: the update's threads
-            max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
-            transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
-            precision=cfg.trainer.precision)
+        # several policies: the base they share is warm-started, not an adapter
+        with lora.base_trainable(self.model) if cfg.policies is not None else contextlib.nullcontext():
+            losses = await self.on_update_thread(  # nothing else runs yet: the update's threads
+                max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
+                transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
+                precision=cfg.trainer.precision)
         self.log(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
                  f"in {time.perf_counter() - t:.1f} s")
 

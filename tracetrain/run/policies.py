@@ -1,0 +1,132 @@
+"""Several policies in one run (config `policies`): each a LoRA adapter on the run's base model,
+named by the policy, that makes its roles' calls and learns from their trained tokens only.
+
+    serve     the gateway names each call's adapter by its role (role_adapters; a role of no
+              policy: the base model alone); the local engine decodes a batch of several adapters
+    rows_p    the step's rollouts aggregated with roles.train = p's roles: rows of p's turns only
+              (each role's turns chain apart, rows/roles.py), and their advantages
+    R_p       the rollouts holding a trained token of p; each weighs 1/R_p in p's loss
+    update_p  adapter p active (its parameters alone require a gradient), p's AdamW and schedule,
+              p's optimizer settings and KL coefficient (policy_config)
+
+Each policy's update is the single-policy update on its own rows, so isolation (q's calls change
+none of p's rows, weights or gradients) and the reduction (one policy holding every trained role
+is the run without `policies`, with that adapter as model.lora) hold by construction
+(docs/policies.md, docs/invariants.md 11-12). The policies share one model version: every step
+bumps it once, whichever policies had rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tracetrain.config import TrainConfig
+from tracetrain.learn.optim import optimizer_and_schedule
+from tracetrain.learn.update import UpdateResult, ppo_update
+from tracetrain.models import lora
+from tracetrain.rows.roles import trains
+from tracetrain.run.step import Rows, build_rows, update_metrics
+
+
+class ByPolicy(dict):
+    """{policy: optimizer} or {policy: scheduler}: saved and restored as one (state_dict)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: part.state_dict() for name, part in self.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if sorted(state) != sorted(self):
+            raise ValueError(f"a checkpoint of policies {sorted(state)}; this run's are {sorted(self)}")
+        for name, part in self.items():
+            part.load_state_dict(state[name])
+
+    def get_last_lr(self) -> list[float]:
+        """The first policy's (a scheduler's `lr` metric); each policy's is policy/<p>/lr."""
+        return next(iter(self.values())).get_last_lr()
+
+
+def policy_config(cfg: TrainConfig, name: str) -> TrainConfig:
+    """The run's config as policy `name` learns: roles.train its roles that train (all of them
+    when the run's roles.train is null), its optimizer settings and KL coefficient where it sets
+    them (the run's `optim` and `loss.kl_coef` otherwise)."""
+    pc = cfg.policies[name]
+    train = [role for role in pc.roles if trains(role, cfg.roles.train)]
+    optim = {k: getattr(pc, k) for k in ("lr", "warmup_steps", "decay", "weight_decay", "grad_clip")
+             if getattr(pc, k) is not None}
+    loss = {} if pc.kl_coef is None else {"kl_coef": pc.kl_coef}
+    return cfg.model_copy(update={"roles": cfg.roles.model_copy(update={"train": train}),
+                                  "optim": cfg.optim.model_copy(update=optim),
+                                  "loss": cfg.loss.model_copy(update=loss)})
+
+
+def optimizers(cfg: TrainConfig, model: torch.nn.Module) -> tuple[ByPolicy, ByPolicy]:
+    """Each policy's AdamW over its adapter's parameters, and its schedule."""
+    made = {name: optimizer_and_schedule(lora.policy_parameters(model, name),
+                                         policy_config(cfg, name).optim, cfg.trainer.steps)
+            for name in cfg.policies}
+    return ByPolicy({n: o for n, (o, _) in made.items()}), ByPolicy({n: s for n, (_, s) in made.items()})
+
+
+def role_adapters(cfg: TrainConfig) -> dict[str, str]:
+    """role -> the adapter (its policy's name) that makes its calls."""
+    return {role: name for name, pc in cfg.policies.items() for role in pc.roles}
+
+
+def needs_reference(cfg: TrainConfig) -> bool:
+    """Whether a KL reference is needed: loss.kl_coef > 0, or a policy's kl_coef."""
+    if cfg.policies is None:
+        return cfg.loss.kl_coef > 0
+    return any(policy_config(cfg, name).loss.kl_coef > 0 for name in cfg.policies)
+
+
+def build_policy_rows(store, results, cfg: TrainConfig, tokenizer, version: int) -> dict[str, Rows]:
+    """{policy: its rows, advantages and row metrics} (run/step.build_rows under policy_config)."""
+    return {name: build_rows(store, results, policy_config(cfg, name), tokenizer, version)
+            for name in cfg.policies}
+
+
+def row_metrics(parts: dict[str, Rows]) -> dict[str, Any]:
+    """policy/<p>/aggregate/* and policy/<p>/advantage/* of each policy's rows."""
+    return {f"policy/{name}/{k}": v for name, rows in parts.items() for k, v in rows.metrics.items()
+            if k.startswith(("aggregate/", "advantage/"))}
+
+
+def update(model: torch.nn.Module, parts: dict[str, Rows], optimizers: ByPolicy,
+           schedulers: ByPolicy, cfg: TrainConfig, *, ref_model=None, measure_gap: bool = True,
+           stop=None) -> dict[str, list[UpdateResult]]:
+    """Each policy with rows: its update (learn/update.ppo_update) with its adapter active, its
+    optimizer, schedule and config; {policy: its updates' results}. A stop request is honoured
+    before the first policy's first optimizer step only: after it, every policy's update runs
+    (a step whose update is half done is no step's state)."""
+    out, first = {}, True
+    for name, rows in parts.items():
+        if not rows.batch.n_rows:
+            continue
+        model.set_adapter(name)  # p's parameters alone require a gradient
+        try:
+            out[name] = ppo_update(model, optimizers[name], rows.batch, rows.advantages,
+                                   policy_config(cfg, name), ref_model=ref_model,
+                                   scheduler=schedulers[name], measure_gap=measure_gap,
+                                   stop=stop if first else None)
+        finally:
+            optimizers[name].zero_grad(set_to_none=True)  # the next policy's clip sees no stale grad
+        first = False
+    return out
+
+
+def policy_update_metrics(updates: dict[str, list[UpdateResult]], schedulers: ByPolicy) -> dict[str, float]:
+    """policy/<p>/{loss, grad_norm, loss/*, engine/*, lr} of each policy that updated, and the
+    step's over them: a *_min key their min, a *_max key their max, any other their mean (with
+    one policy: its own, as a run without `policies` logs them)."""
+    per = {name: update_metrics(results) for name, results in updates.items()}
+    out: dict[str, float] = {}
+    for name, m in per.items():
+        out.update({f"policy/{name}/{k}": v for k, v in m.items()})
+        out[f"policy/{name}/lr"] = schedulers[name].get_last_lr()[0]
+    for key in {k for m in per.values() for k in m}:
+        values = [m[key] for m in per.values() if key in m]
+        out[key] = (min(values) if key.endswith("_min") else max(values) if key.endswith("_max")
+                    else sum(values) / len(values))
+    return out
