@@ -173,3 +173,34 @@ def test_a_resumed_two_policy_run_is_the_uninterrupted_one(tmp_path):
     assert without_times(resumed) == without_times(straight)
     wa, wb = adapters(tmp_path / "a"), adapters(cut)
     assert all(torch.equal(wa[p][k], wb[p][k]) for p in wa for k in wa[p])
+
+
+def test_the_viewer_shows_each_turns_policy_and_explains_each_policys_rows(tmp_path):
+    """`tracetrain view` of a two-policy run: each turn's policy beside its role; a rollout's
+    trained tokens, as policy p learned from it, are p's role's turns only; an unknown policy is
+    a 400 naming it."""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    from tracetrain.store import SQLiteStore
+    from tracetrain.view.app import create_view_app
+
+    run(config(tmp_path / "run"))
+    store = SQLiteStore(tmp_path / "run" / "traces.db")
+    rec = next(r for r in store.list_rollouts(state="succeeded", limit=100) if "-s2-" in r.group_id)
+    roles = {t.index: t.role for t in store.get_turns(rec.rollout_id)}
+    store.close()
+    with TestClient(create_view_app(tmp_path / "run")) as c:
+        page = c.get(f"/rollout/{rec.rollout_id}").text
+        shown = re.findall(r"<tr><td>(\d+)</td><td>(\w+)</td><td class=\"policy\">(\w+)</td>", page)
+        assert {(int(k), role) for k, role, _ in shown} == set(roles.items())
+        assert all(role == policy for _, role, policy in shown)  # (each role is its own policy here)
+        for policy in ("solver", "checker"):
+            page = c.get(f"/rollout/{rec.rollout_id}", params={"policy": policy}).text
+            turns = {int(x) for x in re.findall(r'class="tok trained[^"]*"[^>]*data-turn="(\d+)"', page)}
+            assert turns and {roles[k] for k in turns} == {policy}
+        bad = c.get(f"/rollout/{rec.rollout_id}", params={"policy": "judge"})
+        assert bad.status_code == 400 and "policy &#39;judge&#39;: this run&#39;s policies are solver, checker" in bad.text
+        step = c.get("/step/2", params={"policy": "checker"})
+        assert step.status_code == 200 and "<b>checker</b>" in step.text

@@ -1018,6 +1018,24 @@ class TrainConfig(_Section):
         return None
 
     @property
+    def role_policies(self) -> dict[str, str]:
+        """Several policies: role -> the policy (adapter) that makes its calls; {} without."""
+        return {role: name for name, pc in (self.policies or {}).items() for role in pc.roles}
+
+    def for_policy(self, name: str) -> TrainConfig:
+        """The run as policy `name` learns it (run/policies.py): roles.train its roles that train
+        (all of them when roles.train is null), its optimizer settings and KL coefficient where it
+        sets them (`optim` and `loss.kl_coef` otherwise). Not validated again (a copy)."""
+        pc = self.policies[name]
+        train = [role for role in pc.roles if self.roles.train is None or role in self.roles.train]
+        optim = {k: getattr(pc, k) for k in ("lr", "warmup_steps", "decay", "weight_decay", "grad_clip")
+                 if getattr(pc, k) is not None}
+        loss = {} if pc.kl_coef is None else {"kl_coef": pc.kl_coef}
+        return self.model_copy(update={"roles": self.roles.model_copy(update={"train": train}),
+                                       "optim": self.optim.model_copy(update=optim),
+                                       "loss": self.loss.model_copy(update=loss)})
+
+    @property
     def lockstep(self) -> bool:
         """Whether the engine's batches close in lockstep (trainer.reproducible)."""
         return self.trainer.reproducible is not False and self._not_reproducible() is None

@@ -7,7 +7,7 @@ named by the policy, that makes its roles' calls and learns from their trained t
               (each role's turns chain apart, rows/roles.py), and their advantages
     R_p       the rollouts holding a trained token of p; each weighs 1/R_p in p's loss
     update_p  adapter p active (its parameters alone require a gradient), p's AdamW and schedule,
-              p's optimizer settings and KL coefficient (policy_config)
+              p's optimizer settings and KL coefficient (TrainConfig.for_policy)
 
 Each policy's update is the single-policy update on its own rows, so isolation (q's calls change
 none of p's rows, weights or gradients) and the reduction (one policy holding every trained role
@@ -26,7 +26,6 @@ from tracetrain.config import TrainConfig
 from tracetrain.learn.optim import optimizer_and_schedule
 from tracetrain.learn.update import UpdateResult, ppo_update
 from tracetrain.models import lora
-from tracetrain.rows.roles import trains
 from tracetrain.run.step import Rows, build_rows, update_metrics
 
 
@@ -47,43 +46,24 @@ class ByPolicy(dict):
         return next(iter(self.values())).get_last_lr()
 
 
-def policy_config(cfg: TrainConfig, name: str) -> TrainConfig:
-    """The run's config as policy `name` learns: roles.train its roles that train (all of them
-    when the run's roles.train is null), its optimizer settings and KL coefficient where it sets
-    them (the run's `optim` and `loss.kl_coef` otherwise)."""
-    pc = cfg.policies[name]
-    train = [role for role in pc.roles if trains(role, cfg.roles.train)]
-    optim = {k: getattr(pc, k) for k in ("lr", "warmup_steps", "decay", "weight_decay", "grad_clip")
-             if getattr(pc, k) is not None}
-    loss = {} if pc.kl_coef is None else {"kl_coef": pc.kl_coef}
-    return cfg.model_copy(update={"roles": cfg.roles.model_copy(update={"train": train}),
-                                  "optim": cfg.optim.model_copy(update=optim),
-                                  "loss": cfg.loss.model_copy(update=loss)})
-
-
 def optimizers(cfg: TrainConfig, model: torch.nn.Module) -> tuple[ByPolicy, ByPolicy]:
     """Each policy's AdamW over its adapter's parameters, and its schedule."""
     made = {name: optimizer_and_schedule(lora.policy_parameters(model, name),
-                                         policy_config(cfg, name).optim, cfg.trainer.steps)
+                                         cfg.for_policy(name).optim, cfg.trainer.steps)
             for name in cfg.policies}
     return ByPolicy({n: o for n, (o, _) in made.items()}), ByPolicy({n: s for n, (_, s) in made.items()})
-
-
-def role_adapters(cfg: TrainConfig) -> dict[str, str]:
-    """role -> the adapter (its policy's name) that makes its calls."""
-    return {role: name for name, pc in cfg.policies.items() for role in pc.roles}
 
 
 def needs_reference(cfg: TrainConfig) -> bool:
     """Whether a KL reference is needed: loss.kl_coef > 0, or a policy's kl_coef."""
     if cfg.policies is None:
         return cfg.loss.kl_coef > 0
-    return any(policy_config(cfg, name).loss.kl_coef > 0 for name in cfg.policies)
+    return any(cfg.for_policy(name).loss.kl_coef > 0 for name in cfg.policies)
 
 
 def build_policy_rows(store, results, cfg: TrainConfig, tokenizer, version: int) -> dict[str, Rows]:
-    """{policy: its rows, advantages and row metrics} (run/step.build_rows under policy_config)."""
-    return {name: build_rows(store, results, policy_config(cfg, name), tokenizer, version)
+    """{policy: its rows, advantages and row metrics} (run/step.build_rows under TrainConfig.for_policy)."""
+    return {name: build_rows(store, results, cfg.for_policy(name), tokenizer, version)
             for name in cfg.policies}
 
 
@@ -107,7 +87,7 @@ def update(model: torch.nn.Module, parts: dict[str, Rows], optimizers: ByPolicy,
         model.set_adapter(name)  # p's parameters alone require a gradient
         try:
             out[name] = ppo_update(model, optimizers[name], rows.batch, rows.advantages,
-                                   policy_config(cfg, name), ref_model=ref_model,
+                                   cfg.for_policy(name), ref_model=ref_model,
                                    scheduler=schedulers[name], measure_gap=measure_gap,
                                    stop=stop if first else None)
         finally:

@@ -12,7 +12,6 @@ from tracetrain.engines.start import start_engine
 from tracetrain.models import lora
 from tracetrain.rows.roles import role_engines
 from tracetrain.run import checkpoint
-from tracetrain.run.policies import role_adapters
 
 
 @contextlib.asynccontextmanager
@@ -41,7 +40,7 @@ async def started(tr, admin_key: str):
                          **app_options(cfg.gateway, sock.getsockname()[1]))
         app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
         if cfg.policies is not None:  # each call by its role's adapter (run/policies.py)
-            app.state.gateway.role_adapters.update(role_adapters(cfg))
+            app.state.gateway.role_adapters.update(cfg.role_policies)
             app.state.gateway.base_adapter = lora.BASE
         tr.sync.attach(engine, app.state.gateway.slots["default"])  # held in-process around updates
         async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:

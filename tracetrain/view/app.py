@@ -95,10 +95,28 @@ def create_view_app(run_dir: str | Path, *, token: str | None = None) -> FastAPI
         return JSONResponse({"steps": len(m.steps),
                              "last_step": m.steps[-1]["step"] if m.steps else None})
 
+    def policies() -> list[str]:
+        """The run's policies (config `policies`), in order; [] for a run of one."""
+        cfg = run.config()
+        return list(cfg.policies) if cfg is not None and cfg.policies else []
+
+    def chosen(policy: str | None) -> str | None:
+        """The policy a page explains: the one asked for (ValueError naming it if the run has no
+        such policy), else the run's first; None for a run of one policy."""
+        names = policies()
+        if policy is not None and policy not in names:
+            raise ValueError(f"policy {policy!r}: " + (f"this run's policies are {', '.join(names)}"
+                                                       if names else "this run has one policy"))
+        return policy if policy is not None else (names[0] if names else None)
+
     @app.get("/step/{step}", response_class=HTMLResponse)
     def step_page(step: int, state: str | None = None, cause: str | None = None,
                   min_reward: str | None = None, max_reward: str | None = None,
-                  sort: str = "group", order: str = "asc"):
+                  sort: str = "group", order: str = "asc", policy: str | None = None):
+        try:
+            policy = chosen(policy)
+        except ValueError as e:
+            return page("problem.html", 400, problem=str(e))
         if sort not in SORTS:
             return page("problem.html", 400, problem=f"sort must be one of {', '.join(SORTS)}, "
                         f"got {sort!r}")
@@ -112,7 +130,7 @@ def create_view_app(run_dir: str | Path, *, token: str | None = None) -> FastAPI
         if not records:
             return page("problem.html", 404, problem=f"step {step}: no rollouts in this run's "
                         "trace store")
-        explained = run.explained(step, records)
+        explained = run.explained(step, records, policy)
         turns = {r.rollout_id: run.rollout(r.rollout_id)[1] for r in records}
         q = StepQuery(state or None, cause or None, bounds["min_reward"], bounds["max_reward"], sort,
                       order == "desc")
@@ -125,10 +143,10 @@ def create_view_app(run_dir: str | Path, *, token: str | None = None) -> FastAPI
                         min(rs, key=lambda x: x.reward if x.reward is not None else math.inf))
                     for g, rs in groups.items() if len(rs) > 1}
         return page("step.html", step=step, rows=rows, total=len(records), explained=explained,
-                    q=q, sorts=SORTS, metrics=metrics, extremes=extremes,
+                    q=q, sorts=SORTS, metrics=metrics, extremes=extremes, policies=policies(), policy=policy,
                     causes=sorted({c for r in rows for c in r.breaks}))
 
-    def view_of(rollout_id: str):
+    def view_of(rollout_id: str, policy: str | None = None):
         found = run.rollout(rollout_id)
         if found is None:
             return None
@@ -136,26 +154,36 @@ def create_view_app(run_dir: str | Path, *, token: str | None = None) -> FastAPI
         step = None
         n = step_of(rec.group_id)
         if n is not None and rec.state.terminal:
-            step = run.explained(n, run.step_records(n))
-        return n, rollout_view(rec, turns, step, run.tokenizer(), known)
+            step = run.explained(n, run.step_records(n), policy)
+        cfg = run.config()
+        return n, rollout_view(rec, turns, step, run.tokenizer(), known,
+                               cfg.role_policies if cfg is not None and cfg.policies else None)
 
     @app.get("/rollout/{rollout_id}", response_class=HTMLResponse)
-    def rollout_page(rollout_id: str):
-        found = view_of(rollout_id)
+    def rollout_page(rollout_id: str, policy: str | None = None):
+        try:
+            policy = chosen(policy)
+        except ValueError as e:
+            return page("problem.html", 400, problem=str(e))
+        found = view_of(rollout_id, policy)
         if found is None:
             return page("problem.html", 404, problem=f"no rollout {rollout_id!r} in this run")
         n, view = found
-        return page("rollout.html", step=n, views=[view])
+        return page("rollout.html", step=n, views=[view], policies=policies(), policy=policy)
 
     @app.get("/compare", response_class=HTMLResponse)
-    def compare_page(a: str, b: str):
+    def compare_page(a: str, b: str, policy: str | None = None):
+        try:
+            policy = chosen(policy)
+        except ValueError as e:
+            return page("problem.html", 400, problem=str(e))
         views, step = [], None
         for rid in (a, b):
-            found = view_of(rid)
+            found = view_of(rid, policy)
             if found is None:
                 return page("problem.html", 404, problem=f"no rollout {rid!r} in this run")
             step, view = found
             views.append(view)
-        return page("rollout.html", step=step, views=views)
+        return page("rollout.html", step=step, views=views, policies=policies(), policy=policy)
 
     return app

@@ -127,6 +127,7 @@ class TurnView:
     finish_reason: str | None
     rewards: str
     messages: str | None  # pretty JSON of what the agent sent (text: the template escapes it)
+    policy: str = ""  # several policies: the one that made it ("base": a role of none)
 
 
 @dataclass
@@ -160,13 +161,15 @@ def _built(t: TurnRecord) -> str:
 
 
 def rollout_view(rec: RolloutRecord, turns: list[TurnRecord], step: StepExplained | None,
-                 tokenizer, known: dict) -> RolloutView:
+                 tokenizer, known: dict, role_policies: dict[str, str] | None = None) -> RolloutView:
+    """`role_policies` (several policies): role -> policy, each turn's shown ("base" for none)."""
     e = step.summary.get(rec.rollout_id) if step is not None else None
     turn_views = [
         TurnView(t.index, t.role, t.model_version, len(t.prompt_ids), len(t.response_ids), _built(t),
                  t.finish_reason,
                  ", ".join(f"{x.name + ' ' if x.name else ''}{x.reward:+g}" for x in t.rewards),
-                 _messages(t.messages))
+                 _messages(t.messages),
+                 "" if role_policies is None else role_policies.get(t.role, "base"))
         for t in turns
     ]
     versions = sorted({t.model_version for t in turns if t.model_version is not None})

@@ -185,11 +185,12 @@ class RunDir:
             return None
         return rec, self._read(store.get_turns, rollout_id)
 
-    def explained(self, step: int, records: list[RolloutRecord]) -> StepExplained:
+    def explained(self, step: int, records: list[RolloutRecord], policy: str | None = None) -> StepExplained:
         """The step's finished rollouts through aggregate, credit and plan (explain.py), cached
-        while none of them changes."""
+        while none of them changes; with several policies, as policy `policy` learned from them
+        (TrainConfig.for_policy)."""
         done = [r for r in records if r.state.terminal]
-        key = (step, tuple((r.rollout_id, r.updated_at) for r in done))
+        key = (step, policy, tuple((r.rollout_id, r.updated_at) for r in done))
         with self._lock:
             if key in self._steps:
                 self._steps.move_to_end(key)
@@ -198,8 +199,8 @@ class RunDir:
         rollouts = [Rollout(r.rollout_id, r.group_id,
                             [t.to_turn() for t in self._read(store.get_turns, r.rollout_id)],
                             r.reward, RolloutState(r.state)) for r in done]
-        cfg = self.config()
-        out = explain_step(rollouts, cfg if cfg is not None else TrainConfig(), self.tokenizer())
+        cfg = self.config() or TrainConfig()
+        out = explain_step(rollouts, cfg.for_policy(policy) if policy is not None else cfg, self.tokenizer())
         with self._lock:
             self._steps[key] = out
             while len(self._steps) > self.STEP_CACHE:
