@@ -248,3 +248,44 @@ def test_collect_overlap_with_lora_and_vllm_trains_one_version_old_and_resumes(t
     assert turn_versions_by_step(run) == {0: {0}, 1: {0}, 2: {1}}
     assert rows[0]["engine/logprob_gap_max"] < TOL  # on-policy: measured
     assert all(m["n_stale_rollouts"] == 0 and m["n_failed"] == 0 for m in rows)
+
+
+@pytest.mark.slow
+def test_two_policies_through_vllm_decode_each_turn_by_its_own_adapter(tmp_path, vllm_python):
+    """Several policies on a real vLLM server: each policy's adapter loaded under its name
+    (--max-loras 2), each call served by its role's adapter in the server's mixed batches: after
+    every sync, each policy's turns have the trainer's logprobs under that policy's adapter (and
+    after the first update the two adapters and the base differ, so a turn decoded by another
+    would show a gap)."""
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    support = Path(__file__).resolve().parents[1] / "support"
+    policies = {"solver": {"roles": ["solver"], "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS}},
+                "checker": {"roles": ["checker"], "lora": {"r": 4, "alpha": 8, "target_modules": TARGETS}}}
+    cfg = build_config({"policies": policies}, [
+        "task=two_roles_task.py", "rollout.tasks_per_step=2", "rollout.n_per_task=3",
+        "rollout.max_tokens=5", "optim.lr=5e-2", "optim.warmup_steps=0", "trainer.steps=3",
+        "trainer.eval_every=0", "rollout.agent_workers=0", f"trainer.run_dir={run}",
+        "engine.kind=vllm", f"engine.python={vllm_python}"])
+    train(cfg, base_dir=support, log=lambda *_: None)
+    rows = metrics(run)
+    assert [m["model_version"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        for p in ("solver", "checker"):
+            assert m[f"policy/{p}/engine/logprob_gap_max"] < TOL, (m["step"], p)
+        assert m["n_failed"] == 0
+    log = (run / "vllm.log").read_text()
+    assert log.count("Loaded new LoRA adapter") == 2 * 4  # both, at the start and after each update
+    served = {p.name for p in (run / "engine-adapter").iterdir()}
+    assert served == {"solver", "checker"}
+    # the adapters moved apart: the policies' final adapters differ from each other and from zero
+    final = checkpoint_adapters(run)
+    assert any(v.abs().max() > 0 for k, v in final["solver"].items() if "lora_B" in k)
+    assert any(v.abs().max() > 0 for k, v in final["checker"].items() if "lora_B" in k)
+
+
+def checkpoint_adapters(run) -> dict:
+    from tracetrain.run import checkpoint
+
+    return checkpoint.load(run / "checkpoint.pt")["model"]

@@ -1064,17 +1064,20 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _lora(self) -> TrainConfig:
-        if self.model.lora is None:
+        if self.model.lora is None and self.policies is None:
             return self
+        key = "model.lora" if self.model.lora is not None else "policies"
+        ranks = [self.model.lora.r] if self.model.lora is not None else [
+            p.lora.r for p in self.policies.values()]
         if self.backend != "embedded":
-            raise ValueError(f"model.lora: not with backend {self.backend!r} yet (LoRA runs on the "
+            raise ValueError(f"{key}: not with backend {self.backend!r} yet (LoRA runs on the "
                              "embedded backend)")
         if self.engine.kind == "local" and self.trainer.collect == "continuous" and self.trainer.max_staleness:
-            raise ValueError("model.lora: not with trainer.collect 'continuous' (max_staleness >= 1) "
+            raise ValueError(f"{key}: not with trainer.collect 'continuous' (max_staleness >= 1) "
                              "and engine.kind 'local' (the engine's own copy of the policy would copy "
                              "the base weights too); with engine.kind 'vllm' it runs")
         if self.engine.kind == "local" and self.trainer.collect == "overlap":
-            raise ValueError("model.lora: not with trainer.collect 'overlap' and engine.kind 'local' "
+            raise ValueError(f"{key}: not with trainer.collect 'overlap' and engine.kind 'local' "
                              "(the engine's own copy of the policy would copy the base weights too); "
                              "with engine.kind 'vllm' it runs")
         if self.engine.kind == "vllm":  # the adapter alone is synced, by vLLM's runtime LoRA loading
@@ -1086,12 +1089,12 @@ class TrainConfig(_Section):
                        "engine.sleep_level": (self.engine.sleep_level == 2 and 2,
                                               "level 2 drops the server's base weights and a LoRA "
                                               "sync brings only the adapter; use 1")}
-            for key, (value, why) in refused.items():
+            for field, (value, why) in refused.items():
                 if value:
-                    raise ValueError(f"model.lora: not with {key} {value!r} ({why})")
-            if self.model.lora.r > 512:
-                raise ValueError("model.lora.r: at most 512 with engine.kind 'vllm' (vLLM's "
-                                 "largest --max-lora-rank)")
+                    raise ValueError(f"{key}: not with {field} {value!r} ({why})")
+            if max(ranks) > 512:
+                raise ValueError(f"{key}{'.r' if key == 'model.lora' else ''}: at most 512 with "
+                                 "engine.kind 'vllm' (vLLM's largest --max-lora-rank)")
         return self
 
     @model_validator(mode="after")
@@ -1123,11 +1126,11 @@ class TrainConfig(_Section):
             raise ValueError("model.lora: not with policies (each policy is its own adapter: "
                              "policies.<name>.lora)")
         why = (f"backend {self.backend!r}" if self.backend != "embedded" else None) or (
-            f"engine.kind {self.engine.kind!r}" if self.engine.kind != "local" else None) or (
+            f"engine.kind {self.engine.kind!r}" if self.engine.kind not in ("local", "vllm") else None) or (
             f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect != "step" else None)
         if why:
             raise ValueError(f"policies: not with {why} yet (several policies run as adapters on "
-                             "the local engine of the embedded backend, trainer.collect 'step')")
+                             "the local or vllm engine of the embedded backend, trainer.collect 'step')")
         return self
 
     @model_validator(mode="after")

@@ -77,6 +77,9 @@ async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, 
     transport = NcclTransport() if ec.sync == "nccl" else None
     if cfg.model.lora is not None:  # the server holds the base, each sync brings the adapter
         transport = LoraTransport(run_dir / "engine-adapter", cfg.model.lora.r)
+    if cfg.policies is not None:  # several policies: each its adapter, served by its name
+        transport = LoraTransport(run_dir / "engine-adapter", max(p.lora.r for p in cfg.policies.values()),
+                                  list(cfg.policies))
     max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
     weights_dir = run_dir / "engine-weights"
     await asyncio.to_thread(lambda: write_hf_dir(lora.base(weights), tokenizer, weights_dir))
@@ -94,7 +97,7 @@ async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, 
                         timeout=ec.request_timeout_s, model_version=version, transport=transport)
     try:
         # a server started by someone else: make it serve our weights; LoRA: load the adapter
-        if ec.python is None or cfg.model.lora is not None:
+        if ec.python is None or cfg.model.lora is not None or cfg.policies is not None:
             await engine.load_weights(weights, version)
     except BaseException:
         await engine.aclose()

@@ -299,6 +299,8 @@ class UpstreamEngine:
         self.base_url = base_url.rstrip("/")
         self._url = self.base_url + path
         self.served_model = model  # the name the server serves it under
+        # several policies (vLLM multi-LoRA): SamplingParams.adapter -> the model name it is served as
+        self.adapter_models: dict[str, str] = {}
         self.tokenizer = tokenizer
         self.name = name
         self.max_context = max_context
@@ -330,7 +332,7 @@ class UpstreamEngine:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError on bad params; PromptTooLong if prompt + max_tokens exceeds max_context."""
-        check_sampling_params(params, constrains=self.constrains)
+        check_sampling_params(params, constrains=self.constrains, adapters=tuple(self.adapter_models))
         if not prompt_ids:
             raise ValueError("prompt_ids is empty; a prompt needs at least one token id")
         need = len(prompt_ids) + params.max_tokens
@@ -347,7 +349,8 @@ class UpstreamEngine:
         (vLLM only; SGLang never calls it) the answer is streamed and each run of new ids handed
         to it as it arrives."""
         self.check(prompt_ids, params)
-        body = self._body(self.served_model, prompt_ids, params)
+        model = self.served_model if params.adapter is None else self.adapter_models[params.adapter]
+        body = self._body(model, prompt_ids, params)
         if on_tokens is not None and self.api == "vllm":
             body["stream"] = True
         else:

@@ -52,6 +52,7 @@ from tracetrain.config import ConfigError
 from tracetrain.engines.base import EngineError, Generation, OnTokens, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
 from tracetrain.engines.vllm_server import SERVED_NAME, VLLMServer
+from tracetrain.models.lora import BASE
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -180,22 +181,25 @@ ADAPTER_NAME = "policy-adapter"  # the model name of requests once an adapter is
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's choices of --max-lora-rank
 
 
-def write_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
-    """The peft model's adapter alone as a PEFT directory (adapter_config.json,
-    adapter_model.safetensors), written beside and renamed: a reader never sees half of it."""
+def write_adapter(model: torch.nn.Module, directory: str | Path, adapter: str | None = None) -> Path:
+    """The peft model's adapter alone (several policies: adapter `adapter`) as a PEFT directory
+    (adapter_config.json, adapter_model.safetensors), written beside and renamed: a reader never
+    sees half of it."""
     import shutil
 
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, **({} if adapter is None else {"selected_adapters": [adapter]}))
     shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
+    os.replace(tmp if adapter is None else tmp / adapter, directory)  # (peft: a named one in a folder)
+    shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
 class LoraTransport:
-    """model.lora: the server holds the base weights from its launch and applies the adapter
+    """model.lora, or several policies (`names`: an adapter each, served under its policy's name,
+    the base under its own; requests name theirs, SamplingParams.adapter): the server holds the base weights from its launch and applies the adapter
     itself (--enable-lora, runtime loading allowed by VLLM_ALLOW_RUNTIME_LORA_UPDATING); each push
     writes only the adapter, as ROOT/vVERSION, and replaces the served one:
 
@@ -210,28 +214,36 @@ class LoraTransport:
 
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
-    def __init__(self, adapter_root: str | Path, rank: int):
+    def __init__(self, adapter_root: str | Path, rank: int, names: list[str] | None = None):
         if rank > LORA_RANKS[-1]:
-            raise ConfigError(f"config key 'model.lora.r': {rank} is more than vLLM's largest "
+            key = "model.lora.r" if names is None else "policies.*.lora.r"
+            raise ConfigError(f"config key '{key}': {rank} is more than vLLM's largest "
                               f"LoRA rank {LORA_RANKS[-1]}")
-        self.root = Path(adapter_root)
-        self.server_args = ["--enable-lora", "--max-loras", "1",
+        self.root, self.names = Path(adapter_root), names
+        self.server_args = ["--enable-lora", "--max-loras", str(len(names or [None])),
                             "--max-lora-rank", str(min(r for r in LORA_RANKS if r >= rank))]
-        self.loaded: Path | None = None  # the adapter directory the server serves
+        self.loaded: dict[str, Path] = {}  # lora name -> the adapter directory the server serves
 
     async def push(self, engine: VLLMEngine, model: torch.nn.Module, version: int) -> None:
         import shutil
 
-        path = (self.root / f"v{version}").resolve()
-        await asyncio.to_thread(write_adapter, model, path)
         served = await engine._call("GET", "/v1/models")
-        if any(m.get("id") == ADAPTER_NAME for m in served.get("data", [])):
-            await engine._post("/v1/unload_lora_adapter", {"lora_name": ADAPTER_NAME})
-        await engine._post("/v1/load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": str(path)})
-        engine.served_model = ADAPTER_NAME
-        if self.loaded is not None and self.loaded != path:
-            await asyncio.to_thread(shutil.rmtree, self.loaded, True)
-        self.loaded = path
+        ids = {m.get("id") for m in served.get("data", [])}
+        adapters = [(ADAPTER_NAME, None)] if self.names is None else [(n, n) for n in self.names]
+        for lora_name, adapter in adapters:
+            path = (self.root / (lora_name if adapter else "") / f"v{version}").resolve()
+            await asyncio.to_thread(write_adapter, model, path, adapter)
+            if lora_name in ids:
+                await engine._post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+            await engine._post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(path)})
+            old = self.loaded.get(lora_name)
+            if old is not None and old != path:
+                await asyncio.to_thread(shutil.rmtree, old, True)
+            self.loaded[lora_name] = path
+        if self.names is None:
+            engine.served_model = ADAPTER_NAME
+        else:  # the base as served at launch; each policy's adapter by its name
+            engine.adapter_models = {**{n: n for n in self.names}, BASE: engine.served_model}
 
 
 class VLLMEngine(UpstreamEngine):
