@@ -212,12 +212,26 @@ def run_sft(args: argparse.Namespace) -> int:
     if not unique:
         raise UsageError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
     model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
-    batch = sft_rows(unique, cfg, tokenizer.pad_token_id or 0)
-    losses = fine_tune(model, batch, cfg, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
+    # several policies: each adapter on its own roles' tokens (the config as that policy learns)
+    parts = {n: cfg.for_policy(n) for n in cfg.policies} if cfg.policies else {None: cfg}
+    rows, tokens, losses = 0, 0, {}
+    for name, part in parts.items():
+        try:
+            batch = sft_rows(unique, part, tokenizer.pad_token_id or 0)
+        except UsageError:
+            if len(parts) == 1:
+                raise
+            continue  # (this policy's roles have no tokens in the chosen rollouts)
+        if name is not None:
+            model.set_adapter(name)  # its parameters alone train
+        losses[name] = fine_tune(model, batch, part, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
+        rows, tokens = rows + batch.n_rows, tokens + int(batch.response_mask.sum())
+    if not losses:
+        raise UsageError("no rows to fine-tune on for any policy (policies.*.roles)")
     path = checkpoint.write_policy(model, tokenizer, args.out / "policy")  # as a run's policy/
     report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
-              "trained_rollouts": len(unique), "rows": batch.n_rows,
-              "trained_tokens": int(batch.response_mask.sum()), "epoch_losses": losses,
+              "trained_rollouts": len(unique), "rows": rows, "trained_tokens": tokens,
+              "epoch_losses": losses[None] if None in losses else losses,
               "policy": str(path), "checkpoint": str(args.out / "checkpoint.pt")}
     checkpoint.save_weights(model, args.out / "checkpoint.pt", {"command": "tracetrain sft", **report})
     (args.out / "sft.json").write_text(json.dumps(report, indent=2))

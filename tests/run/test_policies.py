@@ -204,3 +204,33 @@ def test_the_viewer_shows_each_turns_policy_and_explains_each_policys_rows(tmp_p
         assert bad.status_code == 400 and "policy &#39;judge&#39;: this run&#39;s policies are solver, checker" in bad.text
         step = c.get("/step/2", params={"policy": "checker"})
         assert step.status_code == 200 and "<b>checker</b>" in step.text
+
+
+def test_sft_and_eval_take_every_policy(tmp_path, capsys):
+    """`tracetrain sft` with a two-policy config fine-tunes each adapter on its own roles' tokens
+    (policy/<p>/ each, the weights-only checkpoint every adapter); `tracetrain eval --policy` of
+    that checkpoint serves each role by its policy's adapter (no failed try)."""
+    import yaml
+
+    from tracetrain.cli import main
+
+    run(config(tmp_path / "run", "trainer.steps=1"))
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "task": str(SUPPORT / "two_roles_task.py"), "policies": POLICIES,
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+        "rollout": {"max_tokens": 5, "agent_workers": 0}, "trainer": {"seed": 3}}))
+    start = initial(build_config(yaml.safe_load(cfg_file.read_text()), [f"trainer.run_dir={tmp_path / 'x'}"]))
+    assert main(["sft", str(cfg_file), "--from", str(tmp_path / "run"), "--min-reward", "0",
+                 "--epochs", "1", "--lr", "1e-2", "--out", str(tmp_path / "sft")]) == 0
+    report = json.loads((tmp_path / "sft" / "sft.json").read_text())
+    assert sorted(report["epoch_losses"]) == ["checker", "solver"]
+    tuned = torch.load(tmp_path / "sft" / "checkpoint.pt", weights_only=False)["model"]
+    for name in ("solver", "checker"):
+        assert any(not torch.equal(start[name][k], tuned[name][k]) for k in start[name])
+        assert (tmp_path / "sft" / "policy" / name / "adapter" / "adapter_config.json").is_file()
+    capsys.readouterr()
+    assert main(["eval", str(cfg_file), "--policy", str(tmp_path / "sft" / "checkpoint.pt"),
+                 "--k", "1", "--tasks", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["failed"] == 0 and summary["tries"] == 2

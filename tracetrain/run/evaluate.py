@@ -40,9 +40,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bool = False):
-    """(model, tokenizer) for `policy` (module docstring). Under LoRA (model.lora) a checkpoint
-    holds the adapter alone: it is loaded onto the config's base; a policy/ folder holds the merged
-    model; `adapter=True` (sft, which trains one) puts a fresh adapter on whatever was loaded."""
+    """(model, tokenizer) for `policy` (module docstring). Under LoRA (model.lora; several
+    policies: an adapter each) a checkpoint holds the adapters alone: they are loaded onto the
+    config's base; a policy/ folder holds a merged model; `adapter=True` (sft, which trains them)
+    puts fresh adapters on whatever was loaded."""
     from tracetrain.models import lora
     from tracetrain.models.load import load_policy
 
@@ -60,6 +61,9 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bo
     if cfg.model.lora is not None and (adapter or weights):
         torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
         model = lora.wrap(model, cfg.model.lora)
+    if cfg.policies is not None and (adapter or weights):  # several policies: an adapter each
+        torch.manual_seed(cfg.trainer.seed)
+        model = lora.wrap_policies(model, {n: p.lora for n, p in cfg.policies.items()})
     if weights:
         try:
             ck = torch.load(path, weights_only=False, map_location="cpu")
@@ -105,6 +109,8 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     if cfg.model.lora is not None and not lora.is_lora(model):
         # a merged policy/ or the untrained base: an engine serves it whole, not base + adapter
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+    if cfg.policies is not None and not lora.adapter_names(model):  # (likewise, every role)
+        cfg = cfg.model_copy(update={"policies": None})
     agent = resolve_agent(task, cfg.agent)
     with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
@@ -113,6 +119,9 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                                     threads=cfg.engine.threads, log=log, lockstep=lockstep)
         admin_key = secrets.token_urlsafe(24)
         app = create_app(store, {"default": engine}, admin_key=admin_key)
+        if cfg.policies is not None:  # each role by its policy's adapter, as in training
+            app.state.gateway.role_adapters.update(cfg.role_policies)
+            app.state.gateway.base_adapter = lora.BASE
         try:
             async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)
