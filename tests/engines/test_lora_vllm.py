@@ -250,6 +250,19 @@ def test_collect_overlap_with_lora_and_vllm_trains_one_version_old_and_resumes(t
     assert all(m["n_stale_rollouts"] == 0 and m["n_failed"] == 0 for m in rows)
 
 
+def two_policy_config(run, vllm_python, *extra: str):
+    policies = {"solver": {"roles": ["solver"], "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS}},
+                "checker": {"roles": ["checker"], "lora": {"r": 4, "alpha": 8, "target_modules": TARGETS}}}
+    return build_config({"policies": policies}, [
+        "task=two_roles_task.py", "rollout.tasks_per_step=2", "rollout.n_per_task=3",
+        "rollout.max_tokens=5", "optim.lr=5e-2", "optim.warmup_steps=0", "trainer.steps=3",
+        "trainer.eval_every=0", "rollout.agent_workers=0", f"trainer.run_dir={run}",
+        "engine.kind=vllm", f"engine.python={vllm_python}", *extra])
+
+
+SUPPORT = test_engine_vllm.ROOT / "tests" / "support"
+
+
 @pytest.mark.slow
 def test_two_policies_through_vllm_decode_each_turn_by_its_own_adapter(tmp_path, vllm_python):
     """Several policies on a real vLLM server: each policy's adapter loaded under its name
@@ -257,18 +270,8 @@ def test_two_policies_through_vllm_decode_each_turn_by_its_own_adapter(tmp_path,
     every sync, each policy's turns have the trainer's logprobs under that policy's adapter (and
     after the first update the two adapters and the base differ, so a turn decoded by another
     would show a gap)."""
-    from pathlib import Path
-
     run = tmp_path / "run"
-    support = Path(__file__).resolve().parents[1] / "support"
-    policies = {"solver": {"roles": ["solver"], "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS}},
-                "checker": {"roles": ["checker"], "lora": {"r": 4, "alpha": 8, "target_modules": TARGETS}}}
-    cfg = build_config({"policies": policies}, [
-        "task=two_roles_task.py", "rollout.tasks_per_step=2", "rollout.n_per_task=3",
-        "rollout.max_tokens=5", "optim.lr=5e-2", "optim.warmup_steps=0", "trainer.steps=3",
-        "trainer.eval_every=0", "rollout.agent_workers=0", f"trainer.run_dir={run}",
-        "engine.kind=vllm", f"engine.python={vllm_python}"])
-    train(cfg, base_dir=support, log=lambda *_: None)
+    train(two_policy_config(run, vllm_python), base_dir=SUPPORT, log=lambda *_: None)
     rows = metrics(run)
     assert [m["model_version"] for m in rows] == [1, 2, 3]
     for m in rows:
@@ -289,3 +292,23 @@ def checkpoint_adapters(run) -> dict:
     from tracetrain.run import checkpoint
 
     return checkpoint.load(run / "checkpoint.pt")["model"]
+
+
+@pytest.mark.slow
+def test_two_policies_through_vllm_collect_continuously_within_the_staleness_bound(tmp_path, vllm_python):
+    """Continuous collection with two policies on vLLM (the server takes both adapters between
+    steps while groups are in flight): every group trained once by each policy, each rollout
+    weighing 1/R_p, no rollout more than max_staleness versions old."""
+    run = tmp_path / "run"
+    train(two_policy_config(run, vllm_python, "trainer.collect=continuous", "trainer.max_staleness=1",
+                            "trainer.steps=4"), base_dir=SUPPORT, log=lambda *_: None)
+    rows = metrics(run)
+    groups = [g for m in rows for g in m["collect/groups"]]
+    assert len(rows) == 4 and len(groups) == len(set(groups)) == 8
+    for m in rows:
+        assert m["n_failed"] == 0
+        assert set(k for k in m if k.startswith("staleness/rollouts_")) <= {
+            "staleness/rollouts_0", "staleness/rollouts_1"}
+        for p in ("solver", "checker"):
+            assert m[f"policy/{p}/loss/rollout_mass_x_R_min"] == pytest.approx(1.0, abs=1e-6)
+            assert m[f"policy/{p}/loss/rollout_mass_x_R_max"] == pytest.approx(1.0, abs=1e-6)

@@ -234,3 +234,18 @@ def test_sft_and_eval_take_every_policy(tmp_path, capsys):
                  "--k", "1", "--tasks", "2"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["failed"] == 0 and summary["tries"] == 2
+
+
+def test_continuous_collection_trains_every_policy_each_group_once(tmp_path):
+    """trainer.collect continuous with two policies: every step's groups are trained by both
+    policies, each rollout weighing 1/R_p in each, within the staleness bound; no group twice."""
+    ms = run(config(tmp_path / "run", "trainer.collect=continuous", "trainer.max_staleness=0",
+                    "trainer.steps=4"))
+    assert [m["step"] for m in ms] == [0, 1, 2, 3]
+    groups = [g for m in ms for g in m["collect/groups"]]
+    assert len(groups) == len(set(groups)) == 4 * 2
+    for m in ms:
+        for p in ("solver", "checker"):
+            assert m[f"policy/{p}/loss/rollout_mass_x_R_min"] == pytest.approx(1.0, abs=1e-6)
+            assert m[f"policy/{p}/loss/rollout_mass_x_R_max"] == pytest.approx(1.0, abs=1e-6)
+        assert set(k for k in m if k.startswith("staleness/rollouts_")) == {"staleness/rollouts_0"}

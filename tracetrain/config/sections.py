@@ -1127,10 +1127,11 @@ class TrainConfig(_Section):
                              "policies.<name>.lora)")
         why = (f"backend {self.backend!r}" if self.backend != "embedded" else None) or (
             f"engine.kind {self.engine.kind!r}" if self.engine.kind not in ("local", "vllm") else None) or (
-            f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect != "step" else None)
+            f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect == "overlap" else None)
         if why:
             raise ValueError(f"policies: not with {why} yet (several policies run as adapters on "
-                             "the local or vllm engine of the embedded backend, trainer.collect 'step')")
+                             "the local or vllm engine of the embedded backend, trainer.collect "
+                             "'step' or 'continuous')")
         return self
 
     @model_validator(mode="after")
