@@ -141,6 +141,7 @@ def turn_advantages(
     gamma: float = 1.0,
     step_weight: float = 1.0,
     eps: float = 1e-6,
+    others: Collection[str] = (),
 ) -> tuple[list[dict[int, float]], dict[str, float]]:
     """Per rollout, {turn index: A_{r,k}} for its trained turns (module docstring), and metrics.
 
@@ -148,13 +149,15 @@ def turn_advantages(
     batch's: failed rollouts excluded or given 0 by the caller); groups are their group_ids.
     `estimator`: a rollout-level one (advantage.ESTIMATORS: outcome-only credit) or a turn-level
     one (TURN_ESTIMATORS). metrics: the estimator's (gigpo: n_step_groups, step groups of two or
-    more turns), turn_adv_spread (mean over rollouts of max - min of A over their turns)."""
+    more turns), turn_adv_spread (mean over rollouts of max - min of A over their turns).
+    `others` (several policies): the roles of the other policies, whose turn rewards are their
+    credit, never this policy's (docs/invariants.md 12)."""
     registry.resolve("advantage.estimator", estimator)  # an unknown name: every known one listed
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
     trained, x, before = [], [], []
     for r in rollouts:
-        c, xs, early = _trained_rewards(r, train_roles)
+        c, xs, early = _trained_rewards(r, train_roles, others)
         trained.append(c)
         x.append(xs)
         before.append(early)
@@ -170,10 +173,10 @@ def turn_advantages(
     return out, metrics
 
 
-def _trained_rewards(r: Rollout, train_roles) -> tuple[list[int], np.ndarray, float]:
+def _trained_rewards(r: Rollout, train_roles, others=()) -> tuple[list[int], np.ndarray, float]:
     """(C_r: the trained turns' indices, x_{r,k} for them [K_r] float64, the rewards given before
     the first trained turn): a reward given to a call of a role that does not train goes to the
-    trained turn before it."""
+    trained turn before it, unless the role is another policy's (`others`)."""
     c: list[int] = []
     xs: list[float] = []
     early = 0.0
@@ -181,7 +184,7 @@ def _trained_rewards(r: Rollout, train_roles) -> tuple[list[int], np.ndarray, fl
         if trains(t.role, train_roles):
             c.append(k)
             xs.append(0.0)
-        if t.reward is None:
+        if t.reward is None or t.role in others:
             continue
         if xs:
             xs[-1] += float(t.reward)
@@ -235,8 +238,10 @@ def batch_credit(
     step_weight: float = 1.0,
     eps: float = 1e-6,
     failed_rollouts: str = "exclude",
+    others: Collection[str] = (),
 ) -> tuple[TrainingBatch, torch.Tensor, dict[str, float]]:
-    """(batch without excluded rollouts, advantages, metrics) for `batch`, built from `rollouts`.
+    """(batch without excluded rollouts, advantages, metrics) for `batch`, built from `rollouts`
+    (`others`: turn_advantages).
 
     A rollout-level estimator gives advantage.batch_advantages' answer, one per rollout
     ([n_rollouts]). A turn-level one (TURN_ESTIMATORS) excludes the same rollouts, then gives
@@ -251,6 +256,6 @@ def batch_credit(
     kept = [by_id[rid] for rid in batch.rollouts]
     final = torch.nan_to_num(batch.rewards, nan=0.0).tolist()  # a failed one trains as 0 here
     per_turn, more = turn_advantages(kept, final, estimator=estimator, train_roles=train_roles,
-                                     gamma=gamma, step_weight=step_weight, eps=eps)
+                                     gamma=gamma, step_weight=step_weight, eps=eps, others=others)
     metrics.update(more)
     return batch, token_advantages(batch, dict(zip(batch.rollouts, per_turn, strict=True))), metrics

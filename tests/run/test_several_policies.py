@@ -8,14 +8,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracetrain.config import ConfigError, build_config
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.local import LocalEngine
 from tracetrain.models import lora
 from tracetrain.models.load import load_policy
+from tracetrain.objective.credit import batch_credit
+from tracetrain.rows.aggregate import aggregate
 from tracetrain.run import checkpoint, durable
+from tracetrain.run.step import other_policies_roles
 from tracetrain.run.trainer import Trainer, train
+from tracetrain.types import Rollout, RolloutState, Turn
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 TIMES = ("time/", "rollouts_per_s", "trained_tokens_per_s", "memory/", "engine/idle_frac")
@@ -249,3 +255,69 @@ def test_continuous_collection_trains_every_policy_each_group_once(tmp_path):
             assert m[f"policy/{p}/loss/rollout_mass_x_R_min"] == pytest.approx(1.0, abs=1e-6)
             assert m[f"policy/{p}/loss/rollout_mass_x_R_max"] == pytest.approx(1.0, abs=1e-6)
         assert set(k for k in m if k.startswith("staleness/rollouts_")) == {"staleness/rollouts_0"}
+
+
+# -- isolation, as properties (hypothesis) -----------------------------------------------------
+@st.composite
+def two_role_rollouts(draw):
+    """Rollouts of two groups whose calls are role p's or q's, interleaved; each role's calls
+    continue its own context (its prompt = its previous prompt + response + new tokens); rewards
+    per rollout, turn rewards on some turns."""
+    tokens = st.integers(0, 40)
+    out = []
+    for i in range(draw(st.integers(2, 6))):
+        context = {"p": draw(st.lists(tokens, min_size=1, max_size=5)),
+                   "q": draw(st.lists(tokens, min_size=1, max_size=5))}
+        turns = []
+        for role in draw(st.lists(st.sampled_from("pq"), min_size=1, max_size=6)):
+            resp = draw(st.lists(tokens, min_size=1, max_size=4))
+            turns.append(Turn(list(context[role]), resp, [-0.5] * len(resp), 0, role=role,
+                              reward=draw(st.one_of(st.none(), st.floats(-1, 1)))))
+            context[role] = context[role] + resp + draw(st.lists(tokens, min_size=1, max_size=3))
+        out.append(Rollout(f"r{i}", f"g{i % 2}", turns, draw(st.floats(-1, 1)), RolloutState.succeeded))
+    return out
+
+
+def p_rows(rollouts, estimator: str):
+    """Policy p's rows, R_p and advantages as build_rows makes them under TrainConfig.for_policy."""
+    cfg = build_config({"policies": {"p": {"roles": ["p"]}, "q1": {"roles": ["q"]}}},
+                       ["task=x.py", f"advantage.estimator={estimator}"]).for_policy("p")
+    batch, _ = aggregate(rollouts, level="trajectory", max_prompt_length=512, max_response_length=512,
+                         pad_token_id=0, train_roles=cfg.roles.train)
+    kept, adv, _ = batch_credit(batch, rollouts, estimator=estimator, train_roles=cfg.roles.train,
+                                gamma=cfg.advantage.gamma, others=other_policies_roles(cfg))
+    return kept, adv
+
+
+@settings(max_examples=60, deadline=None)
+@given(rollouts=two_role_rollouts(), estimator=st.sampled_from(["grpo", "return-to-go", "gigpo"]),
+       data=st.data())
+def test_another_policys_calls_change_none_of_ps_rows_rollouts_or_advantages(rollouts, estimator, data):
+    """Removing policy q's calls, or moving them among p's, leaves p's rows (ids, masks, their
+    rollouts), R_p and p's advantages bit for bit (docs/invariants.md 12)."""
+    import random
+
+    base, adv = p_rows(rollouts, estimator)
+    seed = data.draw(st.integers(0, 1000))
+    without_q = [Rollout(r.rollout_id, r.group_id, [t for t in r.turns if t.role == "p"], r.reward, r.state)
+                 for r in rollouts]
+    moved = []
+    for r in rollouts:  # q's calls at other places among p's (each role's own order kept)
+        ps, qs = [t for t in r.turns if t.role == "p"], [t for t in r.turns if t.role == "q"]
+        slots = sorted(random.Random(seed).choices(range(len(ps) + 1), k=len(qs)))
+        turns, k = [], 0
+        for j, t in enumerate(ps + [None]):
+            while k < len(qs) and slots[k] == j:
+                turns.append(qs[k])
+                k += 1
+            if t is not None:
+                turns.append(t)
+        moved.append(Rollout(r.rollout_id, r.group_id, turns, r.reward, r.state))
+    for other in (without_q, moved):
+        got, got_adv = p_rows(other, estimator)
+        assert got.rollouts == base.rollouts  # the rollouts holding p's tokens: R_p
+        for field in ("input_ids", "attention_mask", "response_mask", "rollout_index"):
+            assert torch.equal(getattr(got, field), getattr(base, field)), field
+        assert (got_adv is None) == (adv is None)
+        if adv is not None:
+            assert torch.equal(got_adv, adv)
