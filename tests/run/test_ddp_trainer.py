@@ -170,3 +170,42 @@ def test_torchrun_two_ranks_train_the_demo_like_one_process(tmp_path):
         diff = (w2[k] - v).abs()
         assert diff.max() <= 2 * lr * 4, k  # 4 optimizer updates
         assert diff.mean() <= 1e-3 * lr, k
+
+
+def test_sigterm_to_every_rank_stops_them_all_with_the_checkpoint_of_rank_0(tmp_path):
+    """A scheduler's SIGTERM to each rank of a torchrun job: rank 0 stops at its next stop point
+    and checkpoints, tells the other ranks, and every rank exits 0 (before: the other ranks waited
+    on rank 0's next broadcast until the grace ended them with 1)."""
+    import time
+
+    example = ROOT / "examples" / "guess"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "tracetrain", "train", str(example / "config.yaml"),
+         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+         "warm_start.steps=3", "warm_start.batch_size=8", "rollout.tasks_per_step=3",
+         "rollout.n_per_task=4", "trainer.steps=100000", "trainer.eval_every=0",
+         "trainer.checkpoint_minutes=0", "engine.threads=1", f"trainer.run_dir={run}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        end = time.monotonic() + DEADLINE_S
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < end, "no step in time"
+            time.sleep(0.2)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2
+        t = time.monotonic()
+        for pid in ranks:
+            os.kill(int(pid), signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-3000:]
+        assert time.monotonic() - t < 15  # well inside the grace (20 s)
+        steps = len((run / "metrics.jsonl").read_text().splitlines())
+        assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == steps
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -72,6 +72,7 @@ from tracetrain.run.stop import Stop, Stopped
 from tracetrain.run.weights import WeightSync
 
 log = logging.getLogger("tracetrain.trainer")
+STOPPED = "stopped"  # what rank 0 sends the other ranks instead of a step's rows when it stopped
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
@@ -228,6 +229,8 @@ class Trainer:
                     await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
             finally:
                 bar.close()
+            if self.dp.enabled and self.step < cfg.trainer.steps:  # stopped: the other ranks too
+                await self.on_update_thread(0, from_main, STOPPED, self.dp)
             self.save_checkpoint(final=True)  # before the services stop: a slow server's end must not cost it
             self.stop.saved = True
 
@@ -373,6 +376,8 @@ class Trainer:
         """A rank other than 0: take each step's rows from rank 0 and join its update."""
         while self.step < self.cfg.trainer.steps:
             work = from_main(None, self.dp)
+            if work == STOPPED:  # rank 0 was stopped (run/stop.py): so is this rank
+                return
             if work is not None:
                 batch, adv = work
                 ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
