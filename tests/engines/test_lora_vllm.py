@@ -312,3 +312,25 @@ def test_two_policies_through_vllm_collect_continuously_within_the_staleness_bou
         for p in ("solver", "checker"):
             assert m[f"policy/{p}/loss/rollout_mass_x_R_min"] == pytest.approx(1.0, abs=1e-6)
             assert m[f"policy/{p}/loss/rollout_mass_x_R_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_policies_through_vllm_with_collect_overlap_resume_from_the_engines_adapters(tmp_path, vllm_python):
+    """Collect overlap with two policies: the server keeps both adapters one version behind while
+    the update runs; the checkpoint keeps the engine's adapters of both policies (not the base),
+    and a resumed run continues from them."""
+    run = tmp_path / "run"
+    overlap = ["trainer.collect=overlap", "trainer.max_staleness=1"]
+    train(two_policy_config(run, vllm_python, *overlap, "trainer.steps=2"), base_dir=SUPPORT,
+          log=lambda *_: None)
+    ck = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ck["engine"]["version"] == 1 and sorted(ck["engine"]["model"]) == ["checker", "solver"]
+    assert all("lora_" in k for p in ck["engine"]["model"].values() for k in p)
+    train(two_policy_config(run, vllm_python, *overlap, "trainer.steps=3", "trainer.resume=true"),
+          base_dir=SUPPORT, log=lambda *_: None)
+    rows = metrics(run)
+    assert [m["rollout_model_version"] for m in rows] == [0, 0, 1]
+    for p in ("solver", "checker"):
+        assert rows[0][f"policy/{p}/engine/logprob_gap_max"] < TOL  # on-policy: measured
+        assert all(m[f"policy/{p}/loss/rollout_mass_x_R_min"] == pytest.approx(1.0, abs=1e-6) for m in rows)
+    assert all(m["n_stale_rollouts"] == 0 and m["n_failed"] == 0 for m in rows)

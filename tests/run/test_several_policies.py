@@ -63,7 +63,8 @@ def initial(cfg) -> dict:
     ({"a1": {"roles": ["x"]}, "b1": {"roles": ["x"]}}, [], "policies.b1.roles"),
     ({"solver": {"roles": ["solver"]}}, ["model.lora.r=4"], "model.lora"),
     ({"solver": {"roles": ["solver"]}}, ["engine.kind=vllm", "engine.base_url=http://127.0.0.1:1"], "policies"),
-    ({"solver": {"roles": ["solver"]}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies"),
+    ({"solver": {"roles": ["solver"]}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies"),  # (local)
+    ({"solver": {"roles": ["solver"]}}, ["backend=verl"], "policies"),
     ({"ra": {"roles": ["solver"]}}, [], "policies.ra"),  # (part of "lora_": peft's prefix)
     ({"__base__": {"roles": ["solver"]}}, [], "policies.__base__"),
     ({"a.b": {"roles": ["solver"]}}, [], "policies.a.b"),

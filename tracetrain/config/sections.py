@@ -1127,11 +1127,10 @@ class TrainConfig(_Section):
                              "policies.<name>.lora)")
         why = (f"backend {self.backend!r}" if self.backend != "embedded" else None) or (
             f"engine.kind {self.engine.kind!r}" if self.engine.kind not in ("local", "vllm") else None) or (
-            f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect == "overlap" else None)
+            None)
         if why:
             raise ValueError(f"policies: not with {why} yet (several policies run as adapters on "
-                             "the local or vllm engine of the embedded backend, trainer.collect "
-                             "'step' or 'continuous')")
+                             "the local or vllm engine of the embedded backend)")
         return self
 
     @model_validator(mode="after")
