@@ -91,8 +91,12 @@ def terminate(signum, frame) -> None:
 
 def before_the_loop(signum, frame) -> None:
     """SIGTERM before the trainer's loop takes the signals (run/stop.py): nothing of the run is
-    done in this process yet, so it ends at once, exit 0."""
-    raise SystemExit(0)
+    done in this process yet, so it ends at once, exit 0. Not by raising SystemExit: a handler
+    runs wherever the main thread is, and an exception raised inside a weakref callback or a
+    __del__ (the import system runs such callbacks) is printed and dropped, and the run went on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_train(args: argparse.Namespace) -> int:
