@@ -189,7 +189,10 @@ class RunDir:
         """The step's finished rollouts through aggregate, credit and plan (explain.py), cached
         while none of them changes; with several policies, as policy `policy` learned from them
         (TrainConfig.for_policy)."""
-        done = [r for r in records if r.state.terminal]
+        # finished, with its reward: a run that is training may have marked a rollout succeeded a
+        # moment before its reward is written (that rollout is explained on the next read)
+        done = [r for r in records if r.state.terminal
+                and not (r.state == RolloutState.succeeded and r.reward is None)]
         key = (step, policy, tuple((r.rollout_id, r.updated_at) for r in done))
         with self._lock:
             if key in self._steps:
