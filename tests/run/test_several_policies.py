@@ -19,7 +19,6 @@ from tracetrain.models.load import load_policy
 from tracetrain.objective.credit import batch_credit
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.run import checkpoint, durable
-from tracetrain.run.step import other_policies_roles
 from tracetrain.run.trainer import Trainer, train
 from tracetrain.types import Rollout, RolloutState, Turn
 
@@ -286,7 +285,7 @@ def p_rows(rollouts, estimator: str):
     batch, _ = aggregate(rollouts, level="trajectory", max_prompt_length=512, max_response_length=512,
                          pad_token_id=0, train_roles=cfg.roles.train)
     kept, adv, _ = batch_credit(batch, rollouts, estimator=estimator, train_roles=cfg.roles.train,
-                                gamma=cfg.advantage.gamma, others=other_policies_roles(cfg))
+                                gamma=cfg.advantage.gamma, others=cfg.other_policies_roles)
     return kept, adv
 
 

@@ -1022,6 +1022,13 @@ class TrainConfig(_Section):
         """Several policies: role -> the policy (adapter) that makes its calls; {} without."""
         return {role: name for name, pc in (self.policies or {}).items() for role in pc.roles}
 
+    @property
+    def other_policies_roles(self) -> list[str]:
+        """Several policies, one policy's config (for_policy): the other policies' roles, whose
+        turn rewards are not this policy's credit; [] for a run of one policy."""
+        train = self.roles.train
+        return [role for role in self.role_policies if train is not None and role not in train]
+
     def for_policy(self, name: str) -> TrainConfig:
         """The run as policy `name` learns it (run/policies.py): roles.train its roles that train
         (all of them when roles.train is null), its optimizer settings and KL coefficient where it

@@ -50,6 +50,7 @@ from tracetrain.engines.base import (
 )
 from tracetrain.engines.prefill import Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
+from tracetrain.models import lora
 
 
 def _batch_order(req: _Request) -> tuple:
@@ -147,8 +148,8 @@ class LocalEngine:
         )
         self.prefix_cache = prefix_cache
         # several policies: the model's adapters (lora.adapter_names), which requests may name
-        names = list(getattr(self.model, "peft_config", {}))
-        self.adapters = () if names in ([], ["default"]) else (*names, "__base__")
+        names = lora.adapter_names(self.model)
+        self.adapters = (*names, lora.BASE) if names else ()
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
         # torch's thread count is per OS thread: the decode thread sets its own (0: this thread's)

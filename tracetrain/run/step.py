@@ -243,16 +243,10 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
         batch, adv, adv_metrics = batch_credit(
             batch, rollouts, estimator=ad.estimator, train_roles=train_roles, gamma=ad.gamma,
             step_weight=ad.step_weight, eps=ad.eps, failed_rollouts=ad.failed_rollouts,
-            others=other_policies_roles(cfg))
+            others=cfg.other_policies_roles)
         metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
     metrics["time/rows_s"] = time.perf_counter() - t0
     return Rows(batch, adv, metrics)
-
-
-def other_policies_roles(cfg: TrainConfig) -> list[str]:
-    """Several policies, one policy's config (TrainConfig.for_policy): the other policies' roles,
-    whose turn rewards are not this policy's credit; [] for a run of one policy."""
-    return [role for role in cfg.role_policies if not trains(role, cfg.roles.train)]
 
 
 def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s: float) -> dict:

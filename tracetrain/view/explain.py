@@ -145,10 +145,9 @@ def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None) -> StepE
     if not batch.rollouts:
         return StepExplained(summary, n_rollouts=0, n_mini_batches=0, mini_batch_rollouts=[],
                              batch=None, advantages=None, plan=[], **base)
-    others = [role for role in getattr(cfg, "role_policies", {}) if train_roles is None or role not in train_roles]
     kept, adv, _ = batch_credit(
         batch, rollouts, estimator=est.estimator, train_roles=train_roles, gamma=est.gamma,
-        step_weight=est.step_weight, failed_rollouts=est.failed_rollouts, others=others)
+        step_weight=est.step_weight, failed_rollouts=est.failed_rollouts, others=cfg.other_policies_roles)
     for rid in set(batch.rollouts) - set(kept.rollouts):
         summary[rid].status = EXCLUDED
     if not kept.rollouts:
