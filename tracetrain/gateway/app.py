@@ -94,6 +94,13 @@ class Gateway:
             except Exception as e:
                 log.warning("engine %r not warmed: %s: %s", slot.name, type(e).__name__, e)
 
+    def serve_policies(self, role_policies: dict[str, str]) -> None:
+        """Several policies: each role's calls by its policy's adapter, a role of none by the base."""
+        from tracetrain.models.lora import BASE
+
+        self.role_adapters.update(role_policies)
+        self.base_adapter = BASE
+
     def adapter_for(self, role: str, slot: EngineSlot) -> str | None:
         """The adapter that makes `role`'s call on `slot` (role_adapters; the policy's engine only)."""
         if slot.name != self.default_engine:

@@ -120,8 +120,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
         admin_key = secrets.token_urlsafe(24)
         app = create_app(store, {"default": engine}, admin_key=admin_key)
         if cfg.policies is not None:  # each role by its policy's adapter, as in training
-            app.state.gateway.role_adapters.update(cfg.role_policies)
-            app.state.gateway.base_adapter = lora.BASE
+            app.state.gateway.serve_policies(cfg.role_policies)
         try:
             async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)

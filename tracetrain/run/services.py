@@ -9,7 +9,6 @@ import contextlib
 from tracetrain.agents.runner import GatewayClient, agent_http_client
 from tracetrain.agents.workers import AgentRef, AgentWorkers
 from tracetrain.engines.start import start_engine
-from tracetrain.models import lora
 from tracetrain.rows.roles import role_engines
 from tracetrain.run import checkpoint
 
@@ -40,8 +39,7 @@ async def started(tr, admin_key: str):
                          **app_options(cfg.gateway, sock.getsockname()[1]))
         app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
         if cfg.policies is not None:  # each call by its role's adapter (run/policies.py)
-            app.state.gateway.role_adapters.update(cfg.role_policies)
-            app.state.gateway.base_adapter = lora.BASE
+            app.state.gateway.serve_policies(cfg.role_policies)
         tr.sync.attach(engine, app.state.gateway.slots["default"])  # held in-process around updates
         async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
             gateway = GatewayClient(url, admin_key)
