@@ -21,9 +21,12 @@ import torch
 from gloo_ranks import join_gloo, leave_gloo, run_ranks
 
 from tracetrain.config import build_config
-from tracetrain.learn.distributed import DataParallel
+from tracetrain.learn.distributed import DataParallel, wrap_policies
 from tracetrain.learn.update import ppo_update
-from tracetrain.models import tiny
+from tracetrain.models import lora, tiny
+from tracetrain.run import policies
+from tracetrain.run.policies import ByPolicy
+from tracetrain.run.step import Rows
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.types import Rollout, Turn
 
@@ -32,10 +35,10 @@ DEADLINE_S = 240
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def step_batches():
+def step_batches(seed: int = 7):
     """Two steps of random multi-turn rollouts (some with a prefix break, so rows per rollout
     vary), their batches and per-rollout advantages; the same on every process."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     out = []
     for step in range(2):
         rollouts = []
@@ -80,12 +83,49 @@ def train_two_steps(dp: DataParallel) -> tuple[dict, list]:
     return policy.state_dict(), [(r.loss, r.grad_norm, r.metrics) for r in results]
 
 
-def _worker(rank: int, init_method: str, out: str) -> None:
+def policies_config():
+    return build_config({"policies": {"pa": {"roles": ["x"], "lora": {"r": 4, "alpha": 8}},
+                                      "pb": {"roles": ["y"], "lora": {"r": 2, "alpha": 4}, "grad_clip": 0.01}}},
+                        ["optim.mini_batches=2", "optim.micro_batch_tokens=24", "optim.grad_clip=0.003",
+                         "loss.kl_coef=0.1", "loss.entropy_coef=0.01"])
+
+
+def policies_model(cfg):
+    """The tiny model with fresh adapters pa and pb (their init seeded: the same in every process)."""
+    base, _ = models()
+    torch.manual_seed(0)
+    return lora.wrap_policies(base, {n: p.lora for n, p in cfg.policies.items()})
+
+
+def train_two_policies(dp: DataParallel) -> tuple[dict, list]:
+    """Two policies (adapters a and b on one base), two steps of run/policies.update: step 0 both
+    have rows, step 1 only a (b's wrapper then joins no collective on any rank)."""
+    torch.set_num_threads(1)
+    cfg = policies_config()
+    model = policies_model(cfg)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    names = ["pa", "pb"]
+    forwards = wrap_policies(model, names, dp)
+    opts = ByPolicy({n: torch.optim.SGD(lora.policy_parameters(model, n), lr=0.5, momentum=0.9) for n in names})
+    results = []
+    for step, ((ba, aa), (bb, ab)) in enumerate(zip(step_batches(7), step_batches(8), strict=True)):
+        if step == 1:  # b's roles made no trained call
+            bb, ab = aggregate([], max_prompt_length=64, max_response_length=32)[0], ab[:0]
+        parts = {"pa": Rows(ba, aa, {}), "pb": Rows(bb, ab, {})}
+        out = policies.update(forwards, parts, opts, ByPolicy(dict.fromkeys(names)), cfg,
+                              ref_model=ref, measure_gap=False, dp=dp)
+        results += [(n, r.loss, r.grad_norm) for n, rs in out.items() for r in rs]
+    del forwards
+    return lora.weights(model), results
+
+
+def _worker(rank: int, init_method: str, out: str, what: str = "one") -> None:
     join_gloo(init_method, rank, WORLD)
     try:
-        torch.save(train_two_steps(DataParallel(WORLD, rank)), Path(out) / f"rank{rank}.pt")
+        train = train_two_steps if what == "one" else train_two_policies
+        torch.save(train(DataParallel(WORLD, rank)), Path(out) / f"rank{rank}.pt")
     finally:
-        leave_gloo()  # after train_two_steps' DDP wrapper is gone
+        leave_gloo()  # after the training's DDP wrappers are gone
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -115,6 +155,28 @@ def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path):
             assert gn == pytest.approx(egn, rel=1e-4)
             for key in ("pg_loss", "weight_mass", "kl_ref", "entropy", "clip_frac", "n_rollouts"):
                 assert m[key] == pytest.approx(em[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_two_ranks_update_each_policy_as_one_process_does(tmp_path):
+    """Several policies under DDP: a wrapper per adapter (distributed.wrap_policies), each policy's
+    gradient all-reduced alone; the adapters equal the one-process run's, and an adapter whose
+    policy had no rows in a step is untouched by it on every rank."""
+    run_ranks(_worker, (str(tmp_path), "policies"), WORLD, DEADLINE_S, tmp_path)
+    expected, expected_results = train_two_policies(DataParallel())
+    assert [n for n, *_ in expected_results] == ["pa", "pa", "pb", "pb", "pa", "pa"]  # 2 mini-batches each
+    start = lora.weights(policies_model(policies_config()))
+    for name in ("pa", "pb"):  # {policy: its adapter's weights}
+        assert any(not torch.equal(v, start[name][k]) for k, v in expected[name].items()), name
+    for rank in range(WORLD):
+        weights, results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in ("pa", "pb"):
+            for k, v in expected[name].items():
+                assert close(weights[name][k], v), (rank, name, k)
+        for (n, loss, gn), (en, eloss, egn) in zip(results, expected_results, strict=True):
+            assert n == en
+            assert loss == pytest.approx(eloss, rel=1e-4, abs=1e-6)
+            assert gn == pytest.approx(egn, rel=1e-4)
 
 
 def run_cli(cmd: list[str], cwd: Path, env: dict) -> None:
@@ -170,6 +232,44 @@ def test_torchrun_two_ranks_train_the_demo_like_one_process(tmp_path):
         diff = (w2[k] - v).abs()
         assert diff.max() <= 2 * lr * 4, k  # 4 optimizer updates
         assert diff.mean() <= 1e-3 * lr, k
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_train_two_policies_like_one_process(tmp_path):
+    """`policies` under torchrun: each rank takes rank 0's rows of every policy and updates each
+    adapter through its own DDP wrapper; both adapters end as the one-process run's."""
+    support = ROOT / "tests" / "support"
+    config = tmp_path / "two_policies.yaml"
+    config.write_text(json.dumps({  # YAML is a superset of JSON
+        "task": str(support / "two_roles_task.py"),
+        "policies": {"solver": {"roles": ["solver"], "lora": {"r": 4, "alpha": 8}},
+                     "checker": {"roles": ["checker"], "lora": {"r": 2, "alpha": 4}, "lr": 3e-2}},
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+        "rollout": {"tasks_per_step": 2, "n_per_task": 3, "max_tokens": 5, "agent_workers": 0},
+        "advantage": {"estimator": "return-to-go"},
+        "optim": {"lr": 2e-2, "warmup_steps": 0, "mini_batches": 2, "micro_batch_tokens": 64},
+        "trainer": {"steps": 2, "seed": 3, "eval_every": 0}, "engine": {"threads": 1}}))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cli([sys.executable, "-m", "tracetrain", "train", str(config), f"trainer.run_dir={one}"], ROOT, env)
+    run_cli([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+             "-m", "tracetrain", "train", str(config), f"trainer.run_dir={two}"], ROOT, env)
+    m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [m["model_version"] for m in m2] == [1, 2]
+    for name in ("solver", "checker"):  # step 0: the same rollouts, each policy's same loss
+        assert m2[0][f"policy/{name}/aggregate/n_rows"] == m1[0][f"policy/{name}/aggregate/n_rows"] > 0
+        assert m2[0][f"policy/{name}/loss"] == pytest.approx(m1[0][f"policy/{name}/loss"], rel=1e-4, abs=1e-6)
+    w1 = torch.load(one / "checkpoint.pt", weights_only=False)["model"]
+    w2 = torch.load(two / "checkpoint.pt", weights_only=False)["model"]
+    assert sorted(w1) == sorted(w2) == ["checker", "solver"]
+    lr = 3e-2  # the larger of the two; AdamW moves a weight by ~lr per update (see the demo's test)
+    for name in w1:
+        assert any(v.abs().max() > 0 for k, v in w1[name].items() if "lora_B" in k), name  # it learned (B starts at 0)
+        for k, v in w1[name].items():
+            diff = (w2[name][k] - v).abs()
+            assert diff.max() <= 2 * lr * 4, (name, k)  # 4 optimizer updates
+            assert diff.mean() <= 1e-3 * lr, (name, k)
 
 
 def test_sigterm_to_every_rank_stops_them_all_with_the_checkpoint_of_rank_0(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tracetrain.config import TrainConfig
+from tracetrain.learn.distributed import DataParallel
 from tracetrain.learn.optim import optimizer_and_schedule
 from tracetrain.learn.update import UpdateResult, ppo_update
 from tracetrain.models import lora
@@ -73,23 +74,25 @@ def row_metrics(parts: dict[str, Rows]) -> dict[str, Any]:
             if k.startswith(("aggregate/", "advantage/"))}
 
 
-def update(model: torch.nn.Module, parts: dict[str, Rows], optimizers: ByPolicy,
+def update(models: dict[str, torch.nn.Module], parts: dict[str, Rows], optimizers: ByPolicy,
            schedulers: ByPolicy, cfg: TrainConfig, *, ref_model=None, measure_gap: bool = True,
-           stop=None) -> dict[str, list[UpdateResult]]:
+           stop=None, dp: DataParallel = DataParallel()) -> dict[str, list[UpdateResult]]:
     """Each policy with rows: its update (learn/update.ppo_update) with its adapter active, its
-    optimizer, schedule and config; {policy: its updates' results}. A stop request is honoured
-    before the first policy's first optimizer step only: after it, every policy's update runs
-    (a step whose update is half done is no step's state)."""
+    optimizer, schedule and config; {policy: its updates' results}. `models`: what each policy's
+    forward runs (distributed.wrap_policies: the model, or under torchrun p's DDP wrapper); every
+    rank runs the same policies in the same order. A stop request is honoured before the first
+    policy's first optimizer step only: after it, every policy's update runs (a step whose update
+    is half done is no step's state)."""
     out, first = {}, True
     for name, rows in parts.items():
         if not rows.batch.n_rows:
             continue
-        model.set_adapter(name)  # p's parameters alone require a gradient
+        getattr(models[name], "module", models[name]).set_adapter(name)  # p's parameters alone require a gradient
         try:
-            out[name] = ppo_update(model, optimizers[name], rows.batch, rows.advantages,
+            out[name] = ppo_update(models[name], optimizers[name], rows.batch, rows.advantages,
                                    cfg.for_policy(name), ref_model=ref_model,
                                    scheduler=schedulers[name], measure_gap=measure_gap,
-                                   stop=stop if first else None)
+                                   stop=stop if first else None, dp=dp)
         finally:
             optimizers[name].zero_grad(set_to_none=True)  # the next policy's clip sees no stale grad
         first = False

@@ -46,7 +46,7 @@ from tracetrain.agents.workers import AgentWorkers
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.engines.start import preflight
 from tracetrain.gateway.inprocess import admin_key_for
-from tracetrain.learn.distributed import DataParallel, from_main, wrap
+from tracetrain.learn.distributed import DataParallel, from_main, wrap, wrap_policies
 from tracetrain.learn.optim import optimizer_and_schedule
 from tracetrain.learn.threads import run_with_threads
 from tracetrain.learn.update import UpdateStopped, ppo_update
@@ -142,9 +142,9 @@ class Trainer:
                 raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
                                   "machine has no CUDA device")
             self.model.to(cfg.trainer.device)
-        if cfg.policies is not None and dp.enabled:
-            raise ConfigError("config key 'policies': not under torchrun yet (one process)")
-        self.policy = self.model  # what the optimizer's forward runs: DDP around the model under torchrun
+        # what the update's forward runs: the model, DDP around it under torchrun; several
+        # policies: {policy: that} (distributed.wrap_policies)
+        self.policy: torch.nn.Module | dict[str, torch.nn.Module] = self.model
         # AdamW and its schedule; several policies: one each, by policy (policies.ByPolicy)
         self.optimizer, self.scheduler = (
             policies.optimizers(cfg, self.model) if cfg.policies is not None else
@@ -214,7 +214,9 @@ class Trainer:
             claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
             await self.warm_start()
-        self.policy = wrap(self.model, self.dp)  # DDP copies rank 0's (warm-started) weights
+        # DDP copies rank 0's (warm-started) weights
+        self.policy = (wrap(self.model, self.dp) if cfg.policies is None else
+                       wrap_policies(self.model, list(cfg.policies), self.dp))
         self.start_reference()
         if not self.dp.is_main:
             await self.on_update_thread(self.update_threads, self.follow)
@@ -311,12 +313,13 @@ class Trainer:
         metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
         t1 = time.perf_counter()
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
-            await self.on_update_thread(0, from_main, (batch, adv) if batch.n_rows else None, self.dp)
+            work = (batch, adv) if cfg.policies is None else parts
+            await self.on_update_thread(0, from_main, work if batch.n_rows else None, self.dp)
         if batch.n_rows:
             common = {"ref_model": self.ref_model, "measure_gap": collected.engine_version == self.version,
                       "stop": self.stop.requested.is_set}
-            work = (functools.partial(policies.update, self.model, parts, self.optimizer,
-                                      self.scheduler, cfg, **common) if cfg.policies is not None else
+            work = (functools.partial(policies.update, self.policy, parts, self.optimizer,
+                                      self.scheduler, cfg, dp=self.dp, **common) if cfg.policies is not None else
                     functools.partial(ppo_update, self.policy, self.optimizer, batch, adv, cfg,
                                       scheduler=self.scheduler, dp=self.dp, **common))
             updates, times = await self.sync.update(
@@ -378,7 +381,10 @@ class Trainer:
             work = from_main(None, self.dp)
             if work == STOPPED:  # rank 0 was stopped (run/stop.py): so is this rank
                 return
-            if work is not None:
+            if work is not None and self.cfg.policies is not None:  # {policy: its rows}
+                policies.update(self.policy, work, self.optimizer, self.scheduler, self.cfg,
+                                ref_model=self.ref_model, measure_gap=False, dp=self.dp)
+            elif work is not None:
                 batch, adv = work
                 ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
                            ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp)
