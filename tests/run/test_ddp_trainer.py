@@ -24,10 +24,10 @@ from tracetrain.config import build_config
 from tracetrain.learn.distributed import DataParallel, wrap_policies
 from tracetrain.learn.update import ppo_update
 from tracetrain.models import lora, tiny
+from tracetrain.rows.aggregate import aggregate
 from tracetrain.run import policies
 from tracetrain.run.policies import ByPolicy
 from tracetrain.run.step import Rows
-from tracetrain.rows.aggregate import aggregate
 from tracetrain.types import Rollout, Turn
 
 WORLD = 2
