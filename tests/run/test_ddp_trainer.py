@@ -85,38 +85,46 @@ def train_two_steps(dp: DataParallel) -> tuple[dict, list]:
 
 def policies_config():
     return build_config({"policies": {"pa": {"roles": ["x"], "lora": {"r": 4, "alpha": 8}},
-                                      "pb": {"roles": ["y"], "lora": {"r": 2, "alpha": 4}, "grad_clip": 0.01}}},
+                                      "pb": {"roles": ["y"], "lora": {"r": 2, "alpha": 4}, "grad_clip": 0.01},
+                                      "pc": {"roles": ["z"], "lora": None}}},
                         ["optim.mini_batches=2", "optim.micro_batch_tokens=24", "optim.grad_clip=0.003",
                          "loss.kl_coef=0.1", "loss.entropy_coef=0.01"])
 
 
 def policies_model(cfg):
-    """The tiny model with fresh adapters pa and pb (their init seeded: the same in every process)."""
+    """The tiny model with fresh adapters pa and pb (their init seeded: the same in every
+    process), and pc's whole model (a copy of the tiny model)."""
     base, _ = models()
+    whole = {"pc": copy.deepcopy(base)}
     torch.manual_seed(0)
-    return lora.wrap_policies(base, {n: p.lora for n, p in cfg.policies.items()})
+    return lora.wrap_policies(base, cfg.adapter_policies), whole
 
 
 def train_two_policies(dp: DataParallel) -> tuple[dict, list]:
-    """Two policies (adapters a and b on one base), two steps of run/policies.update: step 0 both
-    have rows, step 1 only a (b's wrapper then joins no collective on any rank)."""
+    """Three policies (adapters pa and pb on one base, pc a whole model), two steps of
+    run/policies.update: step 0 all have rows, step 1 pb none (its wrapper then joins no
+    collective on any rank)."""
     torch.set_num_threads(1)
     cfg = policies_config()
-    model = policies_model(cfg)
-    ref = copy.deepcopy(model).requires_grad_(False)
-    names = ["pa", "pb"]
-    forwards = wrap_policies(model, names, dp)
-    opts = ByPolicy({n: torch.optim.SGD(lora.policy_parameters(model, n), lr=0.5, momentum=0.9) for n in names})
+    model, whole = policies_model(cfg)
+    refs = {"pa": copy.deepcopy(model).requires_grad_(False), "pc": copy.deepcopy(whole["pc"]).requires_grad_(False)}
+    refs["pb"] = refs["pa"]
+    names = ["pa", "pb", "pc"]
+    forwards = wrap_policies(model, ["pa", "pb"], dp, whole)
+    params = {"pa": lora.policy_parameters(model, "pa"), "pb": lora.policy_parameters(model, "pb"),
+              "pc": list(whole["pc"].parameters())}
+    opts = ByPolicy({n: torch.optim.SGD(params[n], lr=0.5, momentum=0.9) for n in names})
     results = []
-    for step, ((ba, aa), (bb, ab)) in enumerate(zip(step_batches(7), step_batches(8), strict=True)):
+    for step, ((ba, aa), (bb, ab), (bc, ac)) in enumerate(zip(step_batches(7), step_batches(8),
+                                                               step_batches(9), strict=True)):
         if step == 1:  # b's roles made no trained call
             bb, ab = aggregate([], max_prompt_length=64, max_response_length=32)[0], ab[:0]
-        parts = {"pa": Rows(ba, aa, {}), "pb": Rows(bb, ab, {})}
+        parts = {"pa": Rows(ba, aa, {}), "pb": Rows(bb, ab, {}), "pc": Rows(bc, ac, {})}
         out = policies.update(forwards, parts, opts, ByPolicy(dict.fromkeys(names)), cfg,
-                              ref_model=ref, measure_gap=False, dp=dp)
+                              refs=refs, measure_gap=False, dp=dp)
         results += [(n, r.loss, r.grad_norm) for n, rs in out.items() for r in rs]
     del forwards
-    return lora.weights(model), results
+    return {**lora.weights(model), "pc": whole["pc"].state_dict()}, results
 
 
 def _worker(rank: int, init_method: str, out: str, what: str = "one") -> None:
@@ -159,18 +167,20 @@ def test_two_ranks_take_the_same_optimizer_steps_as_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_update_each_policy_as_one_process_does(tmp_path):
-    """Several policies under DDP: a wrapper per adapter (distributed.wrap_policies), each policy's
-    gradient all-reduced alone; the adapters equal the one-process run's, and an adapter whose
-    policy had no rows in a step is untouched by it on every rank."""
+    """Several policies under DDP: a wrapper per adapter and per whole model
+    (distributed.wrap_policies), each policy's gradient all-reduced alone; the adapters and the
+    whole model equal the one-process run's on every rank, a step in which a policy has no rows
+    included."""
     run_ranks(_worker, (str(tmp_path), "policies"), WORLD, DEADLINE_S, tmp_path)
     expected, expected_results = train_two_policies(DataParallel())
-    assert [n for n, *_ in expected_results] == ["pa", "pa", "pb", "pb", "pa", "pa"]  # 2 mini-batches each
-    start = lora.weights(policies_model(policies_config()))
-    for name in ("pa", "pb"):  # {policy: its adapter's weights}
+    assert [n for n, *_ in expected_results] == ["pa", "pa", "pb", "pb", "pc", "pc", "pa", "pa", "pc", "pc"]
+    model, whole = policies_model(policies_config())
+    start = {**lora.weights(model), "pc": whole["pc"].state_dict()}
+    for name in ("pa", "pb", "pc"):  # {policy: its adapter's weights, or its whole model's}
         assert any(not torch.equal(v, start[name][k]) for k, v in expected[name].items()), name
     for rank in range(WORLD):
         weights, results = torch.load(tmp_path / f"rank{rank}.pt")
-        for name in ("pa", "pb"):
+        for name in ("pa", "pb", "pc"):
             for k, v in expected[name].items():
                 assert close(weights[name][k], v), (rank, name, k)
         for (n, loss, gn), (en, eloss, egn) in zip(results, expected_results, strict=True):
@@ -236,14 +246,15 @@ def test_torchrun_two_ranks_train_the_demo_like_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_train_two_policies_like_one_process(tmp_path):
-    """`policies` under torchrun: each rank takes rank 0's rows of every policy and updates each
-    adapter through its own DDP wrapper; both adapters end as the one-process run's."""
+    """`policies` under torchrun (the solver an adapter, the checker a whole model): each rank
+    takes rank 0's rows of every policy and updates each through its own DDP wrapper; the
+    adapter and the whole model end as the one-process run's."""
     support = ROOT / "tests" / "support"
     config = tmp_path / "two_policies.yaml"
     config.write_text(json.dumps({  # YAML is a superset of JSON
         "task": str(support / "two_roles_task.py"),
         "policies": {"solver": {"roles": ["solver"], "lora": {"r": 4, "alpha": 8}},
-                     "checker": {"roles": ["checker"], "lora": {"r": 2, "alpha": 4}, "lr": 3e-2}},
+                     "checker": {"roles": ["checker"], "lora": None, "lr": 3e-3}},
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
         "rollout": {"tasks_per_step": 2, "n_per_task": 3, "max_tokens": 5, "agent_workers": 0},
         "advantage": {"estimator": "return-to-go"},
@@ -260,12 +271,11 @@ def test_torchrun_two_ranks_train_two_policies_like_one_process(tmp_path):
     for name in ("solver", "checker"):  # step 0: the same rollouts, each policy's same loss
         assert m2[0][f"policy/{name}/aggregate/n_rows"] == m1[0][f"policy/{name}/aggregate/n_rows"] > 0
         assert m2[0][f"policy/{name}/loss"] == pytest.approx(m1[0][f"policy/{name}/loss"], rel=1e-4, abs=1e-6)
-    w1 = torch.load(one / "checkpoint.pt", weights_only=False)["model"]
-    w2 = torch.load(two / "checkpoint.pt", weights_only=False)["model"]
+    c1, c2 = (torch.load(run / "checkpoint.pt", weights_only=False) for run in (one, two))
+    w1, w2 = {**c1["model"], **c1["whole"]}, {**c2["model"], **c2["whole"]}
     assert sorted(w1) == sorted(w2) == ["checker", "solver"]
-    lr = 3e-2  # the larger of the two; AdamW moves a weight by ~lr per update (see the demo's test)
-    for name in w1:
-        assert any(v.abs().max() > 0 for k, v in w1[name].items() if "lora_B" in k), name  # it learned (B starts at 0)
+    assert any(v.abs().max() > 0 for k, v in w1["solver"].items() if "lora_B" in k)  # it learned (B starts at 0)
+    for name, lr in (("solver", 2e-2), ("checker", 3e-3)):  # AdamW moves a weight by ~lr per update
         for k, v in w1[name].items():
             diff = (w2[name][k] - v).abs()
             assert diff.max() <= 2 * lr * 4, (name, k)  # 4 optimizer updates

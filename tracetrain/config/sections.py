@@ -599,14 +599,19 @@ POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # (an adapter's nam
 
 class PolicyConfig(_Section):
     """One of several policies of a run (`policies`): a LoRA adapter on the run's base model
-    (`model`), making its roles' calls and learning from their trained tokens only, with its own
-    optimizer and learning-rate schedule (docs/policies.md)."""
+    (`model`), or a whole model of its own, making its roles' calls and learning from their
+    trained tokens only, with its own optimizer and learning-rate schedule (docs/policies.md)."""
 
     roles: list[str] = Field(min_length=1)
     """The roles whose calls this policy makes and learns from; a role belongs to one policy at
     most (a role of none is served by the base model, without an adapter, and does not train)."""
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    """Its adapter (rank, alpha, target layers)."""
+    lora: LoraConfig | None = Field(default_factory=LoraConfig)
+    """Its adapter on the run's base model (rank, alpha, target layers); null: a whole model of
+    its own, every weight trained: `model`, or without it a copy of the run's model as RL starts
+    (after the warm start, which trains the model every policy starts from)."""
+    model: ModelConfig | None = None
+    """Its own model (a whole model, every weight trained; `lora` is then null unless given);
+    the tokenizer must be the run's model's. null: `lora` on the run's model, or its copy."""
     lr: float | None = Field(None, gt=0)
     """Its AdamW learning rate; null: `optim.lr`."""
     warmup_steps: int | None = Field(None, ge=0)
@@ -628,6 +633,19 @@ class PolicyConfig(_Section):
         if len(set(v)) != len(v):
             raise ValueError(f"a role named twice: {v}")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_model_is_whole(cls, data: Any) -> Any:
+        """`model` without `lora`: the model whole (the adapter's default is not meant)."""
+        if isinstance(data, dict) and data.get("model") is not None and "lora" not in data:
+            return {**data, "lora": None}
+        return data
+
+    @property
+    def whole(self) -> bool:
+        """A whole model of its own (`model`, or a copy of the run's), not an adapter."""
+        return self.lora is None
 
 
 class TrainerConfig(_Section):
@@ -1018,6 +1036,16 @@ class TrainConfig(_Section):
         return None
 
     @property
+    def adapter_policies(self) -> dict[str, LoraConfig]:
+        """Several policies: {policy: its adapter} of those that are adapters on `model`."""
+        return {n: pc.lora for n, pc in (self.policies or {}).items() if pc.lora is not None}
+
+    @property
+    def whole_policies(self) -> list[str]:
+        """Several policies: those that are whole models of their own (PolicyConfig.whole)."""
+        return [n for n, pc in (self.policies or {}).items() if pc.whole]
+
+    @property
     def role_policies(self) -> dict[str, str]:
         """Several policies: role -> the policy (adapter) that makes its calls; {} without."""
         return {role: name for name, pc in (self.policies or {}).items() for role in pc.roles}
@@ -1075,7 +1103,9 @@ class TrainConfig(_Section):
             return self
         key = "model.lora" if self.model.lora is not None else "policies"
         ranks = [self.model.lora.r] if self.model.lora is not None else [
-            p.lora.r for p in self.policies.values()]
+            lc.r for lc in self.adapter_policies.values()]
+        if not ranks:  # every policy a whole model: _policies refuses what they cannot run with
+            return self
         if self.backend != "embedded":
             raise ValueError(f"{key}: not with backend {self.backend!r} yet (LoRA runs on the "
                              "embedded backend)")
@@ -1138,6 +1168,19 @@ class TrainConfig(_Section):
         if why:
             raise ValueError(f"policies: not with {why} yet (several policies run as adapters on "
                              "the local or vllm engine of the embedded backend)")
+        for name, pc in self.policies.items():
+            if pc.model is not None and pc.lora is not None:
+                raise ValueError(f"policies.{name}.lora: an adapter on a policy's own model is not "
+                                 "built (leave lora out: the policy's model trains whole)")
+            if pc.model is not None and pc.model.lora is not None:
+                raise ValueError(f"policies.{name}.model.lora: a policy's own model trains whole "
+                                 "(no adapter)")
+        for name in self.whole_policies:
+            why = (f"engine.kind {self.engine.kind!r}" if self.engine.kind != "local" else None) or (
+                f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect != "step" else None)
+            if why:
+                raise ValueError(f"policies.{name}: a whole model of its own not with {why} yet "
+                                 "(it has a local engine of its own, given its weights in place)")
         return self
 
     @model_validator(mode="after")

@@ -65,20 +65,24 @@ def wrap(model: torch.nn.Module, dp: DataParallel) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
-def wrap_policies(model: torch.nn.Module, names: list[str], dp: DataParallel) -> dict[str, torch.nn.Module]:
-    """Several policies (config `policies`): {policy: what its update's forward runs}. Under
-    torchrun, a DDP wrapper per policy, built while its adapter is active: DDP's reducer takes the
-    parameters that require a gradient when it is built, adapter p's alone, so p's update
-    all-reduces p's gradient and no other (one wrapper over every adapter would wait for the
-    gradients of adapters the forward did not use). Without torchrun: the model itself."""
+def wrap_policies(model: torch.nn.Module, names: list[str], dp: DataParallel,
+                  whole: dict[str, torch.nn.Module] | None = None) -> dict[str, torch.nn.Module]:
+    """Several policies (config `policies`): {policy: what its update's forward runs}, for the
+    adapters `names` on `model` and the `whole` models. Under torchrun a DDP wrapper each; an
+    adapter's is built while it is active: DDP's reducer takes the parameters that require a
+    gradient when it is built, adapter p's alone, so p's update all-reduces p's gradient and no
+    other (one wrapper over every adapter would wait for the gradients of adapters the forward
+    did not use). Without torchrun: the models themselves."""
+    whole = whole or {}
     if not dp.enabled:
-        return dict.fromkeys(names, model)
+        return {**dict.fromkeys(names, model), **whole}
     wrappers = {}
     for name in names:
         model.set_adapter(name)
         wrappers[name] = torch.nn.parallel.DistributedDataParallel(model)
-    model.set_adapter(names[0])
-    return wrappers
+    if names:
+        model.set_adapter(names[0])
+    return {**wrappers, **{name: torch.nn.parallel.DistributedDataParallel(m) for name, m in whole.items()}}
 
 
 def from_main(obj: Any, dp: DataParallel) -> Any:

@@ -9,6 +9,7 @@
                          rollouts themselves are in the store)
     optimizer, scheduler their state
     ref_model            the KL reference, when the loss has one
+    whole, whole_refs    several policies: each whole-model policy's model and KL reference
     frozen               roles.serve "frozen": the copy of the policy that serves those roles
     rng, history         torch's and Python's random state at the end of the step; the metrics of
                          the steps so far
@@ -85,6 +86,8 @@ def state(tr: Any, next_collected: Any = None, *, copied: bool = False) -> dict:
         "optimizer": tr.optimizer.state_dict(),
         "scheduler": tr.scheduler.state_dict(),
         "ref_model": None if tr.ref_model is None else tr.ref_model.state_dict(),
+        "whole": {name: m.state_dict() for name, m in tr.whole.items()},
+        "whole_refs": {name: m.state_dict() for name, m in tr.whole_refs.items()},
         "frozen": None if tr.frozen_model is None else lora.weights(tr.frozen_model),
         "rng": getattr(tr, "step_rng", None) or rng_state(),
         "history": tr.history,
@@ -147,12 +150,18 @@ class Checkpoints:
             self.pool = None
 
 
-def write_policy(model: torch.nn.Module, tokenizer, path: Path) -> Path:
+def write_policy(model: torch.nn.Module, tokenizer, path: Path,
+                 whole: dict[str, torch.nn.Module] | None = None) -> Path:
     """`path` (a run's policy/): the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
     under LoRA the merged model, and the adapter alone in path/adapter (peft's format). With
     several policies: path/<policy>/ each, its own adapter merged, and the adapter alone in
-    path/<policy>/adapter."""
+    path/<policy>/adapter; a whole-model policy's (`whole`) its model."""
     from tracetrain.engines.vllm import write_hf_dir
+
+    for name, m in (whole or {}).items():
+        write_hf_dir(m, tokenizer, path / name)
+    if whole and not lora.adapter_names(model):  # every policy a whole model
+        return path
 
     if names := lora.adapter_names(model):
         for name in names:
@@ -204,6 +213,14 @@ def restore(tr: Any, path: Path) -> None:
     if ck["ref_model"] is not None:
         tr.ref_model = frozen_copy(tr.model)
         tr.ref_model.load_state_dict(ck["ref_model"])
+    if sorted(ck.get("whole", {})) != sorted(tr.whole):
+        raise CheckpointError(f"{path}: whole-model policies {sorted(ck.get('whole', {}))}; this "
+                              f"run's are {sorted(tr.whole)} (policies.*.lora, policies.*.model)")
+    for name, m in tr.whole.items():  # in place: the optimizers hold their parameters
+        m.load_state_dict(ck["whole"][name])
+    tr.whole_refs = {name: frozen_copy(tr.whole[name]) for name in ck.get("whole_refs", {})}
+    for name, ref in tr.whole_refs.items():
+        ref.load_state_dict(ck["whole_refs"][name])
     if ck.get("frozen") is not None:
         tr.frozen_model = frozen_copy(tr.model)
         lora.load_weights(tr.frozen_model, ck["frozen"])

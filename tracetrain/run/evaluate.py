@@ -61,9 +61,14 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bo
     if cfg.model.lora is not None and (adapter or weights):
         torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
         model = lora.wrap(model, cfg.model.lora)
-    if cfg.policies is not None and (adapter or weights):  # several policies: an adapter each
+    if cfg.whole_policies and (adapter or weights):
+        what = "--policy " + repr(str(path)) if weights else "tracetrain sft"
+        raise ConfigError(f"config key 'policies.{cfg.whole_policies[0]}': {what} with a whole-model "
+                          "policy is not built (its model is not in the config's base): evaluate "
+                          "or start from the run's policy/<policy> folder, one model at a time")
+    if cfg.adapter_policies and (adapter or weights):  # several policies: an adapter each
         torch.manual_seed(cfg.trainer.seed)
-        model = lora.wrap_policies(model, {n: p.lora for n, p in cfg.policies.items()})
+        model = lora.wrap_policies(model, cfg.adapter_policies)
     if weights:
         try:
             ck = torch.load(path, weights_only=False, map_location="cpu")

@@ -31,16 +31,24 @@ async def started(tr, admin_key: str):
             cfg, weights, tr.tokenizer, version=version, run_dir=tr.run_dir,
             threads=tr.threads, log=tr.log, lockstep=tr.lockstep)
         engines.update(await start_role_engines(tr))
+        for name, model in tr.whole.items():  # whole-model policies: a local engine each
+            engines[f"policy-{name}"] = await start_engine(
+                cfg, model, tr.tokenizer, version=tr.version, run_dir=tr.run_dir,
+                threads=tr.threads, log=tr.log, lockstep=tr.lockstep)
         if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
             tr.workers = AgentWorkers(agent_ref(tr), cfg.rollout.agent_workers,
                                         max_connections=cfg.rollout.concurrency)
         sock = bind(cfg.gateway)  # agents get gateway.public_url (gateway/inprocess.py)
         app = create_app(tr.store, engines, admin_key=admin_key, default_engine="default",
                          **app_options(cfg.gateway, sock.getsockname()[1]))
-        app.state.gateway.role_engines.update(role_engines(cfg.roles.serve))
-        if cfg.policies is not None:  # each call by its role's adapter (run/policies.py)
-            app.state.gateway.serve_policies(cfg.role_policies)
-        tr.sync.attach(engine, app.state.gateway.slots["default"])  # held in-process around updates
+        gw = app.state.gateway
+        gw.role_engines.update(role_engines(cfg.roles.serve))
+        if cfg.adapter_policies:  # each call by its role's adapter (run/policies.py)
+            gw.serve_policies({r: p for r, p in cfg.role_policies.items() if p in cfg.adapter_policies})
+        tr.sync.attach(engine, gw.slots["default"])  # held in-process around updates
+        for name in tr.whole:  # a whole-model policy's roles: its engine
+            gw.role_engines.update(dict.fromkeys(cfg.policies[name].roles, f"policy-{name}"))
+            tr.sync.attach_whole(engines[f"policy-{name}"], gw.slots[f"policy-{name}"])
         async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
             gateway = GatewayClient(url, admin_key)
             tr.http_client = http

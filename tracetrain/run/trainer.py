@@ -135,21 +135,25 @@ class Trainer:
         self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
         if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
             self.model = lora.wrap(self.model, cfg.model.lora)
-        if cfg.policies is not None:  # several policies: an adapter each (run/policies.py)
-            self.model = lora.wrap_policies(self.model, {n: p.lora for n, p in cfg.policies.items()})
+        # several policies (run/policies.py): whole-model ones' models; the others' adapters
+        self.whole = policies.whole_models(cfg, self.model, self.tokenizer) if cfg.policies else {}
+        if cfg.adapter_policies:
+            self.model = lora.wrap_policies(self.model, cfg.adapter_policies)
         if cfg.trainer.device != "cpu":
             if not torch.cuda.is_available():
                 raise ConfigError(f"config key 'trainer.device': {cfg.trainer.device!r}, and this "
                                   "machine has no CUDA device")
-            self.model.to(cfg.trainer.device)
+            for m in (self.model, *self.whole.values()):
+                m.to(cfg.trainer.device)
         # what the update's forward runs: the model, DDP around it under torchrun; several
         # policies: {policy: that} (distributed.wrap_policies)
         self.policy: torch.nn.Module | dict[str, torch.nn.Module] = self.model
         # AdamW and its schedule; several policies: one each, by policy (policies.ByPolicy)
         self.optimizer, self.scheduler = (
-            policies.optimizers(cfg, self.model) if cfg.policies is not None else
+            policies.optimizers(cfg, self.model, self.whole) if cfg.policies is not None else
             optimizer_and_schedule(lora.trainable(self.model), cfg.optim, cfg.trainer.steps))
         self.ref_model: torch.nn.Module | None = None  # loss.kl_coef > 0: the KL reference
+        self.whole_refs: dict[str, torch.nn.Module] = {}  # whole-model policies': theirs
         self.frozen_model: torch.nn.Module | None = None  # roles.serve "frozen": never updated
         # The engine's weights: the policy's own (shared), or a copy one version behind while the
         # update runs (collect overlap; continuous collection ahead of a local engine), or a server's.
@@ -214,9 +218,10 @@ class Trainer:
             claim_run_dir(self.run_dir, cfg, self.history if resumed else None)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
             await self.warm_start()
+            policies.copy_base(cfg, self.model, self.whole)  # the warm-started backbone
         # DDP copies rank 0's (warm-started) weights
         self.policy = (wrap(self.model, self.dp) if cfg.policies is None else
-                       wrap_policies(self.model, list(cfg.policies), self.dp))
+                       wrap_policies(self.model, list(cfg.adapter_policies), self.dp, self.whole))
         self.start_reference()
         if not self.dp.is_main:
             await self.on_update_thread(self.update_threads, self.follow)
@@ -316,12 +321,13 @@ class Trainer:
             work = (batch, adv) if cfg.policies is None else parts
             await self.on_update_thread(0, from_main, work if batch.n_rows else None, self.dp)
         if batch.n_rows:
-            common = {"ref_model": self.ref_model, "measure_gap": collected.engine_version == self.version,
+            common = {"measure_gap": collected.engine_version == self.version,
                       "stop": self.stop.requested.is_set}
-            work = (functools.partial(policies.update, self.policy, parts, self.optimizer,
-                                      self.scheduler, cfg, dp=self.dp, **common) if cfg.policies is not None else
+            work = (functools.partial(policies.update, self.policy, parts, self.optimizer, self.scheduler,
+                                      cfg, refs=self.policy_refs(), dp=self.dp, **common)
+                    if cfg.policies is not None else
                     functools.partial(ppo_update, self.policy, self.optimizer, batch, adv, cfg,
-                                      scheduler=self.scheduler, dp=self.dp, **common))
+                                      ref_model=self.ref_model, scheduler=self.scheduler, dp=self.dp, **common))
             updates, times = await self.sync.update(
                 gateway, lambda: self.on_update_thread(self.update_threads, work),
                 self.version + 1, push_now=cfg.trainer.collect != "overlap")
@@ -383,7 +389,7 @@ class Trainer:
                 return
             if work is not None and self.cfg.policies is not None:  # {policy: its rows}
                 policies.update(self.policy, work, self.optimizer, self.scheduler, self.cfg,
-                                ref_model=self.ref_model, measure_gap=False, dp=self.dp)
+                                refs=self.policy_refs(), measure_gap=False, dp=self.dp)
             elif work is not None:
                 batch, adv = work
                 ppo_update(self.policy, self.optimizer, batch, adv, self.cfg,
@@ -427,6 +433,12 @@ class Trainer:
         (or restored)."""
         if policies.needs_reference(self.cfg) and self.ref_model is None:
             self.ref_model = checkpoint.frozen_copy(self.model)
+        if not self.whole_refs:
+            self.whole_refs = policies.references(self.cfg, self.whole)
+
+    def policy_refs(self) -> dict[str, torch.nn.Module | None]:
+        """Several policies: each one's KL reference (an adapter's: the base's copy)."""
+        return {**dict.fromkeys(self.cfg.adapter_policies, self.ref_model), **self.whole_refs}
 
     async def warm_start(self) -> None:
         """warm_start.steps supervised steps on the task module's transcripts (learn/warmstart.py)."""
@@ -438,7 +450,7 @@ class Trainer:
             raise ConfigError(f"config key 'warm_start.transcripts': the task module has no function {ws.transcripts!r}")
         transcripts = make(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
         # several policies: the base they share is warm-started, not an adapter
-        with lora.base_trainable(self.model) if cfg.policies is not None else contextlib.nullcontext():
+        with lora.base_trainable(self.model) if cfg.adapter_policies else contextlib.nullcontext():
             losses = await self.on_update_thread(  # nothing else runs yet: the update's threads
                 max(self.threads, self.update_threads), warm_start, self.model, self.tokenizer,
                 transcripts, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.trainer.seed,
@@ -472,7 +484,7 @@ class Trainer:
         self.checkpoints.write(checkpoint.state(self, next_collected, copied=not final), wait=final)
         self.checkpointed = time.monotonic()
         if final:
-            checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy")
+            checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy", self.whole)
 
     def load_checkpoint(self) -> bool:
         """The newest checkpoint that verifies (durable.newest_valid) into this trainer; False

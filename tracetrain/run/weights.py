@@ -8,6 +8,8 @@
               runs) or a vLLM server's. `push` copies the policy's in, in a held window: right
               after each update when collection waits for it, else between two collects.
     asleep    engine.sleep_level (vLLM on the trainer's GPU): the server sleeps through the update.
+    whole     several policies: each whole-model policy's local engine decodes with its model
+              itself (shared), held and bumped with the policy's engine.
 
 `engine_model` (the engine's copy, or the CPU mirror of a server's) and `engine_version` (the
 version of the weights the engine holds) are what a checkpoint keeps of the engine
@@ -43,6 +45,11 @@ class WeightSync:
         self.engine: Any = None
         self.slot: EngineSlot | None = None
         self.mirror = False
+        self.whole: list[tuple[Any, EngineSlot]] = []  # (engine, slot) of whole-model policies
+
+    def attach_whole(self, engine: Any, slot: EngineSlot) -> None:
+        """A whole-model policy's local engine (on its model itself), and its gateway slot."""
+        self.whole.append((engine, slot))
 
     def engine_weights(self, version: int) -> tuple[torch.nn.Module, int]:
         """(module, version) the engine starts on: the policy's, or its own copy (made now from
@@ -79,7 +86,9 @@ class WeightSync:
         copy is pushed after it when `push_now` (collection waits for the new weights)."""
         held = self.shared or self.sleep_level
         times = {}
-        async with held_engine(gateway, self.slot) if held else contextlib.nullcontext():
+        async with contextlib.AsyncExitStack() as windows:
+            for slot in ([self.slot] if held else []) + [slot for _, slot in self.whole]:
+                await windows.enter_async_context(held_engine(gateway, slot))
             if self.sleep_level:
                 await self.engine.sleep(self.sleep_level)
             t = time.perf_counter()
@@ -87,6 +96,8 @@ class WeightSync:
             times["time/update_s"] = time.perf_counter() - t
             if self.shared:
                 self.engine.update_weights(None, version)
+            for engine, _ in self.whole:
+                engine.update_weights(None, version)
         if push_now and not self.shared:
             t = time.perf_counter()
             async with held_engine(gateway, self.slot):
