@@ -1,9 +1,10 @@
 """One shared policy or two: the guesser and the checker of examples/guess/two_policies.yaml, trained
-(a) as one LoRA adapter making both roles' calls and (b) as two adapters, one per role, each
-`tracetrain train` as a user runs it, over seeds, one run at a time, side by side.
+(a) `shared`: one LoRA adapter making both roles' calls, (b) `two`: two adapters, one per role,
+(c) `whole`: the guesser an adapter, the checker a whole model of its own (whole_checker.yaml);
+each `tracetrain train` as a user runs it, over seeds, one run at a time, side by side.
 
     .venv/bin/python bench/bench_policies.py                         # seeds 0 1 2, 60 steps
-    .venv/bin/python bench/bench_policies.py --seeds 0 --steps 20 --out runs/bench-policies
+    .venv/bin/python bench/bench_policies.py --seeds 0 --steps 20 --arms two whole --out runs/bench-policies
 
 Every run starts from one warm-started base (made once per --out: the example's warm start, both
 roles' formats), so the two arms differ only in how many policies learn. Per run, from
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--gain", type=float, default=0.15, help="the game reward's gain that counts")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-policies")
+    ap.add_argument("--arms", nargs="+", default=["shared", "two", "whole"], choices=["shared", "two", "whole"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "log.txt"
@@ -97,7 +99,8 @@ def main() -> None:
     shared = yaml.safe_load(CONFIG.read_text())
     shared.update(task=str(GUESS / "task.py"), policies=SHARED)
     (args.out / "shared.yaml").write_text(yaml.safe_dump(shared))
-    arms = {"shared": args.out / "shared.yaml", "two": CONFIG}
+    arms = {"shared": args.out / "shared.yaml", "two": CONFIG, "whole": GUESS / "whole_checker.yaml"}
+    arms = {arm: arms[arm] for arm in args.arms}
     results: dict[str, list[dict]] = {arm: [] for arm in arms}
     for seed in args.seeds:
         for arm, config in arms.items():  # (interleaved: the machine's drift hits both arms alike)
@@ -110,7 +113,7 @@ def main() -> None:
             print(json.dumps({"arm": arm, **results[arm][-1]}), flush=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
-    keys = [k for k in results["two"][0] if k != "seed"]
+    keys = [k for k in next(iter(results.values()))[0] if k != "seed"]
     table = {arm: {k: statistics.median(r[k] for r in rs if r[k] is not None)
                    if any(r[k] is not None for r in rs) else None for k in keys}
              for arm, rs in results.items()}

@@ -20,6 +20,7 @@ from tracetrain.objective.credit import batch_credit
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.run import checkpoint, durable
 from tracetrain.run.trainer import Trainer, train
+from tracetrain.store import SQLiteStore
 from tracetrain.types import Rollout, RolloutState, Turn
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -152,6 +153,16 @@ def test_two_policies_learn_each_from_its_rows_and_weigh_one_per_rollout(tmp_pat
         assert m["policy/solver/aggregate/tokens/trained"] == m["roles/solver/response_tokens"]
         assert m["policy/checker/aggregate/tokens/trained"] == m["roles/checker/response_tokens"]
         assert m["policy/checker/lr"] == pytest.approx(3e-2) and m["policy/solver/lr"] == pytest.approx(2e-2)
+        # the step's sampled entropy is the policies' weighted by their trained tokens
+        tokens = {p: m[f"policy/{p}/aggregate/tokens/trained"] for p in ("solver", "checker")}
+        assert m["entropy/sampled"] * m["aggregate/tokens/trained"] == pytest.approx(
+            sum(m[f"policy/{p}/entropy/sampled"] * n for p, n in tokens.items()), rel=1e-9)
+    # each policy's sampled entropy: the mean -logprob the engine recorded for its role's tokens
+    with SQLiteStore(tmp_path / "run" / "traces.db", read_only=True) as store:
+        rollouts = [r for r in store.load_rollouts() if "-s0-" in r.rollout_id]
+    for name in ("solver", "checker"):
+        lps = [x for r in rollouts for t in r.turns if t.role == name for x in t.response_logprobs]
+        assert ms[0][f"policy/{name}/entropy/sampled"] == pytest.approx(-sum(lps) / len(lps), rel=1e-6)
 
 
 def test_one_policy_holding_every_role_is_the_run_with_model_lora(tmp_path):

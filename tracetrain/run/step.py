@@ -215,7 +215,11 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
     n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were built), roles/* and
-    turn_rewards/* (roles.role_metrics), advantage/*, time/rows_s."""
+    turn_rewards/* (roles.role_metrics), advantage/*, entropy/sampled, time/rows_s.
+
+    entropy/sampled: the mean over the trained tokens of -(the engine's logprob), the sampling
+    policy's per-token entropy estimated from its own samples (E_{a~pi} -log pi(a) = H(pi), at
+    the rollout temperature); free, where loss/entropy needs a pass over the vocabulary."""
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
     ac, train_roles = cfg.aggregate, cfg.roles.train
@@ -245,6 +249,9 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
             step_weight=ad.step_weight, eps=ad.eps, failed_rollouts=ad.failed_rollouts,
             others=cfg.other_policies_roles)
         metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        if batch.rollout_logprobs is not None:
+            trained = batch.rollout_logprobs[batch.response_mask].double()
+            metrics["entropy/sampled"] = float(-trained.mean()) if trained.numel() else 0.0
     metrics["time/rows_s"] = time.perf_counter() - t0
     return Rows(batch, adv, metrics)
 
