@@ -38,7 +38,7 @@ def moved(a: dict, b: dict) -> bool:
     ({"c1": {"roles": ["x"], "model": {"hidden_size": 32, "lora": {"r": 2}}}}, [], "policies.c1.model.lora"),
     ({"c1": {"roles": ["x"], "lora": None}}, ["engine.kind=vllm", "engine.python=/usr/bin/python3"], "policies.c1"),
     ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies.c1"),
-    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=continuous"], "policies.c1"),
+    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=continuous", "trainer.max_staleness=1"], "policies.c1"),
 ])
 def test_what_a_whole_model_policy_cannot_run_with_is_refused_naming_the_key(policies, extra, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
@@ -127,6 +127,22 @@ def test_a_policy_of_its_own_model_trains_that_model(tmp_path):
     assert state["model.embed_tokens.weight"].shape[1] == 48
     exported = json.loads((tmp_path / "run" / "policy" / "checker" / "config.json").read_text())
     assert exported["hidden_size"] == 48 and exported["num_hidden_layers"] == 1
+
+
+def test_continuous_collection_trains_the_whole_model_policy_each_group_once(tmp_path):
+    """trainer.collect continuous (max_staleness 0, the local engines held through each update):
+    both policies train every step's groups, each rollout 1/R_p in each, no group twice, every
+    rollout of the version it is trained at."""
+    ms = run(config(tmp_path / "run", "trainer.collect=continuous", "trainer.max_staleness=0",
+                    "trainer.steps=4", policies=MIXED))
+    groups = [g for m in ms for g in m["collect/groups"]]
+    assert len(groups) == len(set(groups)) == 4 * 2
+    for m in ms:
+        for p in ("solver", "checker"):
+            assert m[f"policy/{p}/loss/rollout_mass_x_R_max"] == pytest.approx(1.0, abs=1e-6)
+            assert m[f"policy/{p}/engine/logprob_gap_max"] < 1e-4
+        assert set(k for k in m if k.startswith("staleness/rollouts_")) == {"staleness/rollouts_0"}
+    assert moved(base_state(config(tmp_path / "x", policies=MIXED)), whole(tmp_path / "run")["checker"])
 
 
 def test_sft_and_a_checkpoint_eval_with_a_whole_model_policy_are_refused_naming_it(tmp_path):

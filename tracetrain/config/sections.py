@@ -1176,8 +1176,11 @@ class TrainConfig(_Section):
                 raise ValueError(f"policies.{name}.model.lora: a policy's own model trains whole "
                                  "(no adapter)")
         for name in self.whole_policies:
+            ahead = self.trainer.collect == "overlap" or (
+                self.trainer.collect == "continuous" and self.trainer.max_staleness > 0)
             why = (f"engine.kind {self.engine.kind!r}" if self.engine.kind != "local" else None) or (
-                f"trainer.collect {self.trainer.collect!r}" if self.trainer.collect != "step" else None)
+                f"trainer.collect {self.trainer.collect!r} ahead of the update (max_staleness "
+                f"{self.trainer.max_staleness})" if ahead else None)
             if why:
                 raise ValueError(f"policies.{name}: a whole model of its own not with {why} yet "
                                  "(it has a local engine of its own, given its weights in place)")
