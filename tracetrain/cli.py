@@ -196,7 +196,7 @@ def run_sft(args: argparse.Namespace) -> int:
     from tracetrain.config import load_config
     from tracetrain.learn.sft import dedupe, fine_tune, select, sft_rows
     from tracetrain.run import checkpoint
-    from tracetrain.run.evaluate import load_eval_policy
+    from tracetrain.run.evaluate import load_eval_policy, load_eval_whole
     from tracetrain.store import SQLiteStore
 
     if args.min_reward is None and args.best_per_group is None:
@@ -216,6 +216,7 @@ def run_sft(args: argparse.Namespace) -> int:
     if not unique:
         raise UsageError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
     model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
+    whole = load_eval_whole(cfg, args.policy, sft=True)  # whole-model policies: their own models
     # several policies: each adapter on its own roles' tokens (the config as that policy learns)
     parts = {n: cfg.for_policy(n) for n in cfg.policies} if cfg.policies else {None: cfg}
     rows, tokens, losses = 0, 0, {}
@@ -226,18 +227,19 @@ def run_sft(args: argparse.Namespace) -> int:
             if len(parts) == 1:
                 raise
             continue  # (this policy's roles have no tokens in the chosen rollouts)
-        if name is not None:
+        if name is not None and name not in whole:
             model.set_adapter(name)  # its parameters alone train
-        losses[name] = fine_tune(model, batch, part, epochs=args.epochs, lr=args.lr, seed=cfg.trainer.seed)
+        losses[name] = fine_tune(whole.get(name, model), batch, part, epochs=args.epochs, lr=args.lr,
+                                 seed=cfg.trainer.seed)
         rows, tokens = rows + batch.n_rows, tokens + int(batch.response_mask.sum())
     if not losses:
         raise UsageError("no rows to fine-tune on for any policy (policies.*.roles)")
-    path = checkpoint.write_policy(model, tokenizer, args.out / "policy")  # as a run's policy/
+    path = checkpoint.write_policy(model, tokenizer, args.out / "policy", whole)  # as a run's policy/
     report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
               "trained_rollouts": len(unique), "rows": rows, "trained_tokens": tokens,
               "epoch_losses": losses[None] if None in losses else losses,
               "policy": str(path), "checkpoint": str(args.out / "checkpoint.pt")}
-    checkpoint.save_weights(model, args.out / "checkpoint.pt", {"command": "tracetrain sft", **report})
+    checkpoint.save_weights(model, args.out / "checkpoint.pt", {"command": "tracetrain sft", **report}, whole)
     (args.out / "sft.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_several_policies import SUPPORT, adapters, config, run, without_times
+from test_several_policies import SUPPORT, TINY, adapters, config, run, without_times
 
 from tracetrain.config import ConfigError, build_config
 from tracetrain.models import lora
 from tracetrain.run import checkpoint, durable
-from tracetrain.run.trainer import Trainer, train
+from tracetrain.run.trainer import Trainer
 
 MIXED = {"solver": {"roles": ["solver"], "lora": {"r": 4, "alpha": 8}},
          "checker": {"roles": ["checker"], "lora": None, "lr": 1e-3}}
@@ -145,14 +145,40 @@ def test_continuous_collection_trains_the_whole_model_policy_each_group_once(tmp
     assert moved(base_state(config(tmp_path / "x", policies=MIXED)), whole(tmp_path / "run")["checker"])
 
 
-def test_sft_and_a_checkpoint_eval_with_a_whole_model_policy_are_refused_naming_it(tmp_path):
-    from tracetrain.run.evaluate import load_eval_policy
+def test_sft_and_eval_take_a_whole_model_policy(tmp_path, capsys):
+    """`tracetrain sft` with an adapter and a whole-model policy fine-tunes the adapter and the
+    whole model each on its own roles' tokens (policy/<p>/ each; the weights-only checkpoint holds
+    both); `tracetrain eval --policy` of that checkpoint, and of the run's, serves each role by its
+    policy (no failed try); a checkpoint without the config's whole-model policies is refused."""
+    import yaml
 
-    cfg = config(tmp_path / "run", "trainer.steps=1", policies=MIXED)
-    train(cfg, base_dir=SUPPORT, log=lambda *_: None)
-    with pytest.raises(ConfigError, match="config key 'policies.checker'.*--policy"):
-        load_eval_policy(cfg, tmp_path / "run" / "checkpoint.pt")
-    with pytest.raises(ConfigError, match="config key 'policies.checker'.*tracetrain sft"):
-        load_eval_policy(cfg, None, adapter=True)
-    model, _ = load_eval_policy(cfg, tmp_path / "run" / "policy" / "checker")  # one model: runs
-    assert not lora.is_lora(model)
+    from tracetrain.cli import main
+    from tracetrain.run.evaluate import load_eval_whole
+
+    run(config(tmp_path / "run", "trainer.steps=1", policies=MIXED))
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "task": str(SUPPORT / "two_roles_task.py"), "policies": MIXED,
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1},
+        "rollout": {"max_tokens": 5, "agent_workers": 0}, "trainer": {"seed": 3}}))
+    cfg = build_config(yaml.safe_load(cfg_file.read_text()), [f"trainer.run_dir={tmp_path / 'x'}"])
+    start = base_state(cfg)
+    assert main(["sft", str(cfg_file), "--from", str(tmp_path / "run"), "--min-reward", "0",
+                 "--epochs", "1", "--lr", "1e-2", "--out", str(tmp_path / "sft")]) == 0
+    report = json.loads((tmp_path / "sft" / "sft.json").read_text())
+    assert sorted(report["epoch_losses"]) == ["checker", "solver"]
+    tuned = torch.load(tmp_path / "sft" / "checkpoint.pt", weights_only=False)
+    assert moved(start, tuned["whole"]["checker"]) and sorted(tuned["model"]) == ["solver"]
+    assert (tmp_path / "sft" / "policy" / "checker" / "config.json").is_file()
+    assert (tmp_path / "sft" / "policy" / "solver" / "adapter" / "adapter_config.json").is_file()
+    loaded = load_eval_whole(cfg, tmp_path / "sft" / "checkpoint.pt")["checker"].state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in tuned["whole"]["checker"].items())
+    for policy in (tmp_path / "sft" / "checkpoint.pt", tmp_path / "run" / "checkpoint.pt"):
+        capsys.readouterr()
+        assert main(["eval", str(cfg_file), "--policy", str(policy), "--k", "1", "--tasks", "2"]) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["failed"] == 0 and summary["tries"] == 2
+    more = build_config({"policies": {**MIXED, "extra": {"roles": ["z"], "lora": None}}},
+                        ["task=x.py", *TINY])
+    with pytest.raises(ConfigError, match=r"whole-model policies \['checker'\]; this config's are \['checker', 'extra'\]"):
+        load_eval_whole(more, tmp_path / "run" / "checkpoint.pt")

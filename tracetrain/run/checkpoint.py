@@ -177,10 +177,13 @@ def write_policy(model: torch.nn.Module, tokenizer, path: Path,
     return path
 
 
-def save_weights(model: torch.nn.Module, path: Path, made_by: dict) -> Path:
-    """Write `model`'s weights (lora.weights) with `made_by` to `path`, atomically."""
+def save_weights(model: torch.nn.Module, path: Path, made_by: dict,
+                 whole: dict[str, torch.nn.Module] | None = None) -> Path:
+    """Write `model`'s weights (lora.weights) and the `whole` models' with `made_by` to `path`,
+    atomically."""
     tmp = path.with_suffix(".tmp")
-    torch.save({"kind": "weights", "model": lora.weights(model), "made_by": made_by}, tmp)
+    torch.save({"kind": "weights", "model": lora.weights(model), "made_by": made_by,
+                "whole": {name: m.state_dict() for name, m in (whole or {}).items()}}, tmp)
     tmp.replace(path)
     return path
 

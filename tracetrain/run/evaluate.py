@@ -13,7 +13,9 @@ pushed to a running server). A try succeeds when its reward is >= `success`. A t
 reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
 
 The policy: a `policy/` folder (checkpoint.write_policy: a transformers directory), a
-`checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start).
+`checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start). Several
+policies: each role by its policy, as in training (a checkpoint's adapters on the base, its
+whole-model policies' models on local engines of their own); a policy/ folder serves every role.
 """
 
 from __future__ import annotations
@@ -61,11 +63,6 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bo
     if cfg.model.lora is not None and (adapter or weights):
         torch.manual_seed(cfg.trainer.seed)  # the fresh adapter's A, as the trainer draws it
         model = lora.wrap(model, cfg.model.lora)
-    if cfg.whole_policies and (adapter or weights):
-        what = "--policy " + repr(str(path)) if weights else "tracetrain sft"
-        raise ConfigError(f"config key 'policies.{cfg.whole_policies[0]}': {what} with a whole-model "
-                          "policy is not built (its model is not in the config's base): evaluate "
-                          "or start from the run's policy/<policy> folder, one model at a time")
     if cfg.adapter_policies and (adapter or weights):  # several policies: an adapter each
         torch.manual_seed(cfg.trainer.seed)
         model = lora.wrap_policies(model, cfg.adapter_policies)
@@ -77,6 +74,31 @@ def load_eval_policy(cfg: TrainConfig, policy: str | Path | None, *, adapter: bo
             raise ConfigError(f"--policy {str(path)!r}: not a checkpoint of this config's model "
                               f"({type(e).__name__}: {e})") from None
     return model.eval(), tokenizer
+
+
+def load_eval_whole(cfg: TrainConfig, policy: str | Path | None, *, sft: bool = False) -> dict:
+    """{whole-model policy: its model} for `policy`: a checkpoint (a run's or sft's) holds each
+    (`whole`); none: each as a run starts it (policies.<p>.model, or the config's model); a
+    policy/ folder: {} for eval (that one model serves every role), copies of it for sft (each
+    starts from it)."""
+    from tracetrain.models import lora
+    from tracetrain.run import policies
+
+    if not cfg.whole_policies:
+        return {}
+    path = None if policy is None else Path(policy)
+    if path is not None and path.is_dir() and not sft:
+        return {}
+    model, tokenizer = load_eval_policy(cfg, path if path is not None and path.is_dir() else None)
+    whole = policies.whole_models(cfg, lora.base(model), tokenizer)
+    if path is not None and path.is_file():
+        held = torch.load(path, weights_only=False, map_location="cpu").get("whole", {})
+        if sorted(held) != sorted(whole):
+            raise ConfigError(f"--policy {str(path)!r}: whole-model policies {sorted(held)}; this "
+                              f"config's are {sorted(whole)} (policies.*.lora, policies.*.model)")
+        for name, m in whole.items():
+            m.load_state_dict(held[name])
+    return whole
 
 
 def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
@@ -103,6 +125,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import serve_in_loop
     from tracetrain.models import lora
+    from tracetrain.run import policies
     from tracetrain.run.step import collect, rollout_specs
     from tracetrain.store import SQLiteStore
 
@@ -111,21 +134,24 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     preflight(cfg)  # before loading anything: e.g. the interpreter must run vLLM
     tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
     model, tokenizer = load_eval_policy(cfg, policy)
+    whole = load_eval_whole(cfg, policy)
     if cfg.model.lora is not None and not lora.is_lora(model):
         # a merged policy/ or the untrained base: an engine serves it whole, not base + adapter
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
-    if cfg.policies is not None and not lora.adapter_names(model):  # (likewise, every role)
+    if cfg.policies is not None and not lora.adapter_names(model) and not whole:  # (likewise, every role)
         cfg = cfg.model_copy(update={"policies": None})
     agent = resolve_agent(task, cfg.agent)
     with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
         lockstep = Lockstep() if cfg.lockstep else None  # the same tries on every call
-        engine = await start_engine(cfg, model, tokenizer, version=0, run_dir=Path(tmp),
-                                    threads=cfg.engine.threads, log=log, lockstep=lockstep)
+        engines = {}
+        for name, m in {"default": model, **{policies.engine_name(p): w for p, w in whole.items()}}.items():
+            engines[name] = await start_engine(cfg, m, tokenizer, version=0, run_dir=Path(tmp),
+                                               threads=cfg.engine.threads, log=log, lockstep=lockstep)
         admin_key = secrets.token_urlsafe(24)
-        app = create_app(store, {"default": engine}, admin_key=admin_key)
-        if cfg.policies is not None:  # each role by its policy's adapter, as in training
-            app.state.gateway.serve_policies(cfg.role_policies)
+        app = create_app(store, engines, admin_key=admin_key, default_engine="default")
+        if cfg.policies is not None:  # each role by its policy, as in training
+            policies.serve(app.state.gateway, cfg, whole)
         try:
             async with serve_in_loop(app) as url, agent_http_client(cfg.rollout.concurrency) as http:
                 gateway = GatewayClient(url, admin_key)
@@ -137,7 +163,8 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
                 finally:
                     await gateway.aclose()
         finally:
-            await engine.aclose()
+            for engine in engines.values():
+                await engine.aclose()
             store.close()
     rows = []
     for j, t in enumerate(tasks):

@@ -74,6 +74,21 @@ def whole_models(cfg: TrainConfig, model: torch.nn.Module, tokenizer) -> dict[st
     return out
 
 
+def engine_name(policy: str) -> str:
+    """The gateway's name of a whole-model policy's engine."""
+    return f"policy-{policy}"
+
+
+def serve(gateway, cfg: TrainConfig, whole: Mapping[str, Any]) -> None:
+    """Each call by its role's policy (training and eval alike): an adapter policy's roles by its
+    adapter on the default engine (a role of no policy: the base), a whole-model policy's roles
+    by its own engine (engine_name; the caller registered it)."""
+    if cfg.adapter_policies:
+        gateway.serve_policies({r: p for r, p in cfg.role_policies.items() if p in cfg.adapter_policies})
+    for name in whole:
+        gateway.role_engines.update(dict.fromkeys(cfg.policies[name].roles, engine_name(name)))
+
+
 def copy_base(cfg: TrainConfig, model: torch.nn.Module, whole: dict[str, torch.nn.Module]) -> None:
     """The whole-model policies without a model of their own take `model`'s base weights (after
     the warm start: the backbone every policy starts from), in place."""

@@ -10,7 +10,7 @@ from tracetrain.agents.runner import GatewayClient, agent_http_client
 from tracetrain.agents.workers import AgentRef, AgentWorkers
 from tracetrain.engines.start import start_engine
 from tracetrain.rows.roles import role_engines
-from tracetrain.run import checkpoint
+from tracetrain.run import checkpoint, policies
 
 
 @contextlib.asynccontextmanager
@@ -32,7 +32,7 @@ async def started(tr, admin_key: str):
             threads=tr.threads, log=tr.log, lockstep=tr.lockstep)
         engines.update(await start_role_engines(tr))
         for name, model in tr.whole.items():  # whole-model policies: a local engine each
-            engines[f"policy-{name}"] = await start_engine(
+            engines[policies.engine_name(name)] = await start_engine(
                 cfg, model, tr.tokenizer, version=tr.version, run_dir=tr.run_dir,
                 threads=tr.threads, log=tr.log, lockstep=tr.lockstep)
         if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
@@ -43,12 +43,10 @@ async def started(tr, admin_key: str):
                          **app_options(cfg.gateway, sock.getsockname()[1]))
         gw = app.state.gateway
         gw.role_engines.update(role_engines(cfg.roles.serve))
-        if cfg.adapter_policies:  # each call by its role's adapter (run/policies.py)
-            gw.serve_policies({r: p for r, p in cfg.role_policies.items() if p in cfg.adapter_policies})
+        policies.serve(gw, cfg, tr.whole)  # each call by its role's policy
         tr.sync.attach(engine, gw.slots["default"])  # held in-process around updates
-        for name in tr.whole:  # a whole-model policy's roles: its engine
-            gw.role_engines.update(dict.fromkeys(cfg.policies[name].roles, f"policy-{name}"))
-            tr.sync.attach_whole(engines[f"policy-{name}"], gw.slots[f"policy-{name}"])
+        for name in tr.whole:  # (each engine of a whole-model policy too)
+            tr.sync.attach_whole(engines[policies.engine_name(name)], gw.slots[policies.engine_name(name)])
         async with serve_in_loop(app, sock) as url, agent_http_client(cfg.rollout.concurrency) as http:
             gateway = GatewayClient(url, admin_key)
             tr.http_client = http
