@@ -21,8 +21,9 @@ request's stop_token_ids; the stop id is kept in the response, finish "stop"), a
 completes one of the request's stop strings (finish "stop") or at max_tokens
 ("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
 
-Prefill computes the prompts' common prefix once and keeps the KV of the last such prefix for the
-next batch (tracetrain/engines/prefill.py). With several policies (config `policies`) each request
+Prefill computes each prompt prefix once and keeps their KV across batches in a radix tree (per
+model version and adapter, at most `prefix_cache_bytes`, least recently used out; `prefix_cache=
+False`: none kept): tracetrain/engines/prefill.py. With several policies (config `policies`) each request
 names its LoRA adapter (SamplingParams.adapter) and one batch decodes rows of several adapters
 (peft's `adapter_names`: the base weights' matmuls shared, each row's adapter its own).
 """
@@ -48,7 +49,7 @@ from tracetrain.engines.base import (
     check_sampling_params,
     stop_string_in,
 )
-from tracetrain.engines.prefill import Prefill
+from tracetrain.engines.prefill import DEFAULT_PREFIX_CACHE_BYTES, Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
 from tracetrain.models import lora
 
@@ -82,8 +83,8 @@ class LocalEngine:
 
     `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
     (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
-    `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens forwarded
-    (padding included, a shared prefix once) and decode row-steps ("tokens"), and the seconds
+    `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens (requested,
+    forwarded, from the prefix cache: prefill.py) and decode row-steps ("tokens"), and the seconds
     (perf_counter, cumulative) of prefill ("prefill_s"), of the decode steps' forward calls
     ("decode_forward_s") and of sampling with its bookkeeping ("sample_s"). `threads`: torch
     intra-op threads of the decode thread (0: the creating thread's count).
@@ -106,6 +107,7 @@ class LocalEngine:
         seed: int | None = None,
         threads: int = 0,
         prefix_cache: bool = True,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         lockstep: Any = None,
     ):
         if (
@@ -164,17 +166,12 @@ class LocalEngine:
         self._gatherer: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {
-            "batches": 0,
-            "requests": 0,
-            "forward_calls": 0,
-            "prefill_tokens": 0,
-            "prefix_cache_tokens": 0,
-            "tokens": 0,
-            "max_batch": 0,
+            "batches": 0, "requests": 0, "forward_calls": 0, "tokens": 0, "max_batch": 0,
+            "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_tokens": 0,  # (prefill.py)
             "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
         self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
-                                keep=prefix_cache, stats=self.stats)
+                                budget=prefix_cache_bytes if prefix_cache else 0, stats=self.stats)
 
     # ------------------------------------------------------------------ requests
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -426,7 +423,7 @@ class LocalEngine:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with self._lock:
-            self._prefill.clear()  # its kept prefix's KV came from the old weights
+            self._prefill.clear()  # its kept prefixes' KV came from the old weights
             if state_dict is not None:
                 with torch.no_grad():
                     self.model.load_state_dict(state_dict, strict=True)
