@@ -12,7 +12,9 @@ Each measurement is one child process (so that its peak RSS is its own): it load
 policy (the config's model, its initial weights; a copy as the KL reference when the config has
 one), builds the optimizer, runs `ppo_update` once on
 the batch (every mini-batch, forward + backward + AdamW step) and reports the update's seconds,
-the process's peak RSS, and the tokens the forward computed. Variants run in turn, the order
+the process's peak RSS, and the tokens the forward computed. A pack's attention runs row by row
+(learn/sparse_pack.py, the default under sdpa) or, in the "dense mask" variants, through the
+pack's [N, N] tree mask (packing.PACK_ATTENTION = "dense"). Variants run in turn, the order
 reversed every other repeat so that a shared machine's drift falls on all of them alike; the
 table gives each variant's best time, its peak RSS, and both as ratios to the first variant
 (today's path: padded rows, full logits).
@@ -31,12 +33,19 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 
-VARIANTS = {  # name: (optim overrides, attention implementation or None for the config's)
-    "padded, full logits": ({"pack_rows": False, "logprob_chunk": 0}, None),
-    "padded, chunked": ({"pack_rows": False, "logprob_chunk": 512}, None),
-    "packed, chunked": ({"pack_rows": True, "share_prefixes": False, "logprob_chunk": 512}, "sdpa"),
-    "packed + shared, chunked": ({"pack_rows": True, "share_prefixes": True, "logprob_chunk": 512}, "sdpa"),
-    "packed + shared, eager": ({"pack_rows": True, "share_prefixes": True, "logprob_chunk": 512}, "eager"),
+VARIANTS = {  # name: (optim overrides, attention implementation or None for the config's,
+    #              a pack's attention: packing.PACK_ATTENTION, "auto" = row blocks under sdpa)
+    "padded, full logits": ({"pack_rows": False, "logprob_chunk": 0}, None, "auto"),
+    "padded, chunked": ({"pack_rows": False, "logprob_chunk": 512}, None, "auto"),
+    "packed, chunked, dense mask": (
+        {"pack_rows": True, "share_prefixes": False, "logprob_chunk": 512}, "sdpa", "dense"),
+    "packed, chunked": ({"pack_rows": True, "share_prefixes": False, "logprob_chunk": 512}, "sdpa", "auto"),
+    "packed + shared, chunked, dense mask": (
+        {"pack_rows": True, "share_prefixes": True, "logprob_chunk": 512}, "sdpa", "dense"),
+    "packed + shared, chunked": (
+        {"pack_rows": True, "share_prefixes": True, "logprob_chunk": 512}, "sdpa", "auto"),
+    "packed + shared, eager": (
+        {"pack_rows": True, "share_prefixes": True, "logprob_chunk": 512}, "eager", "auto"),
 }
 
 
@@ -64,6 +73,7 @@ def child(path: str, variant: str, precision: str, threads: int) -> None:
     import torch
 
     from tracetrain.config import TrainConfig
+    from tracetrain.learn import packing
     from tracetrain.learn.optim import adamw
     from tracetrain.learn.update import ppo_update
     from tracetrain.models.load import load_policy
@@ -71,7 +81,7 @@ def child(path: str, variant: str, precision: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     saved = torch.load(path, weights_only=False)
-    overrides, attn = VARIANTS[variant]
+    overrides, attn, packing.PACK_ATTENTION = VARIANTS[variant]
     data = json.loads(saved["config"])
     data["optim"].update(overrides)
     data["trainer"]["precision"] = precision
@@ -97,6 +107,7 @@ def main() -> None:
     p.add_argument("--save", help="where to save that batch (with --run)")
     p.add_argument("--batch", help="a batch saved with --save")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--baseline", help="the variant the ratios are to (default: the first)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -129,7 +140,7 @@ def main() -> None:
             print(f"  {v:26s} {r['seconds']:7.1f} s  peak {r['peak_gb']:5.2f} GB  "
                   f"computed {r['computed']:.0f} of {r['padded']:.0f} padded  loss {r['loss']:+.6f}",
                   flush=True)
-    base = a.variants[0]
+    base = a.baseline or a.variants[0]
     b_s = min(r["seconds"] for r in runs[base])
     b_m = max(r["peak_gb"] for r in runs[base])
     print(f"\n| variant | update s (best of {a.repeats}) | peak RSS GB | tokens computed | "

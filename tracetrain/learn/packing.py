@@ -23,34 +23,68 @@ The logprob of response column t of row i is read at the node of the row's token
 computed `chunk` positions at a time under activation checkpointing: the logits held at once are
 [chunk, V], never [rows, S, V]; the backward recomputes one chunk's logits at a time.
 
-On a GPU the same tree mask is a FlexAttention block mask (blocks off the tree are skipped); with
-`share=False` it is block-diagonal, which is what flash-attention's varlen kernel takes as
-cu_seqlens. On the CPU here it goes to SDPA or eager attention as a dense [N, N] mask, so the
-attention over a pack costs N^2: packs are kept to `pack_tokens` (see minibatch.plan_step).
+Attention over a pack: under SDPA it runs row by row (sparse_pack.py): each row's new nodes
+attend over its own path, sum_i q_i * L_i scores instead of N^2 (without sharing, each row's own
+causal square, what a padded batch computes), and the [N, N] mask is never built. Under eager
+attention (kept for its explicit weights), or with PACK_ATTENTION = "dense", the tree mask goes to
+the model as a dense [N, N] mask, and the attention over a pack costs N^2: packs are kept to
+`pack_tokens` (see minibatch.plan_step). FlexAttention would skip the blocks off the tree too, but
+its CPU path has no backward in torch 2.13.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tracetrain.learn import sparse_pack
 from tracetrain.learn.logprobs import autocast, logprobs_from_logits
+from tracetrain.learn.sparse_pack import SparsePlan, build_plan
+
+# How a pack's attention runs: "auto" (row by row, sparse_pack.py, where the model's attention is
+# SDPA and that computes fewer scores than the dense mask; else the dense [N, N] mask), "dense",
+# or "sparse" (row by row for every SDPA model, even where it computes as many scores; an error
+# where the model's attention bypasses the dispatcher). Benchmarks and tests set it.
+PACK_ATTENTION = "auto"
 
 
 @dataclass
 class Packed:
     input_ids: torch.Tensor  # [1, N] int64: one token per tree node
     position_ids: torch.Tensor  # [1, N] int64: the node's depth
-    allowed: torch.Tensor  # [N, N] bool: allowed[n, m] = m is n or an ancestor of n
     node: torch.Tensor  # [rows, P+S] int64: the node of each real token of each row, -1 on padding
     n_row_tokens: int  # real tokens over all rows (what a forward without sharing computes)
+    _allowed: torch.Tensor | None = field(default=None, repr=False)
+    _plan: SparsePlan | None = field(default=None, repr=False)
 
     @property
     def n_tokens(self) -> int:
         """N: the tokens this pack's forward computes."""
         return self.input_ids.shape[1]
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """[N, N] bool: allowed[n, m] = m is n or an ancestor of n (built on first use: the sparse
+        attention never needs it)."""
+        if self._allowed is None:
+            N = self.n_tokens
+            allowed = torch.zeros(N, N, dtype=torch.bool)
+            for row in self.node:  # each row's chain: a token sees itself and every token before it
+                p = row[row >= 0]
+                k = p.numel()
+                if k:
+                    q, kv = torch.tril_indices(k, k)
+                    allowed[p[q], p[kv]] = True
+            self._allowed = allowed
+        return self._allowed
+
+    def sparse_plan(self) -> SparsePlan:
+        """The pack's attention row by row (sparse_pack.build_plan), built on first use."""
+        if self._plan is None:
+            self._plan = build_plan(self.node, self.n_tokens)
+        return self._plan
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> Packed:
@@ -62,7 +96,6 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: b
     tokens: list[int] = []
     depth: list[int] = []
     children: dict[tuple[int, int], int] = {}
-    paths = []
     for i, row in enumerate(ids):
         cols = real[i].nonzero().squeeze(1)
         if cols.numel() and int(cols[-1] - cols[0]) + 1 != cols.numel():
@@ -80,20 +113,10 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: b
                     children[key] = n
             path.append(n)
             parent = n
-        path_t = torch.tensor(path, dtype=torch.int64)
-        node[i, cols] = path_t
-        paths.append(path_t)
-    N = len(tokens)
-    allowed = torch.zeros(N, N, dtype=torch.bool)
-    for p in paths:  # each row's chain: a token sees itself and every token before it in the row
-        k = p.numel()
-        if k:
-            q, kv = torch.tril_indices(k, k)
-            allowed[p[q], p[kv]] = True
+        node[i, cols] = torch.tensor(path, dtype=torch.int64)
     return Packed(
         input_ids=torch.tensor([tokens], dtype=torch.int64),
         position_ids=torch.tensor([depth], dtype=torch.int64),
-        allowed=allowed,
         node=node,
         n_row_tokens=int(real.sum()),
     )
@@ -206,33 +229,76 @@ def row_logprobs(
         pred = r_idx * width + (width - S + t_idx - 1)  # flat index into [rows * width]
         ids, pos = input_ids, position_ids
     pred = pred.to(dev)
-    wrapped = hasattr(model, "module")
     impl = getattr(getattr(base_lm(model), "config", None), "_attn_implementation", None)
+
+    def forward(mask, extra):
+        return _forward(model, ids, mask, pos, pred, target, width=width, pack=pack, extra=extra,
+                        chunk=chunk, temperature=temperature, with_entropy=with_entropy)
+
     with autocast(precision, dev):
-        mask = attention_mask_4d(packed.allowed.to(dev), impl, torch.float32) if pack else attention_mask
-        if wrapped:
-            if not pack:
-                keep = torch.unique(pred % width)  # the columns any row needs
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep)
-                col = torch.searchsorted(keep, pred % width)
-                z = out.logits[pred // width, col]
-            else:
-                z = model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                          logits_to_keep=pred).logits[0]
-            lp, ent = logprobs_from_logits(z.float(), target, temperature, with_entropy)
+        if not pack:
+            lp, ent = forward(attention_mask, {})
         else:
-            decoder, head = split_lm(model)
-            hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos,
-                             use_cache=False).last_hidden_state
-            hidden = hidden.reshape(-1, hidden.shape[-1])[pred]
-            lp, ent = chunked_logprobs(hidden, head, target, temperature=temperature,
-                                       with_entropy=with_entropy, chunk=chunk or max(1, len(pred)))
+            lp, ent = _pack_forward(forward, packed, impl, dev, type(base_lm(model)).__name__)
     index = (r_idx.to(dev), t_idx.to(dev))
     logprobs = torch.zeros(rows, S, dtype=torch.float32, device=dev).index_put(index, lp.float())
     entropy = None
     if with_entropy:
         entropy = torch.zeros(rows, S, dtype=torch.float32, device=dev).index_put(index, ent.float())
     return logprobs, entropy, packed
+
+
+def _forward(model, ids, mask, pos, pred, target, *, width, pack, extra, chunk, temperature,
+             with_entropy):
+    """(logprob, entropy) of `target` at the positions `pred` of one forward (row_logprobs)."""
+    if hasattr(model, "module"):  # DDP: the whole model is called, for DDP to see the forward
+        if not pack:
+            keep = torch.unique(pred % width)  # the columns any row needs
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep)
+            z = out.logits[pred // width, torch.searchsorted(keep, pred % width)]
+        else:
+            z = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=pred,
+                      **extra).logits[0]
+        return logprobs_from_logits(z.float(), target, temperature, with_entropy)
+    decoder, head = split_lm(model)
+    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                     **extra).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[pred]
+    return chunked_logprobs(hidden, head, target, temperature=temperature,
+                            with_entropy=with_entropy, chunk=chunk or max(1, len(pred)))
+
+
+def _pack_forward(forward, packed: Packed, impl: str | None, dev, model_name: str):
+    """forward(mask, extra) over a pack, its attention as pack_plan chooses: row by row (a
+    stride-0 placeholder mask, the plan as the attention calls' keyword), else the dense mask; a
+    model whose attention did not come through the dispatcher is computed again with the mask."""
+    plan = pack_plan(packed, impl)
+    if plan is not None:
+        plan = plan.to(dev)
+        before = plan.calls
+        out = forward(sparse_pack.placeholder_mask(packed.n_tokens, dev), {sparse_pack.KWARG: plan})
+        if plan.calls > before:
+            return out
+        if PACK_ATTENTION == "sparse":
+            raise ValueError(f"{model_name}'s attention does not go through transformers' "
+                             "registry: no sparse pack attention")
+    return forward(attention_mask_4d(packed.allowed.to(dev), impl, torch.float32), {})
+
+
+def pack_plan(packed: Packed, attn_implementation: str | None) -> SparsePlan | None:
+    """The pack's row-by-row attention plan (sparse_pack.py), or None for the dense [N, N] mask:
+    per PACK_ATTENTION; "auto" takes it where the model's attention is SDPA and the plan computes
+    fewer scores than the dense mask (it does unless the pack is one row, or nearly); an eager
+    model keeps the dense mask (its attention weights are what eager is chosen for)."""
+    mode = PACK_ATTENTION
+    if mode not in ("auto", "dense", "sparse"):
+        raise ValueError(f"PACK_ATTENTION {mode!r}: expected auto, dense or sparse")
+    if mode == "dense":
+        return None
+    if attn_implementation != "sdpa" or not sparse_pack.install():
+        return None
+    plan = packed.sparse_plan()
+    return None if mode == "auto" and plan.scores >= plan.dense_scores else plan
 
 
 def row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> torch.Tensor:
