@@ -153,6 +153,8 @@ def test_two_policies_learn_each_from_its_rows_and_weigh_one_per_rollout(tmp_pat
         assert m["policy/solver/aggregate/tokens/trained"] == m["roles/solver/response_tokens"]
         assert m["policy/checker/aggregate/tokens/trained"] == m["roles/checker/response_tokens"]
         assert m["policy/checker/lr"] == pytest.approx(3e-2) and m["policy/solver/lr"] == pytest.approx(2e-2)
+        # a group's calls share their prompts: the engine's prefix cache serves part of them
+        assert 0 < m["engine/prefix_hit_rate"] < 1
         # the step's sampled entropy is the policies' weighted by their trained tokens
         tokens = {p: m[f"policy/{p}/aggregate/tokens/trained"] for p in ("solver", "checker")}
         assert m["entropy/sampled"] * m["aggregate/tokens/trained"] == pytest.approx(

@@ -783,6 +783,10 @@ class _LocalKeys(_EngineKeys):
     batch_window_ms: float = Field(2.0, ge=0)
     """Batch gathering: a batch closes after a quiet `batch_window_ms` (the loop awake, no
     request)."""
+    prefix_cache_mb: int = Field(1024, ge=0)
+    """The prefix cache's memory budget (engines/prefix_cache.py: the KV of every shared prompt
+    prefix, per model version and adapter, least recently used out); 0: nothing kept between
+    batches (a batch's shared prefixes are still computed once)."""
 
 
 class _ServerKeys(_EngineKeys):

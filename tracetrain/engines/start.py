@@ -61,7 +61,9 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
 
     return LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
                        seed=cfg.trainer.seed, threads=threads,
-                       batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep)
+                       batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep,
+                       prefix_cache_bytes=cfg.engine.prefix_cache_mb << 20,
+                       prefix_cache=cfg.engine.prefix_cache_mb > 0)
 
 
 @register_engine("vllm")

@@ -166,6 +166,14 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
             for engine in engines.values():
                 await engine.aclose()
             store.close()
+    summary, rows = tally(tasks, results, k, success)
+    return {**summary, "temperature": temperature, "top_p": cfg.rollout.top_p,
+            "policy": str(policy) if policy else "untrained"}, rows
+
+
+def tally(tasks: list[dict], results: list, k: int, success: float) -> tuple[dict, list[dict]]:
+    """(summary, one row per task) of k tries per task (`results` in task order): each task's
+    scored rewards, failed tries, successes (reward >= success), pass@1 and pass@k."""
     rows = []
     for j, t in enumerate(tasks):
         mine = results[j * k:(j + 1) * k]
@@ -182,7 +190,5 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     summary = {"tasks": len(rows), "tries": len(rows) * k, "failed": sum(r["failed"] for r in rows),
                "reward_mean": mean(rewards),
                "pass@1": mean([r["pass@1"] for r in rows if r["pass@1"] is not None]),
-               f"pass@{k}": mean([r[f"pass@{k}"] for r in rows if r[f"pass@{k}"] is not None]),
-               "temperature": temperature, "top_p": cfg.rollout.top_p,
-               "policy": str(policy) if policy else "untrained"}
+               f"pass@{k}": mean([r[f"pass@{k}"] for r in rows if r[f"pass@{k}"] is not None])}
     return summary, rows

@@ -182,8 +182,17 @@ def staleness_counts(rollouts: list, version: int, train_roles) -> dict[str, Any
 
 
 # engine.stats that add up, per step (local: batches...; vllm: requests, retries...)
-ENGINE_WORK = ("batches", "requests", "forward_calls", "prefill_tokens", "prefix_cache_tokens",
-               "attempts", "retries", "failures")
+ENGINE_WORK = ("batches", "requests", "forward_calls", "prompt_tokens", "prefill_tokens",
+               "prefix_cache_tokens", "attempts", "retries", "failures")
+
+
+def engine_metrics(work: dict[str, int]) -> dict[str, float]:
+    """engine/<k> of a step's engine work (ENGINE_WORK), and engine/prefix_hit_rate: the share
+    of the prompt tokens the local engine read from its prefix cache (engines/prefix_cache.py)."""
+    out: dict[str, float] = {f"engine/{k}": v for k, v in work.items()}
+    if work.get("prompt_tokens"):
+        out["engine/prefix_hit_rate"] = work.get("prefix_cache_tokens", 0) / work["prompt_tokens"]
+    return out
 
 
 @dataclass

@@ -63,6 +63,7 @@ from tracetrain.run.step import (
     check_top_p,
     collect,
     end_unfinished,
+    engine_metrics,
     rollout_specs,
     step_tasks,
     throughput,
@@ -315,7 +316,7 @@ class Trainer:
             parts = policies.build_policy_rows(self.store, results, cfg, self.tokenizer, self.version)
             metrics.update(policies.row_metrics(parts))
         # The engine's work in this step's collect: decode loops, forward passes, prompt tokens.
-        metrics.update({f"engine/{k}": v for k, v in collected.engine_work.items()})
+        metrics.update(engine_metrics(collected.engine_work))
         t1 = time.perf_counter()
         if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step with it)
             work = (batch, adv) if cfg.policies is None else parts
