@@ -122,6 +122,8 @@ def main() -> None:
             a.batch = str(out)
     if not a.batch:
         p.error("give --batch, or --run to record one")
+    if a.repeats < 1:  # --repeats 0: only record the batch
+        return
     from tracetrain.run.memory import peak_rss_gb  # noqa: F401  (fails early if the package is missing)
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

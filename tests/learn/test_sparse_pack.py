@@ -171,15 +171,17 @@ def test_a_token_of_another_row_moves_nothing():
 
 
 def test_auto_picks_the_path():
-    """auto: row blocks for an SDPA model's multi-row pack, the dense mask for eager models and
-    for a one-row pack (the plan would compute as many scores); `sparse` takes the plan even
-    there, and leaves eager models the dense mask too."""
-    batch = shared_batch(2, [[2, 2]], common=3, question=1)
-    pk = pack_rows(batch.input_ids, batch.attention_mask)
+    """auto: row blocks for an SDPA model's pack where they compute at most half the dense
+    mask's scores (rows without sharing), the dense mask where they save less (one row) and for
+    eager models; `sparse` takes the plan even there, and leaves eager models the dense mask."""
+    batch = shared_batch(2, [[3, 3]], common=3, question=1)
+    pk = pack_rows(batch.input_ids, batch.attention_mask, share=False)
+    assert pk.sparse_plan().scores <= packing.AUTO_SCORES * pk.sparse_plan().dense_scores
+    one = pack_rows(batch.input_ids[:1], batch.attention_mask[:1])
+    assert one.sparse_plan().scores == one.sparse_plan().dense_scores
     with attention("auto"):
         assert packing.pack_plan(pk, "sdpa") is pk.sparse_plan()
         assert packing.pack_plan(pk, "eager") is None
-        one = pack_rows(batch.input_ids[:1], batch.attention_mask[:1])
         assert packing.pack_plan(one, "sdpa") is None
     with attention("dense"):
         assert packing.pack_plan(pk, "sdpa") is None

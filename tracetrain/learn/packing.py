@@ -48,6 +48,10 @@ from tracetrain.learn.sparse_pack import SparsePlan, build_plan
 # or "sparse" (row by row for every SDPA model, even where it computes as many scores; an error
 # where the model's attention bypasses the dispatcher). Benchmarks and tests set it.
 PACK_ATTENTION = "auto"
+# auto's threshold: the row blocks' gathers cost about what the scores they save do until the plan
+# is down to half the dense scores (bench/bench_pack_attention.py, SmolLM2's heads: a shared pack
+# at 0.63 of them is 1.1x the dense mask's time, an unshared one at 0.1 is 0.14x)
+AUTO_SCORES = 0.5
 
 
 @dataclass
@@ -288,8 +292,8 @@ def _pack_forward(forward, packed: Packed, impl: str | None, dev, model_name: st
 def pack_plan(packed: Packed, attn_implementation: str | None) -> SparsePlan | None:
     """The pack's row-by-row attention plan (sparse_pack.py), or None for the dense [N, N] mask:
     per PACK_ATTENTION; "auto" takes it where the model's attention is SDPA and the plan computes
-    fewer scores than the dense mask (it does unless the pack is one row, or nearly); an eager
-    model keeps the dense mask (its attention weights are what eager is chosen for)."""
+    at most AUTO_SCORES of the dense mask's scores; an eager model keeps the dense mask (its
+    attention weights are what eager is chosen for)."""
     mode = PACK_ATTENTION
     if mode not in ("auto", "dense", "sparse"):
         raise ValueError(f"PACK_ATTENTION {mode!r}: expected auto, dense or sparse")
@@ -298,7 +302,7 @@ def pack_plan(packed: Packed, attn_implementation: str | None) -> SparsePlan | N
     if attn_implementation != "sdpa" or not sparse_pack.install():
         return None
     plan = packed.sparse_plan()
-    return None if mode == "auto" and plan.scores >= plan.dense_scores else plan
+    return None if mode == "auto" and plan.scores > AUTO_SCORES * plan.dense_scores else plan
 
 
 def row_costs(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, share: bool = True) -> torch.Tensor:
