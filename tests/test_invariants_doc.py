@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "invariants.md"
-BUILT = range(1, 11)
-PARTLY = (11, 12)  # several policies: the weights are built (and tested), the update and run not yet
+BUILT = range(1, 13)
+PARTLY: tuple[int, ...] = ()  # built in part: a listed test, and what is not built yet
 SCANNED = [ROOT / "tracetrain", ROOT / "tests", ROOT / "docs", ROOT / "README.md"]
 SUFFIXES = {".py", ".md", ".html", ".js", ".txt", ".toml", ".yaml", ".yml", ".cfg"}
 OUTSIDE_DESIGN = "DESIGN" + ".md"  # spelled apart so this file does not cite it
@@ -152,6 +152,10 @@ Not built yet: issue 44.
 ## 12. Policy isolation
 
 - `tests/objective/test_loss.py::test_mass_is_one_for_every_mean_mode`
+
+## 13. Not yet an invariant
+
+- `tests/objective/test_loss.py::test_mass_is_one_for_every_mean_mode`
 """
 
 
@@ -196,5 +200,6 @@ def test_a_planted_bad_citation_in_a_copy_of_the_package_is_found(tmp_path):
 
 
 def test_a_built_invariant_without_tests_and_an_unbuilt_one_with_tests_are_found():
-    # 11, partly built, lists no test; 12 lists one but does not say what is not built yet
-    assert built_without_tests(MADE_UP) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    # 2-11, built, list no test (11 says it is not built yet: no matter); 12 lists one; 13, not
+    # built, lists a test and does not say it is not built
+    assert built_without_tests(MADE_UP) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13]
