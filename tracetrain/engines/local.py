@@ -82,7 +82,9 @@ class LocalEngine:
     """Engine over a transformers causal LM in this process (see the module docstring).
 
     `generate` batches concurrent calls; `generate_batch` decodes a list of prompts directly
-    (for the trainer). `update_weights` swaps weights between batches and sets `model_version`.
+    (for the trainer). `update_weights` swaps weights between batches and sets `model_version`;
+    weights changed in place (the module the engine shares) must be announced by it too
+    (`update_weights(None, version)`): it drops the prefix cache's KV of the old weights.
     `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens (requested,
     forwarded, from the prefix cache: prefill.py) and decode row-steps ("tokens"), and the seconds
     (perf_counter, cumulative) of prefill ("prefill_s"), of the decode steps' forward calls
