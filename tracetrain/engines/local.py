@@ -431,6 +431,11 @@ class LocalEngine:
                     self.model.load_state_dict(state_dict, strict=True)
             self.model_version = version
 
+    def drop_prefix_cache(self) -> None:
+        """Forget every kept prefix (after a decoding batch finishes)."""
+        with self._lock:
+            self._prefill.clear()
+
     async def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """`model`'s weights into this engine's own module (update_weights), as `version`."""
         self.update_weights(model.state_dict(), version)

@@ -52,6 +52,7 @@ from tracetrain.learn.threads import run_with_threads
 from tracetrain.learn.update import UpdateStopped, ppo_update
 from tracetrain.models import lora
 from tracetrain.run import checkpoint, continuous, durable, policies, services
+from tracetrain.run.evaluate import eval_tasks
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks, rewrite_metrics
@@ -421,10 +422,9 @@ class Trainer:
 
     async def evaluate(self, gateway: GatewayClient) -> float:
         """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
-        from tracetrain.run.evaluate import eval_tasks
-
         tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
         results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
+        self.sync.drop_prefix_caches()  # the next collect starts as a resumed run's would
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
 

@@ -47,6 +47,14 @@ class WeightSync:
         self.mirror = False
         self.whole: list[tuple[Any, EngineSlot]] = []  # (engine, slot) of whole-model policies
 
+    def drop_prefix_caches(self) -> None:
+        """The local engines forget the prompt prefixes they kept (an eval pass's): a step's
+        collect then starts from the empty cache a resumed run's engine starts from, so the
+        engine's logprobs (a cached prefix's KV equals a recomputed one to rounding only) do not
+        depend on where the run was resumed."""
+        for engine in [self.engine, *(e for e, _ in self.whole)]:
+            getattr(engine, "drop_prefix_cache", lambda: None)()
+
     def attach_whole(self, engine: Any, slot: EngineSlot) -> None:
         """A whole-model policy's local engine (on its model itself), and its gateway slot."""
         self.whole.append((engine, slot))
