@@ -38,8 +38,9 @@ vocabulary, at least 512 rows, as many as make a 1 GFLOP pass) at G rows. Each r
 --repeats short passes: on a busy machine, the quiet windows (a floor is what the CPU allows, not
 what it gave the step). Attention is
 counted at the layers' rate: a lower bound (its small batched products run slower). The engine
-computes in the model's dtype (fp32); the update in the precision chosen (fp32 or bf16-mixed): the
-floor of the ratio is at that precision; the bf16 column is what bf16 would allow, measured where the
+computes in the precision engine.precision chose (--engine-precision, auto by default: fp32 or
+bf16), the update in the one trainer.precision auto chose (fp32 or bf16-mixed): each phase's
+ratio is to the floor at its precision; the bf16 column is what bf16 would allow, measured where the
 CPU has bf16 units (lscpu flags avx512_bf16 or amx_bf16). Sampling, the gateway, the store, rows and
 sync do no matmul: no floor.
 
@@ -245,8 +246,8 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
     async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
         store, inner = trainer.store, engine._run  # (serving's time_decoding: stats["decode_s"])
 
-        def capture(reqs):
-            out = inner(reqs)
+        def capture(reqs, *join):
+            out = inner(reqs, *join)  # (the requests that joined are appended to reqs)
             seen.extend((list(r.prompt_ids), list(r.ids)) for r in reqs)
             return out
 
@@ -264,6 +265,7 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
         stats = {k: v - before.get(k, 0) for k, v in engine.stats.items() if k != "max_batch"}
     return {"metrics": m, "step_s": step_s, "engine": stats, "clocks": clocks, "requests": seen,
             "model": trainer.model, "precision": trainer.cfg.trainer.precision,
+            "engine_precision": engine.precision,
             "threads": torch.get_num_threads(), "load": [load, os.getloadavg()[0]]}
 
 
@@ -295,10 +297,11 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"the step did not decode exactly {want} tokens")
     work = step_work(s, step["requests"])
     units = bf16_units()
-    dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if units else {})
+    bf16 = units or step["engine_precision"] == "bf16"  # (auto measured bf16 faster)
+    dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if bf16 else {})
     rates = {name: phase_rates(model, s, work, dt, args.repeats) for name, dt in dtypes.items()}
     floors = {name: {p: floor_s(work[p]["flops"], r[p]) for p in work} for name, r in rates.items()}
-    used = {"prefill": "fp32", "decode": "fp32", "update": "fp32" if step["precision"] == "fp32" else "bf16"}
+    used = {"prefill": step["engine_precision"], "decode": step["engine_precision"], "update": "fp32" if step["precision"] == "fp32" else "bf16"}
     parts = breakdown(step)
     table = []
     for phase, sec in parts.items():
@@ -315,7 +318,7 @@ def run(args: argparse.Namespace) -> dict:
     m = step["metrics"]
     return {
         "cpu": cpu_name(), "bf16_units": units, "torch_threads": step["threads"],
-        "precision": {"engine": "fp32", "update": step["precision"]},
+        "precision": {"engine": step["engine_precision"], "update": step["precision"]},
         "shape": {"prompts": args.prompts, "rollouts": 8, "new_tokens": args.new_tokens},
         "model_shapes": s.__dict__, "load_average": step["load"],
         "work": {p: {"M": w["M"], "G": w["G"], "tokens": w["tokens"], "gflop": sum(w["flops"].values()) / 1e9,
@@ -375,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--repeats", type=int, default=20, help="passes per matmul rate (the best)")
+    ap.add_argument("--engine-precision", choices=["fp32", "bf16", "auto"], default="auto",
+                    help="engine.precision (auto: bf16 where a decode step measures faster)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")

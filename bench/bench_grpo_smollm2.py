@@ -17,7 +17,8 @@ The sides:
 - tracetrain at its defaults for this task (the calculator's config minus what would change the
   work: one mini-batch, one PPO epoch): `Trainer.train_step` whole (runner, gateway, local engine
   with its prefix cache, SQLite, rows, packed update with shared prefixes and chunked logprobs),
-  trainer.precision auto (bf16-mixed where this CPU runs it faster, else fp32).
+  trainer.precision auto (bf16-mixed where this CPU runs it faster, else fp32), engine.precision
+  --engine-precision (auto: a bf16 copy decodes where a decode step measures faster in it).
 - TRL "defaults": GRPOConfig as a CPU user gets it (bf16 mixed precision and gradient
   checkpointing on, 8 rows per micro-batch, so 4 accumulation steps for the 32 rows, generation
   with transformers `generate` for all 32 at once, loss `dapo`), only the batch shape, the
@@ -148,7 +149,7 @@ def tracetrain_config(run_dir: Path, args: argparse.Namespace):
                   "ppo_epochs": 1},
         "trainer": {"steps": 10_000, "seed": args.seed, "run_dir": str(run_dir),
                     "update_threads": args.threads, "precision": "auto"},
-        "engine": {"threads": args.threads},
+        "engine": {"threads": args.threads, "precision": args.engine_precision},
     })
 
 
@@ -193,6 +194,7 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
     try:
         async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
             await tracetrain_step(trainer, gateway, engine)  # warm-up
+            info["engine_precision"], info["engine_precision_s"] = engine.precision, engine.precision_s
             for name, peer in peers.items():
                 info[name] = await peer.read(900)
                 await peer.step(900)  # warm-up
@@ -233,7 +235,8 @@ def report(sides: dict[str, list], info: dict, args: argparse.Namespace) -> None
                   f"{info[name]['gradient_checkpointing']}, torch threads {info[name]['threads']}")
     tt = sides["tracetrain"]
     c = tt[-1]
-    print(f"  tracetrain: precision {info['precision']}; update forward tokens {c['computed']} of "
+    print(f"  tracetrain: precision {info['precision']}, engine {info['engine_precision']} "
+          f"(measured decode step s: {info['engine_precision_s']}); update forward tokens {c['computed']} of "
           f"{c['padded']} padded")
     print(f"{'':18s} {'step s min':>10s} {'median':>8s} {'gen s med':>9s} {'rest s med':>10s} "
           f"{'peak GB max':>11s} {'TRL/tt min':>10s} {'median':>7s} {'rounds':>7s}")
@@ -260,6 +263,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="new tokens per generation")
     ap.add_argument("--trl", nargs="*", default=["defaults", "fp32"], choices=["defaults", "fp32"],
                     help="the TRL configurations to run (none: tracetrain alone)")
+    ap.add_argument("--engine-precision", choices=["fp32", "bf16", "auto"], default="auto",
+                    help="tracetrain's engine.precision (auto: bf16 where a decode step measures faster)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)

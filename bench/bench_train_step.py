@@ -323,10 +323,10 @@ def time_decoding(engine) -> None:
     run = engine._run
     engine.stats["decode_s"] = 0.0
 
-    def timed(reqs):
+    def timed(reqs, *join):
         t = time.perf_counter()
         try:
-            return run(reqs)
+            return run(reqs, *join)
         finally:
             engine.stats["decode_s"] += time.perf_counter() - t
 
@@ -352,7 +352,8 @@ async def serving(trainer, task, work: Path, *, seed: int):
     trainer.agent = resolve_agent(task, trainer.cfg.agent)
     trainer.store = SQLiteStore(work / "run" / "traces.db")
     weights, _ = trainer.sync.engine_weights(trainer.version)  # the policy, or (overlap) a copy
-    engine = LocalEngine(weights, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=seed)
+    engine = LocalEngine(weights, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=seed,
+                         precision=trainer.cfg.engine.precision)
     engine.stop_ids = frozenset()  # no stop: every sample is exactly max_tokens long
     time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)

@@ -41,9 +41,9 @@ async def play(engine: LocalEngine, lockstep: Lockstep, ps: list[list[int]], tur
     sizes = []
     run = engine._run
 
-    def recording(batch):
-        sizes.append(len(batch))
-        return run(batch)
+    def recording(batch, *join):
+        sizes.append(len(batch))  # as it starts (requests that join it: engine.stats["joined"])
+        return run(batch, *join)
 
     engine._run = recording
 
@@ -77,18 +77,20 @@ def test_batches_are_the_agents_rounds_whatever_the_arrival_order(model, tok):
         engine = LocalEngine(model, tok, lockstep=lockstep, batch_window_ms=0)
         runs.append(asyncio.run(play(engine, lockstep, ps, turns, random.Random(order))))
         assert lockstep.agents == 0 and lockstep.waiting == 0
+        assert engine.stats["joined"] == 0  # (no call joins a batch under a lockstep)
     for responses, sizes in runs:
         assert sizes == [6, 4, 2]  # round k: the agents with more than k turns
         assert responses == runs[0][0]
 
 
 def test_without_lockstep_the_batches_follow_the_arrivals(model, tok):
-    """The control: by arrival (no window), the same calls form batches of other sizes."""
+    """The control: by arrival (no window), the same calls start batches of other sizes, and
+    calls that arrive while one decodes join it (engines/join.py)."""
     ps = prompts(tok, 6)
     lockstep = Lockstep()  # counted, but the engine does not wait on it
     engine = LocalEngine(model, tok, batch_window_ms=0)
     _, sizes = asyncio.run(play(engine, lockstep, ps, [1, 2, 3, 3, 2, 1], random.Random(0)))
-    assert sum(sizes) == 12 and sizes != [6, 4, 2]
+    assert sum(sizes) + engine.stats["joined"] == 12 and sizes != [6, 4, 2]
 
 
 def test_an_agent_that_returns_without_calling_releases_the_others(model, tok):

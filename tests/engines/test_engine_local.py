@@ -325,7 +325,7 @@ def test_update_weights_swaps_in_place_and_waits_for_decoding(tok, prompts):
         forwards.append(1)
         started.set()
 
-    hook = a.model.layers[0].register_forward_hook(count)
+    hook = eng.runner.model.layers[0].register_forward_hook(count)  # (the engine's modules)
     worker = threading.Thread(
         target=lambda: out.extend(
             eng.generate_batch(prompts * 4, SamplingParams(max_tokens=48, seed=0))
@@ -351,7 +351,7 @@ def test_a_failing_model_fails_its_batch_with_503_and_the_engine_recovers(tok, p
         raise RuntimeError("simulated out of memory")
 
     async def go():
-        hook = model.model.layers[0].register_forward_hook(boom)
+        hook = eng.runner.model.layers[0].register_forward_hook(boom)  # (the engine's modules)
         try:
             results = await asyncio.gather(
                 *(eng.generate(p, SamplingParams(max_tokens=4)) for p in prompts),

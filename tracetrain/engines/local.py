@@ -6,10 +6,11 @@ so the event loop keeps serving. Gathering: after the first request, keep gather
 `batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
 late does not count: it was busy, or its thread was stopped, and requests may be half-way through
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
-while a batch is decoding form the next batch. With a `lockstep` (agents/lockstep.py) a batch
-closes instead when every live agent is waiting on a call, and holds every pending request sorted
-by (seed, prompt ids), requests without a seed drawing theirs in that order: the batches of a run
-do not depend on when requests arrive.
+while a batch is decoding join it at its next step, prefilled on their own (continuous batching,
+up to `max_batch_size` live rows: tracetrain/engines/join.py). With a `lockstep`
+(agents/lockstep.py) a batch closes instead when every live agent is waiting on a call, holds every
+pending request sorted by (seed, prompt ids), requests without a seed drawing theirs in that order,
+and none joins it: the batches of a run do not depend on when requests arrive.
 
 One decode step samples each row from its logits with the request's temperature and top_p and
 records the token's logprob under the full temperature-scaled distribution, log_softmax(l / T),
@@ -26,6 +27,9 @@ model version and adapter, at most `prefix_cache_bytes`, least recently used out
 False`: none kept): tracetrain/engines/prefill.py. With several policies (config `policies`) each request
 names its LoRA adapter (SamplingParams.adapter) and one batch decodes rows of several adapters
 (peft's `adapter_names`: the base weights' matmuls shared, each row's adapter its own).
+
+`precision` bf16 (or auto, where measured faster) decodes with a bfloat16 copy of the model,
+refreshed from it on every weight change: tracetrain/engines/precision.py.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from tracetrain.engines.base import (
     check_sampling_params,
     stop_string_in,
 )
+from tracetrain.engines.join import join_rows
+from tracetrain.engines.precision import engine_precision, refresh
 from tracetrain.engines.prefill import DEFAULT_PREFIX_CACHE_BYTES, Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
 from tracetrain.models import lora
@@ -85,11 +91,13 @@ class LocalEngine:
     (for the trainer). `update_weights` swaps weights between batches and sets `model_version`;
     weights changed in place (the module the engine shares) must be announced by it too
     (`update_weights(None, version)`): it drops the prefix cache's KV of the old weights.
-    `stats` counts decode loops ("batches"), requests, forward calls, prompt tokens (requested,
-    forwarded, from the prefix cache: prefill.py) and decode row-steps ("tokens"), and the seconds
-    (perf_counter, cumulative) of prefill ("prefill_s"), of the decode steps' forward calls
-    ("decode_forward_s") and of sampling with its bookkeeping ("sample_s"). `threads`: torch
-    intra-op threads of the decode thread (0: the creating thread's count).
+    `stats` counts decode loops ("batches"), requests (those that joined a decoding batch:
+    "joined"), forward calls, prompt tokens (requested, forwarded, from the prefix cache:
+    prefill.py), decode row-steps ("tokens"), and the seconds (perf_counter, cumulative) of prefill,
+    of the decode steps' forward calls and of sampling with its bookkeeping. `threads`: torch
+    intra-op threads of the decode thread (0: the creating thread's count). `precision`: fp32,
+    bf16 or auto (engines/precision.py): the forward passes run `runner`, a copy of `model`'s
+    modules around its weights (fp32) or a bf16 copy that `update_weights` refreshes (bf16).
     """
 
     constrains = False  # no constrained decoding: params with `structured` are refused
@@ -111,12 +119,9 @@ class LocalEngine:
         prefix_cache: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         lockstep: Any = None,
+        precision: str = "fp32",
     ):
-        if (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or max_batch_size < 1
-        ):
+        if type(max_batch_size) is not int or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not batch_window_ms >= 0 or not max_wait_ms >= 0:
             raise ValueError(
@@ -128,9 +133,7 @@ class LocalEngine:
         self.name = name
         limit = getattr(model.config, "max_position_embeddings", None)
         if max_context is None and limit is None:
-            raise ValueError(
-                "max_context is needed: the model config has no max_position_embeddings"
-            )
+            raise ValueError("max_context is needed: the model config has no max_position_embeddings")
         self.max_context = int(max_context if max_context is not None else limit)
         if limit is not None and self.max_context > limit:
             raise ValueError(
@@ -142,15 +145,16 @@ class LocalEngine:
         self.max_wait = max_wait_ms / 1000
         self.model_version = model_version
         eos = [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
-        self.stop_ids = frozenset(
-            i for e in eos for i in (e if isinstance(e, list) else [e]) if i is not None
-        )
+        self.stop_ids = frozenset(i for e in eos for i in (e if isinstance(e, list) else [e])
+                                  if i is not None)
         self.pad_id = (
             tokenizer.pad_token_id
             if tokenizer.pad_token_id is not None
             else min(self.stop_ids, default=0)
         )
         self.prefix_cache = prefix_cache
+        # the module the forward passes run: the model, or its bf16 copy (engines/precision.py)
+        self.precision, self.runner, self.precision_s = engine_precision(self.model, precision)
         # several policies: the model's adapters (lora.adapter_names), which requests may name
         names = lora.adapter_names(self.model)
         self.adapters = (*names, lora.BASE) if names else ()
@@ -160,6 +164,7 @@ class LocalEngine:
         self.threads = threads if threads > 0 else torch.get_num_threads()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[_Request] = []
+        self._queue = threading.Lock()  # `_pending`'s: the decode thread takes joiners from it
         self.lockstep = lockstep
         self.unanswered = 0  # calls of `generate` whose answer is not set yet
         if lockstep is not None:
@@ -169,7 +174,7 @@ class LocalEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats = {
             "batches": 0, "requests": 0, "forward_calls": 0, "tokens": 0, "max_batch": 0,
-            "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_tokens": 0,  # (prefill.py)
+            "joined": 0, "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_tokens": 0,  # (prefill.py)
             "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
         self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
@@ -214,7 +219,8 @@ class LocalEngine:
         req.on_tokens = on_tokens
         req.future.add_done_callback(self._gave_up(req))
         self.unanswered += 1
-        self._pending.append(req)
+        with self._queue:
+            self._pending.append(req)
         self._wakeup.set()
         if self.lockstep is not None:
             self.lockstep.changed()
@@ -297,14 +303,17 @@ class LocalEngine:
                 if len(self._pending) == seen and now - slept < 2 * self.batch_window:
                     break
                 seen = len(self._pending)
-            batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]
-            del self._pending[: self.max_batch_size]
-            if not self._pending:
-                self._wakeup.clear()
+            with self._queue:  # (the decode thread takes joiners from the queue too)
+                batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]
+                del self._pending[: self.max_batch_size]
+                if not self._pending:
+                    self._wakeup.clear()
             if not batch:
                 continue
             try:
-                gens = await loop.run_in_executor(self._worker(), self._run, batch)
+                # (requests that join it are appended to `batch`: engines/join.py)
+                gens = await loop.run_in_executor(self._worker(), self._run, batch,
+                                                  self.lockstep is None)
             except asyncio.CancelledError:  # aclose() while decoding: nobody waits forever
                 for r in batch:
                     self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))
@@ -330,16 +339,17 @@ class LocalEngine:
         self._pending = []
 
     # ------------------------------------------------------------------ decoding
-    def _run(self, reqs: list[_Request]) -> list[Generation]:
+    def _run(self, reqs: list[_Request], join: bool = False) -> list[Generation]:
+        """Decode `reqs` (`join`: and the requests that join them, appended to `reqs`)."""
         with self._lock:
             version = self.model_version
-            self._decode(reqs)
+            self._decode(reqs, join)
         return [Generation(r.ids, r.logprobs, r.finish, version) for r in reqs]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, adapters=None):
         """(next-token logits [B, V] float32, the cache); `adapters`: each row's adapter."""
         self.stats["forward_calls"] += 1
-        out = self.model(
+        out = self.runner(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -351,8 +361,9 @@ class LocalEngine:
         return out.logits[:, -1, :].float(), out.past_key_values
 
     @torch.inference_mode()
-    def _decode(self, reqs: list[_Request]) -> None:
-        """Fill r.ids, r.logprobs, r.finish for each request; one batched loop."""
+    def _decode(self, reqs: list[_Request], join: bool = False) -> None:
+        """Fill r.ids, r.logprobs, r.finish for each request; one batched loop. `join`: requests
+        that arrive meanwhile join at each step (engines/join.py), appended to `reqs`."""
         dev, B, clock, stats = self.device, len(reqs), time.perf_counter, self.stats
         t0 = clock()
         # several policies: each row's adapter (a request naming none: the active one)
@@ -362,19 +373,38 @@ class LocalEngine:
         logits, cache, mask, next_pos = self._prefill(
             [r.prompt_ids for r in reqs], self.model_version, adapters)
         stats["prefill_s"] += clock() - t0
-        temperature = torch.tensor([float(r.params.temperature) for r in reqs], device=dev)
-        top_p = torch.tensor([float(r.params.top_p) for r in reqs], device=dev)
-        stops = [self.stop_ids | set(r.params.stop_token_ids) for r in reqs]
+        temperature, top_p, stops = self._row_params(reqs)
         rows = list(range(B))  # request index of each batch row
         alive = [True] * B
         self.stats["batches"] += 1
         self.stats["requests"] += B
         self.stats["max_batch"] = max(self.stats["max_batch"], B)
-        for step in range(max(r.params.max_tokens for r in reqs)):
+        while True:
+            new = self._joiners(self.max_batch_size - sum(alive)) if join else []
+            if new:  # prefilled on their own, their rows after the batch's
+                t0 = clock()
+                rows += range(len(reqs), len(reqs) + len(new))
+                reqs += new
+                if by_request is not None:
+                    by_request += [r.params.adapter or self.model.active_adapter for r in new]
+                    adapters = [by_request[i] for i in rows]
+                n_logits, n_cache, n_mask, n_pos = self._prefill(
+                    [r.prompt_ids for r in new], self.model_version,
+                    None if by_request is None else by_request[-len(new):])
+                cache, mask = join_rows(cache, mask, n_cache, n_mask)
+                n_temperature, n_top_p, n_stops = self._row_params(new)
+                logits, next_pos = torch.cat([logits, n_logits]), torch.cat([next_pos, n_pos])
+                temperature = torch.cat([temperature, n_temperature])
+                top_p, stops = torch.cat([top_p, n_top_p]), stops + n_stops
+                alive += [True] * len(new)
+                stats["requests"] += len(new)
+                stats["joined"] += len(new)
+                stats["max_batch"] = max(stats["max_batch"], sum(alive))
+                stats["prefill_s"] += clock() - t0
             t0 = clock()
-            u = torch.tensor(
-                [uniform(reqs[i].seed, step) for i in rows], dtype=torch.float64, device=dev
-            )
+            u = torch.tensor(  # (row i's draw for its token number len(ids): engines/sampling.py)
+                [uniform(reqs[i].seed, len(reqs[i].ids)) for i in rows], dtype=torch.float64,
+                device=dev)
             y, lp = sample_tokens(logits, temperature, top_p, u)
             runs = []
             for b, (i, t, v) in enumerate(zip(rows, y.tolist(), lp.tolist(), strict=True)):
@@ -417,6 +447,21 @@ class LocalEngine:
             stats["decode_forward_s"] += clock() - t0
             next_pos = next_pos + 1
 
+    def _row_params(self, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(temperature [R], top_p [R], the stop ids of each) of requests `reqs`."""
+        return (torch.tensor([float(r.params.temperature) for r in reqs], device=self.device),
+                torch.tensor([float(r.params.top_p) for r in reqs], device=self.device),
+                [self.stop_ids | set(r.params.stop_token_ids) for r in reqs])
+
+    def _joiners(self, room: int) -> list[_Request]:
+        """Up to `room` waiting requests, taken from the queue to join the decoding batch."""
+        if room <= 0 or not self._pending:
+            return []
+        with self._queue:
+            taken = self._pending[:room]
+            del self._pending[:room]
+        return [r for r in taken if not r.future.done()]
+
     # ------------------------------------------------------------------ weights
     def update_weights(self, state_dict: dict[str, torch.Tensor] | None, version: int) -> None:
         """Load `state_dict` into the model in place (None: the trainer updated the shared module
@@ -429,6 +474,8 @@ class LocalEngine:
             if state_dict is not None:
                 with torch.no_grad():
                     self.model.load_state_dict(state_dict, strict=True)
+            if self.precision == "bf16":  # (in fp32 the runner holds the model's own weights)
+                refresh(self.runner, self.model)
             self.model_version = version
 
     def drop_prefix_cache(self) -> None:

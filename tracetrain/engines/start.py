@@ -59,11 +59,16 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
     trainer gives it a copy)."""
     from tracetrain.engines.local import LocalEngine
 
-    return LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
-                       seed=cfg.trainer.seed, threads=threads,
-                       batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep,
-                       prefix_cache_bytes=cfg.engine.prefix_cache_mb << 20,
-                       prefix_cache=cfg.engine.prefix_cache_mb > 0)
+    engine = LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
+                         seed=cfg.trainer.seed, threads=threads,
+                         batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep,
+                         prefix_cache_bytes=cfg.engine.prefix_cache_mb << 20,
+                         prefix_cache=cfg.engine.prefix_cache_mb > 0,
+                         precision=cfg.engine.precision)
+    if engine.precision_s is not None:
+        log(f"engine.precision auto: {engine.precision} (a decode step, best of 3: " + ", ".join(
+            f"{p} {s * 1e3:.1f} ms" for p, s in engine.precision_s.items()) + ")")
+    return engine
 
 
 @register_engine("vllm")
