@@ -119,6 +119,21 @@ def test_bf16_engine_takes_new_weights_when_told(tok):
     assert gaps(old, PROMPTS, decode(engine, PROMPTS)).mean() <= 2 * before.mean()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_lm_head_gets_contiguous_rows_in_a_prefill(tok, precision):
+    """A prefill's last positions (hidden[:, -1:] of [B, S, h], a strided view) reach the engine's
+    lm head contiguous (torch's matmul would otherwise copy the weight once per row: precision.py);
+    the user's model is left without the hook."""
+    model = build_model(tok, seed=0)
+    engine = LocalEngine(model, tok, precision=precision, seed=0)
+    seen = []
+    engine.runner.get_output_embeddings().register_forward_pre_hook(
+        lambda m, args: seen.append((args[0].shape[1], args[0].is_contiguous())))
+    decode(engine, PROMPTS)
+    assert len(seen) > 1 and all(ok for _, ok in seen)
+    assert not model.get_output_embeddings()._forward_pre_hooks
+
+
 def test_auto_runs_what_it_measured_faster(tok):
     """auto: the runner is the bf16 copy exactly when its measured decode step was >= 10 %
     faster (pick), else the fp32 runner on the model's weights."""

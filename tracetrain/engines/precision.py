@@ -32,9 +32,18 @@ from tracetrain.engines.attention import ATTENTION
 ENGINE_PRECISIONS = ("fp32", "bf16", "auto")
 
 
+def _contiguous(module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
 def _grouped(runner: torch.nn.Module) -> torch.nn.Module:
+    """`runner` with decode attention by grouped matmuls, and its lm head given a contiguous
+    input: a prefill's last positions, hidden[:, -1:] of [B, S, h], are a strided view, for which
+    torch's matmul expands the [h, V] weight to [B, h, V] and copies it (a 1.8 GB copy for 32 rows
+    of SmolLM2 in bf16: 1.2 s of a 1.7 s prefill pass, measured on the Zen 4 VM)."""
     inner = runner.get_base_model() if hasattr(runner, "get_base_model") else runner
     inner.set_attn_implementation(ATTENTION)
+    inner.get_output_embeddings().register_forward_pre_hook(_contiguous)
     return runner
 
 
