@@ -11,8 +11,8 @@
            rounded to bf16 (relative error <= 2^-9 each).
     auto   bf16 where a decode step of the model runs at least `margin` faster in it, measured
            here (`faster_precision`: a batch of 32 rows, one token each over a 128-token cache
-           of random KV);
-           fp32 elsewhere (a CPU without bf16 units, e.g. Ice Lake, runs bf16 slower)
+           of random KV); fp32 elsewhere (a CPU without bf16 units, e.g. Ice Lake, runs bf16
+           slower)
 
 In bf16 the engine's logprobs are the copy's, not the fp32 trainer's: their difference is what the
 run reports as engine/logprob_gap_mean and _max (the same weights, before the step's update), and
@@ -36,7 +36,7 @@ def _contiguous(module: torch.nn.Module, args: tuple) -> tuple:
     return (args[0].contiguous(), *args[1:])
 
 
-def _grouped(runner: torch.nn.Module) -> torch.nn.Module:
+def _for_engine(runner: torch.nn.Module) -> torch.nn.Module:
     """`runner` with decode attention by grouped matmuls, and its lm head given a contiguous
     input: a prefill's last positions, hidden[:, -1:] of [B, S, h], are a strided view, for which
     torch's matmul expands the [h, V] weight to [B, h, V] and copies it (a 1.8 GB copy for 32 rows
@@ -52,13 +52,13 @@ def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
     changes is changed in both), decode attention by grouped matmuls; `model`'s attention, its
     active adapter and its train/eval mode are left as they are."""
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return _grouped(copy.deepcopy(model, memo))
+    return _for_engine(copy.deepcopy(model, memo))
 
 
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A bfloat16 copy of `model` (a transformers model, or peft's around one) for inference:
     no gradients, eval mode, decode attention by grouped matmuls."""
-    return _grouped(copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False))
+    return _for_engine(copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False))
 
 
 @torch.no_grad()
