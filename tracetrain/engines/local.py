@@ -20,7 +20,8 @@ the seeded draw, and the bias the choice implies when top_p < 1).
 A row ends after a stop id (the tokenizer's eos, the model's generation_config eos, or the
 request's stop_token_ids; the stop id is kept in the response, finish "stop"), after the token that
 completes one of the request's stop strings (finish "stop") or at max_tokens
-("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done.
+("length"). Finished rows are dropped from the batch and its KV cache once a quarter are done. The
+decode writes each step's keys and values in place (engines/kv_cache.py), not by concatenation.
 
 Prefill computes each prompt prefix once and keeps their KV across batches in a radix tree (per
 model version and adapter, at most `prefix_cache_bytes`, least recently used out; `prefix_cache=
@@ -54,6 +55,7 @@ from tracetrain.engines.base import (
     stop_string_in,
 )
 from tracetrain.engines.join import join_rows
+from tracetrain.engines.kv_cache import reserve
 from tracetrain.engines.precision import engine_precision, refresh
 from tracetrain.engines.prefill import DEFAULT_PREFIX_CACHE_BYTES, Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
@@ -124,9 +126,8 @@ class LocalEngine:
         if type(max_batch_size) is not int or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not batch_window_ms >= 0 or not max_wait_ms >= 0:
-            raise ValueError(
-                f"batch_window_ms and max_wait_ms must be >= 0, got {batch_window_ms!r}, {max_wait_ms!r}"
-            )
+            raise ValueError(f"batch_window_ms and max_wait_ms must be >= 0, got "
+                             f"{batch_window_ms!r}, {max_wait_ms!r}")
         self.model = model if device is None else model.to(device)
         self.device = next(self.model.parameters()).device
         self.tokenizer = tokenizer
@@ -147,11 +148,8 @@ class LocalEngine:
         eos = [tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)]
         self.stop_ids = frozenset(i for e in eos for i in (e if isinstance(e, list) else [e])
                                   if i is not None)
-        self.pad_id = (
-            tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else min(self.stop_ids, default=0)
-        )
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
         self.prefix_cache = prefix_cache
         # the module the forward passes run: the model, or its bf16 copy (engines/precision.py)
         self.precision, self.runner, self.precision_s = engine_precision(self.model, precision)
@@ -372,6 +370,7 @@ class LocalEngine:
         adapters = by_request
         logits, cache, mask, next_pos = self._prefill(
             [r.prompt_ids for r in reqs], self.model_version, adapters)
+        cache = reserve(cache, max(r.params.max_tokens for r in reqs))
         stats["prefill_s"] += clock() - t0
         temperature, top_p, stops = self._row_params(reqs)
         rows = list(range(B))  # request index of each batch row
@@ -392,6 +391,7 @@ class LocalEngine:
                     [r.prompt_ids for r in new], self.model_version,
                     None if by_request is None else by_request[-len(new):])
                 cache, mask = join_rows(cache, mask, n_cache, n_mask)
+                cache = reserve(cache, max(reqs[i].params.max_tokens - len(reqs[i].ids) for i in rows))
                 n_temperature, n_top_p, n_stops = self._row_params(new)
                 logits, next_pos = torch.cat([logits, n_logits]), torch.cat([next_pos, n_pos])
                 temperature = torch.cat([temperature, n_temperature])

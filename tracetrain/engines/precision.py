@@ -33,7 +33,12 @@ ENGINE_PRECISIONS = ("fp32", "bf16", "auto")
 
 
 def _contiguous(module: torch.nn.Module, args: tuple) -> tuple:
-    return (args[0].contiguous(), *args[1:])
+    """args with args[0] dense in row-major order: contiguous, and strides that fold its leading
+    dimensions into one (a [1, 1, h] slice of [1, S, h] is contiguous with batch stride S*h)."""
+    x = args[0]
+    if any(x.stride(i) != x.stride(i + 1) * x.size(i + 1) for i in range(x.dim() - 1)):
+        x = x.clone(memory_format=torch.contiguous_format)
+    return (x, *args[1:])
 
 
 def _for_engine(runner: torch.nn.Module) -> torch.nn.Module:
