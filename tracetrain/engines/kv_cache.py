@@ -5,14 +5,16 @@ cache, per layer [B, K, L, d] for keys and again for values, O(L) bytes per step
 worth of new data (SmolLM2-135M, 32 rows of ~150 tokens in bf16: 110 MB a step, 0.5 s of a 3 s
 32-token decode). A ReservedLayer holds a store [B, K, C, d] with C >= L columns:
 
-    update(k [B, K, n, d]):   store[:, :, L : L + n] = k;   L += n;   keys = store[:, :, :L]  (a view)
+    update(k [B, K, n, d]):   store[:, :, L : L + n] = k;   L += n;   keys = store[:, :, :L]
 
-and when L + n > C it moves to a store of 2 (L + n) columns (one copy; the copies of a decode of T
-tokens add up to O(L + T), not O(L T)). `reserve(cache, need)` moves a prefilled DynamicCache's
-layers into stores with room for the tokens its rows may still decode (`need`), capped at what a
-full store grows by, so a short decode reserves little and a long one grows. The keys and values a layer returns
-are the same numbers DynamicLayer's cat returns (a view of the same entries), so a decode's tokens
-and logprobs do not change.
+and when L + n > C it moves to a store of grown(L + n) columns, a quarter more (at least GROW):
+one copy, and the copies of a decode of T tokens add up to O(L + T) bytes, not O(L T).
+`reserve(cache, need)` moves a prefilled DynamicCache's layers into stores with room for the tokens
+its rows may still decode (`need`), capped at what a full store grows by, so a short decode
+reserves little and a long one grows. `update` returns the whole store, the columns past the
+tokens zero and masked (get_mask_sizes reports them, as transformers' StaticLayer does): attention
+over them adds exact zeros, so a decode's tokens and logprobs are those over DynamicLayer's
+concatenation up to the blocking of the attention's sums.
 """
 
 from __future__ import annotations

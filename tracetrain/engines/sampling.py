@@ -68,9 +68,7 @@ def sample_tokens(
     (0, 1], u [B] uniforms in [0, 1) (float64). Returns (token ids y [B], log p(y) [B]) with the
     formulas of the module docstring."""
     greedy = temperature == 0
-    any_greedy = bool(greedy.any())
-    # (x / 1 == x exactly: a batch at temperature 1 skips the division, as rows without a greedy
-    # one skip the argmax)
+    # (x / 1 == x exactly: a batch at temperature 1 skips the division)
     z = logits if bool((temperature == 1).all()) else logits / torch.where(
         greedy, torch.ones_like(temperature), temperature)[:, None]
     logp = torch.log_softmax(z, dim=-1)
@@ -86,6 +84,6 @@ def sample_tokens(
         mass = scdf.gather(-1, (kept - 1)[:, None]).squeeze(-1)  # S
         j = _draw(scdf, mass, u[rows], kept - 1)
         y[rows] = order.gather(-1, j[:, None]).squeeze(-1)
-    if any_greedy:
+    if bool(greedy.any()):  # (a batch without a greedy row skips the argmax)
         y = torch.where(greedy, z.argmax(-1), y)
     return y, logp.gather(-1, y[:, None]).squeeze(-1)
