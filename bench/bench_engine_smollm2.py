@@ -105,13 +105,17 @@ async def main(args: argparse.Namespace) -> None:
     from tracetrain.engines.local import LocalEngine
     from tracetrain.engines.vllm import write_hf_dir
     from tracetrain.engines.vllm_server import VLLMServer
+    from tracetrain.models.compute import on_compute
     from tracetrain.models.load import load_policy
 
     hf_logging.disable_progress_bar()
-    torch.set_num_threads(args.threads)
+    # the model is loaded, and decodes, on the compute thread; the event loop's thread runs torch
+    # on one thread: one OpenMP team in the process (tracetrain/models/compute.py)
+    torch.set_num_threads(1)
+    torch.get_num_threads()
     cases = [parse_case(c) for c in args.cases]
     biggest = max(b for b, _ in cases)
-    model, tok = load_policy(ModelConfig(**MODEL))
+    model, tok = on_compute(args.threads, load_policy, ModelConfig(**MODEL))
     prompts = prompt_ids(tok, biggest)
     engine = LocalEngine(model, tok, threads=args.threads, precision=args.local_precision,
                          max_context=MAX_MODEL_LEN, max_batch_size=biggest)
@@ -122,7 +126,7 @@ async def main(args: argparse.Namespace) -> None:
            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     lengths = [len(p) for p in prompts]
     print(f"cpu: {cpu_name()}  ({os.cpu_count()} logical CPUs)")
-    print(f"torch threads: {torch.get_num_threads()} (local engine {engine.threads}); vLLM env "
+    print(f"torch threads: local engine {engine.threads}; vLLM env "
           f"{' '.join(f'{k}={v}' for k, v in env.items())}")
     measured = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in (engine.precision_s or {}).items())
     print(f"local precision: {engine.precision} (asked {args.local_precision}"
@@ -133,7 +137,7 @@ async def main(args: argparse.Namespace) -> None:
     server = None
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         try:
-            write_hf_dir(model, tok, Path(tmp) / "model")
+            on_compute(args.threads, write_hf_dir, model, tok, Path(tmp) / "model")
             log = Path(args.log) if args.log else Path(tmp) / "vllm.log"
             t = time.perf_counter()
             server = VLLMServer.launch(

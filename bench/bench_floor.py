@@ -285,6 +285,8 @@ def breakdown(step: dict) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
+    from tracetrain.models.compute import on_compute
+
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-floor-") as tmp:
         step = asyncio.run(real_step(args, Path(tmp)))
@@ -299,7 +301,8 @@ def run(args: argparse.Namespace) -> dict:
     units = bf16_units()
     bf16 = units or step["engine_precision"] == "bf16"  # (auto measured bf16 faster)
     dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if bf16 else {})
-    rates = {name: phase_rates(model, s, work, dt, args.repeats) for name, dt in dtypes.items()}
+    rates = {name: on_compute(args.threads, phase_rates, model, s, work, dt, args.repeats)
+             for name, dt in dtypes.items()}  # (where the model runs: models/compute.py)
     floors = {name: {p: floor_s(work[p]["flops"], r[p]) for p in work} for name, r in rates.items()}
     used = {"prefill": step["engine_precision"], "decode": step["engine_precision"], "update": "fp32" if step["precision"] == "fp32" else "bf16"}
     parts = breakdown(step)

@@ -346,6 +346,7 @@ async def serving(trainer, task, work: Path, *, seed: int):
     from tracetrain.engines.local import LocalEngine
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import serve_in_loop
+    from tracetrain.models.compute import one_thread_here
     from tracetrain.store import SQLiteStore
 
     trainer.nonce = secrets.token_hex(3)
@@ -353,20 +354,21 @@ async def serving(trainer, task, work: Path, *, seed: int):
     trainer.store = SQLiteStore(work / "run" / "traces.db")
     weights, _ = trainer.sync.engine_weights(trainer.version)  # the policy, or (overlap) a copy
     engine = LocalEngine(weights, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=seed,
-                         precision=trainer.cfg.engine.precision)
+                         threads=trainer.threads, precision=trainer.cfg.engine.precision)
     engine.stop_ids = frozenset()  # no stop: every sample is exactly max_tokens long
     time_decoding(engine)
     admin_key = secrets.token_urlsafe(24)
     app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
     trainer.sync.attach(engine, app.state.gateway.slots["default"])  # as Trainer.services
-    try:
-        async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
-            trainer.http_client = http
-            gateway = GatewayClient(url, admin_key)
-            try:
-                yield gateway, engine
-            finally:
-                await gateway.aclose()
+    try:  # (as Trainer.run: the event loop's thread has no OpenMP team, models/compute.py)
+        with one_thread_here():
+            async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
+                trainer.http_client = http
+                gateway = GatewayClient(url, admin_key)
+                try:
+                    yield gateway, engine
+                finally:
+                    await gateway.aclose()
     finally:
         await engine.aclose()
         trainer.store.close()

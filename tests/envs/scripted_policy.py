@@ -21,6 +21,7 @@ import torch
 from tracetrain.engines.base import Generation, SamplingParams
 from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.start import register_engine
+from tracetrain.models.compute import compute_thread
 
 CALLS = 2  # tool calls per rollout before the final answer
 
@@ -73,8 +74,8 @@ class ScriptedPolicy(LocalEngine):
         if len(ids) > params.max_tokens:
             ids, finish = ids[: params.max_tokens], "length"
         loop = asyncio.get_running_loop()
-        logprobs, version = await loop.run_in_executor(
-            self._worker(), self.teacher_forced, list(prompt_ids), ids, params.temperature or 1.0)
+        logprobs, version = await loop.run_in_executor(  # where the engine runs the model
+            compute_thread(), self.teacher_forced, list(prompt_ids), ids, params.temperature or 1.0)
         if on_tokens is not None:
             on_tokens(list(ids))
         return Generation(ids, logprobs, finish, version)

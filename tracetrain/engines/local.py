@@ -1,8 +1,8 @@
 """`local` engine: a transformers causal LM in this process, concurrent requests decoded as one batch.
 
 Requests that arrive together (concurrent `generate` calls, e.g. the turns of 128 agents) are
-gathered into one left-padded batch and decoded by one loop with a KV cache, in a worker thread
-so the event loop keeps serving. Gathering: after the first request, keep gathering until a
+gathered into one left-padded batch and decoded by one loop with a KV cache, on the process's
+compute thread (models/compute.py: the one OpenMP team) so the event loop keeps serving. Gathering: after the first request, keep gathering until a
 `batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
 late does not count: it was busy, or its thread was stopped, and requests may be half-way through
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
@@ -36,10 +36,10 @@ refreshed from it on every weight change: tracetrain/engines/precision.py.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ from tracetrain.engines.precision import engine_precision, refresh
 from tracetrain.engines.prefill import DEFAULT_PREFIX_CACHE_BYTES, Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
 from tracetrain.models import lora
+from tracetrain.models.compute import compute_thread, on_compute, run_with_threads
 
 
 def _batch_order(req: _Request) -> tuple:
@@ -151,16 +152,18 @@ class LocalEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
         self.prefix_cache = prefix_cache
-        # the module the forward passes run: the model, or its bf16 copy (engines/precision.py)
-        self.precision, self.runner, self.precision_s = engine_precision(self.model, precision)
+        # torch's thread count is per OS thread: the decode sets its own (0: this thread's)
+        self.threads = threads if threads > 0 else torch.get_num_threads()
+        # the module the forward passes run: the model, or its bf16 copy (engines/precision.py;
+        # "auto" times both where they will run)
+        self.precision, self.runner, self.precision_s = on_compute(
+            self.threads, engine_precision, self.model, precision)
         # several policies: the model's adapters (lora.adapter_names), which requests may name
         names = lora.adapter_names(self.model)
         self.adapters = (*names, lora.BASE) if names else ()
         self._seeds = random.Random(seed)
         self._lock = threading.Lock()  # held while the model decodes or its weights change
-        # torch's thread count is per OS thread: the decode thread sets its own (0: this thread's)
-        self.threads = threads if threads > 0 else torch.get_num_threads()
-        self._executor: ThreadPoolExecutor | None = None
+        self._decoding: concurrent.futures.Future | None = None  # the batch on the compute thread
         self._pending: list[_Request] = []
         self._queue = threading.Lock()  # `_pending`'s: the decode thread takes joiners from it
         self.lockstep = lockstep
@@ -264,18 +267,8 @@ class LocalEngine:
                 r.seed = self._seeds.getrandbits(63)
         out: list[Generation] = []
         for k in range(0, len(reqs), self.max_batch_size):
-            out += self._worker().submit(self._run, reqs[k : k + self.max_batch_size]).result()
+            out += on_compute(0, self._run, reqs[k : k + self.max_batch_size])
         return out
-
-    def _worker(self) -> ThreadPoolExecutor:
-        """The one thread that runs the model: batches from `generate` and `generate_batch`
-        take turns on it, and the event loop never runs a forward pass."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"engine-{self.name}",
-                initializer=torch.set_num_threads, initargs=(self.threads,),
-            )
-        return self._executor
 
     async def _gather(self) -> None:
         """Forever: wait for requests, gather a batch (see the module docstring), decode it."""
@@ -310,8 +303,8 @@ class LocalEngine:
                 continue
             try:
                 # (requests that join it are appended to `batch`: engines/join.py)
-                gens = await loop.run_in_executor(self._worker(), self._run, batch,
-                                                  self.lockstep is None)
+                self._decoding = compute_thread().submit(self._run, batch, self.lockstep is None)
+                gens = await asyncio.wrap_future(self._decoding)
             except asyncio.CancelledError:  # aclose() while decoding: nobody waits forever
                 for r in batch:
                     self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))
@@ -341,7 +334,7 @@ class LocalEngine:
         """Decode `reqs` (`join`: and the requests that join them, appended to `reqs`)."""
         with self._lock:
             version = self.model_version
-            self._decode(reqs, join)
+            run_with_threads(self.threads, self._decode, reqs, join)
         return [Generation(r.ids, r.logprobs, r.finish, version) for r in reqs]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, adapters=None):
@@ -495,6 +488,6 @@ class LocalEngine:
             if r.future is not None:
                 self._settle(r, error=EngineError(f"local engine {self.name!r} closed", 503))
         self._pending = []
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        if self._decoding is not None:  # the batch on the compute thread ends (its callers told)
+            concurrent.futures.wait([self._decoding])
+            self._decoding = None

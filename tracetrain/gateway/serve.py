@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import socket
@@ -140,9 +141,10 @@ def _build_engine(args: argparse.Namespace):
             args.upstream_url, args.model, tok, name=args.engine_name, max_context=max_context
         )
     from tracetrain.engines.local import LocalEngine
+    from tracetrain.models.compute import on_compute
     from tracetrain.models.tiny import load_tiny
 
-    model, tok = load_tiny(args.model_path)
+    model, tok = on_compute(0, load_tiny, args.model_path)  # where it decodes (models/compute.py)
     kwargs = {"max_context": args.max_context} if args.max_context else {}
     return LocalEngine(model, tok, name=args.engine_name, **kwargs)
 
@@ -256,7 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         # nothing to free in serving and cost ~0.1 ms per request at 32 turns of history
         # (bench/bench_context.py): run it ~30x less often.
         gc.set_threshold(20_000, 20, 20)
-        ReadyServer(config, f"TRACETRAIN_GATEWAY_URL=http://{host}:{port}").run(sockets=[sock])
+        serving = contextlib.nullcontext()
+        if args.engine == "local":  # its compute thread has the one OpenMP team (models/compute.py)
+            from tracetrain.models.compute import one_thread_here
+
+            serving = one_thread_here()
+        with serving:
+            ReadyServer(config, f"TRACETRAIN_GATEWAY_URL=http://{host}:{port}").run(sockets=[sock])
     finally:
         store.close()
     return 0

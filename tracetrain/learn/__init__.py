@@ -5,7 +5,6 @@
     update.py       the step's updates: mini-batches, micro-batches, the loss, the optimizer
     optim.py        AdamW and the learning-rate schedule
     distributed.py  data parallel ranks on a gloo / nccl group
-    threads.py      torch's thread count in the thread that runs the model
     warmstart.py    a warm start on the first rows
     sft.py          `tracetrain sft`: the NLL of the policy's own tokens from chosen traces
 """

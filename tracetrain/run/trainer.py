@@ -48,9 +48,9 @@ from tracetrain.engines.start import preflight
 from tracetrain.gateway.inprocess import admin_key_for
 from tracetrain.learn.distributed import DataParallel, from_main, wrap, wrap_policies
 from tracetrain.learn.optim import optimizer_and_schedule
-from tracetrain.learn.threads import run_with_threads
 from tracetrain.learn.update import UpdateStopped, ppo_update
 from tracetrain.models import lora
+from tracetrain.models.compute import compute_thread, on_compute, one_thread_here, run_with_threads
 from tracetrain.run import checkpoint, continuous, durable, policies, services
 from tracetrain.run.evaluate import eval_tasks
 from tracetrain.run.memory import peak_rss_gb, reset_peak
@@ -106,8 +106,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     out["wall_s"] = time.perf_counter() - t
     task_file = getattr(task, "__file__", None) if cfg.task.endswith(".py") else None
     name = Path(task_file).resolve().parent.name if task_file else cfg.task
-    png = plot_curves(history, trainer.run_dir / "curve.png", title=f"{name}: {cfg.agent} ({cfg.trainer.run_dir})")
-    out["curve"] = str(png)
+    out["curve"] = str(plot_curves(history, trainer.run_dir / "curve.png",
+                                   title=f"{name}: {cfg.agent} ({cfg.trainer.run_dir})"))
     (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     log("summary: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()))
     return out
@@ -127,14 +127,14 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
-        # Torch threads of the model's worker threads (the count is per thread, run_with_threads):
-        # the engine's decode thread uses `threads`, the update `update_threads`, the warm start (it
-        # runs alone) the larger of the two.
+        # Torch threads where the model runs (per OS thread: models/compute.py): `threads` the
+        # engine's decoding, `update_threads` the update, the larger the load and the warm start.
         self.threads = cfg.engine.threads or torch.get_num_threads()
         self.update_threads = cfg.trainer.update_threads or self.threads
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
-        self.model, self.tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
+        self.model, self.tokenizer = on_compute(  # where the model runs (models/compute.py)
+            max(self.threads, self.update_threads), load_policy, cfg.model, seed=cfg.trainer.seed)
         if cfg.model.lora is not None:  # the base frozen, a fresh adapter (lora.py)
             self.model = lora.wrap(self.model, cfg.model.lora)
         # several policies (run/policies.py): whole-model ones' models; the others' adapters
@@ -179,7 +179,7 @@ class Trainer:
         self.workers: AgentWorkers | None = None
         self.collector = None  # collect "continuous": the groups in flight (continuous.Collector)
         self.lockstep = Lockstep() if cfg.lockstep else None  # trainer.reproducible
-        self.update_executor: ThreadPoolExecutor | None = None  # see on_update_thread
+        self.update_executor: ThreadPoolExecutor | None = None  # an own update thread: see on_update_thread
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.started = time.perf_counter()  # time/elapsed_s counts from `run`'s start
         self.checkpoints = checkpoint.Checkpoints(self.run_dir, cfg.trainer.keep_checkpoints)
@@ -192,8 +192,8 @@ class Trainer:
         """Resume or warm-start, then every step with the services up; a checkpoint at the end
         (or, stopped by a signal, of the last completed step: run/stop.py)."""
         self.stop.install(asyncio.get_running_loop())
-        try:
-            with contextlib.suppress(Stopped):
+        try:  # (the event loop's thread has no OpenMP team: models/compute.py)
+            with contextlib.suppress(Stopped), one_thread_here():
                 await self.run_all()
         finally:
             self.stop.uninstall()
@@ -460,13 +460,14 @@ class Trainer:
                  f"in {time.perf_counter() - t:.1f} s")
 
     async def on_update_thread(self, threads: int, fn, /, *args, **kwargs):
-        """fn(*args, **kwargs) with `threads` torch threads (run_with_threads) on the trainer's one
-        update thread: the warm start and every update run on the same OS thread, so its
-        thread-local state (OpenMP pool, malloc arena) is made once, not once per pool worker."""
-        if self.update_executor is None:
-            self.update_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
-        call = functools.partial(run_with_threads, threads, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.update_executor, call)
+        """fn(*args, **kwargs) with `threads` torch threads on the compute thread, where the local
+        engine decodes (the update takes turns with the collection: one OpenMP team); with
+        `trainer.collect` overlap or continuous, which decode during the update, on an own thread."""
+        executor = compute_thread() if self.cfg.trainer.collect == "step" else self.update_executor
+        if executor is None:
+            executor = self.update_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(run_with_threads, threads, fn, *args, **kwargs))
 
     # -- checkpoints -----------------------------------------------------------------------
     def checkpoint_path(self) -> Path:
@@ -488,8 +489,7 @@ class Trainer:
             checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy", self.whole)
 
     def load_checkpoint(self) -> bool:
-        """The newest checkpoint that verifies (durable.newest_valid) into this trainer; False
-        when there is none."""
+        """The newest checkpoint that verifies (durable.newest_valid) into this trainer; False if none."""
         path, skipped = durable.newest_valid(self.run_dir)
         for why in skipped:
             self.log(f"checkpoint skipped: {why}")
