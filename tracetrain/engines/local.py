@@ -2,7 +2,8 @@
 
 Requests that arrive together (concurrent `generate` calls, e.g. the turns of 128 agents) are
 gathered into one left-padded batch and decoded by one loop with a KV cache, on the process's
-compute thread (models/compute.py: the one OpenMP team) so the event loop keeps serving. Gathering: after the first request, keep gathering until a
+compute thread (models/compute.py: its one OpenMP team) so the event loop keeps serving.
+Gathering: after the first request, keep gathering until a
 `batch_window_ms` passes with no new request and the event loop free (a window the loop woke from
 late does not count: it was busy, or its thread was stopped, and requests may be half-way through
 the gateway); at most `max_batch_size` requests, at most `max_wait_ms` in all. Requests that arrive
