@@ -98,7 +98,6 @@ def cpu_name() -> str:
 
 async def main(args: argparse.Namespace) -> None:
     import httpx
-    import torch
     from transformers.utils import logging as hf_logging
 
     from tracetrain.config import ModelConfig
@@ -109,10 +108,8 @@ async def main(args: argparse.Namespace) -> None:
     from tracetrain.models.load import load_policy
 
     hf_logging.disable_progress_bar()
-    # the model is loaded, and decodes, on the compute thread; the event loop's thread runs torch
-    # on one thread: one OpenMP team in the process (tracetrain/models/compute.py)
-    torch.set_num_threads(1)
-    torch.get_num_threads()
+    # the model is loaded, and decodes, on the compute thread (the event loop's thread runs torch
+    # on one thread: see the entry point; one OpenMP team in the process, models/compute.py)
     cases = [parse_case(c) for c in args.cases]
     biggest = max(b for b, _ in cases)
     model, tok = on_compute(args.threads, load_policy, ModelConfig(**MODEL))
@@ -218,4 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    asyncio.run(main(parse_args()))
+    from tracetrain.models.compute import one_thread_here
+
+    with one_thread_here():
+        asyncio.run(main(parse_args()))

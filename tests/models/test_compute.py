@@ -132,8 +132,7 @@ def test_trainer_runs_its_model_work_where_the_engine_decodes(main_threads, tmp_
     from tracetrain.run.trainer import Trainer
 
     extra = {"trainer.collect": collect} | ({"trainer.max_staleness": 1} if collect == "overlap" else {})
-    trainer = Trainer(small_config(tmp_path, 1, **extra),
-                      load_task("task.py", EXAMPLE))
+    trainer = Trainer(small_config(tmp_path, 1, **extra), load_task("task.py", EXAMPLE))
 
     def where():
         return threading.get_ident(), omp_threads()
