@@ -794,6 +794,12 @@ class _LocalKeys(_EngineKeys):
     the trainer's by bf16 rounding (engine/logprob_gap_*; correction.old trainer with a
     correction.weight corrects for it); `auto`, bf16 where a decode step measures at least 10 %
     faster in it, else fp32."""
+    compile: bool = False
+    """A decode step of a Llama-family model (llama, qwen2) runs as one function of tensors
+    (engines/decode_graph.py: eagerly, transformers' logits bit for bit without its per-layer
+    overhead); `true` compiles it with torch.compile (inductor's CPU backend, gcc), eager where
+    that fails. Compiling takes ~1 min for a 135M model and, measured on a 2-core Zen 4, does not
+    make its decode step faster (docs/benchmarks.md)."""
 
 
 class _ServerKeys(_EngineKeys):

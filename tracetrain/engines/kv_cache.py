@@ -56,16 +56,29 @@ class ReservedLayer(DynamicLayer):
         C = self._k.shape[-2]
         return C if self.length + n <= C else grown(self.length + n)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        L, n = self.length, key_states.shape[-2]
-        C = self._capacity(n)
+    @property
+    def capacity(self) -> int:
+        """The stores' columns C."""
+        return self._k.shape[-2]
+
+    def make_room(self, n: int) -> None:
+        """Stores with room for n more tokens (grown when full)."""
+        L, C = self.length, self._capacity(n)
         if C > self._k.shape[-2]:
             self._k = F.pad(self._k[:, :, :L], (0, 0, 0, C - L))
             self._v = F.pad(self._v[:, :, :L], (0, 0, 0, C - L))
+
+    def advance(self, n: int) -> None:
+        """Count the n tokens a caller wrote into the stores' next columns (after make_room)."""
+        self._set(self.length + n)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        L, n = self.length, key_states.shape[-2]
+        self.make_room(n)
         self._k[:, :, L : L + n] = key_states
         self._v[:, :, L : L + n] = value_states
-        self._set(L + n)
+        self.advance(n)
         return self._k, self._v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -31,7 +31,8 @@ names its LoRA adapter (SamplingParams.adapter) and one batch decodes rows of se
 (peft's `adapter_names`: the base weights' matmuls shared, each row's adapter its own).
 
 `precision` bf16 (or auto, where measured faster) decodes with a bfloat16 copy of the model,
-refreshed from it on every weight change: tracetrain/engines/precision.py.
+refreshed from it on every weight change: tracetrain/engines/precision.py. `compile`: a decode step
+runs as one graph built by torch.compile (Llama-family models: tracetrain/engines/decode_graph.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tracetrain.engines import decode_graph
 from tracetrain.engines.base import (
     EngineError,
     Generation,
@@ -124,6 +126,7 @@ class LocalEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         lockstep: Any = None,
         precision: str = "fp32",
+        compile: bool = False,
     ):
         if type(max_batch_size) is not int or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -179,6 +182,9 @@ class LocalEngine:
             "joined": 0, "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_tokens": 0,  # (prefill.py)
             "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
+        # the decode step as one compiled graph where it can be (engines/decode_graph.py)
+        self.graph, self.graph_note = decode_graph.build(self.runner, compile, self.stats)
+        self._step = self.graph or self._forward  # a decode step's forward pass
         self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
                                 budget=prefix_cache_bytes if prefix_cache else 0, stats=self.stats)
 
@@ -437,7 +443,7 @@ class LocalEngine:
                 adapters = None if adapters is None else [by_request[i] for i in rows]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
             t0 = clock()
-            logits, cache = self._forward(y[:, None], mask, next_pos[:, None], cache, adapters)
+            logits, cache = self._step(y[:, None], mask, next_pos[:, None], cache, adapters)
             stats["decode_forward_s"] += clock() - t0
             next_pos = next_pos + 1
 

@@ -64,7 +64,8 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
                          batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep,
                          prefix_cache_bytes=cfg.engine.prefix_cache_mb << 20,
                          prefix_cache=cfg.engine.prefix_cache_mb > 0,
-                         precision=cfg.engine.precision)
+                         precision=cfg.engine.precision, compile=cfg.engine.compile)
+    log(f"engine decode step: {engine.graph_note}")
     if engine.precision_s is not None:
         log(f"engine.precision auto: {engine.precision} (a decode step, best of 3: " + ", ".join(
             f"{p} {s * 1e3:.1f} ms" for p, s in engine.precision_s.items()) + ")")

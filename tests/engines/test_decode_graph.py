@@ -1,0 +1,194 @@
+"""The decode step as one function (engines/decode_graph.py): run eagerly it gives the logits and
+the KV of transformers' forward over the same cache, bit for bit, for Llama and Qwen2 (q/k/v
+biases), any batch, padding, cache room and number of steps (hypothesis); compiled, the engine's
+seeded tokens are eager's and its logprobs agree to fp32 rounding; a model it cannot run is named
+and decodes through transformers' forward; where torch.compile fails, the step runs eagerly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_local import LOGPROB_ATOL
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tracetrain.engines import decode_graph
+from tracetrain.engines.base import SamplingParams
+from tracetrain.engines.kv_cache import reserve
+from tracetrain.engines.local import LocalEngine
+from tracetrain.engines.precision import shared_copy
+from tracetrain.models.tiny import build_model, build_tokenizer
+
+TOK = build_tokenizer()
+LLAMA = build_model(TOK, seed=1)
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    """A tiny Qwen2 (its q/k/v projections have biases), random weights."""
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(2)
+    return Qwen2ForCausalLM(config).eval()
+
+
+QWEN2 = _qwen2()
+
+
+def _prefill(runner, ids, mask):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = runner(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    return out.past_key_values, positions[:, -1]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["llama", "qwen2"]), st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       st.integers(1, 5), st.integers(0, 3), st.integers(0, 2**31))
+@torch.inference_mode()
+def test_eager_step_gives_transformers_logits_and_kv(kind, lengths, steps, room, seed):
+    model = LLAMA if kind == "llama" else QWEN2
+    runner = shared_copy(model)  # (the engine's fp32 runner: grouped decode attention)
+    graph = decode_graph.DecodeGraph(runner, compile=False)
+    assert not graph.compiled
+    g = torch.Generator().manual_seed(seed)
+    vocab, B, L = model.config.vocab_size, len(lengths), max(lengths)
+    ids = torch.randint(1, vocab, (B, L), generator=g)
+    mask = torch.zeros(B, L, dtype=torch.int64)
+    for b, n in enumerate(lengths):  # left padding
+        mask[b, L - n :] = 1
+    (theirs, pos), (ours, _) = _prefill(runner, ids, mask), _prefill(runner, ids, mask)
+    theirs, ours = reserve(theirs, room), reserve(ours, room)  # (room < steps: the stores grow)
+    for _ in range(steps):
+        y = torch.randint(1, vocab, (B, 1), generator=g)
+        mask, pos = torch.cat([mask, mask.new_ones(B, 1)], -1), pos + 1
+        want = runner(input_ids=y, attention_mask=mask, position_ids=pos[:, None],
+                      past_key_values=theirs, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        got, _ = graph(y, mask, pos[:, None], ours)
+        assert torch.equal(got, want)
+        for a, b in zip(ours.layers, theirs.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _prompts():
+    texts = ["Guess a number between 1 and 8.", "Higher.", "What is 12 + 30? Think step by step."]
+    return [TOK.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)[
+        "input_ids"] for t in texts] + [[5]]
+
+
+def test_compiled_step_gives_eager_tokens_and_logprobs(monkeypatch, tmp_path):
+    """A batch whose rows end apart (the batch shrinks) and decode past their stores' room (the
+    stores grow): the graph is built for dynamic shapes. Compiled and eager differ only by the
+    rounding of fused fp32 ops (a few u per op on |logit| < ~2: LOGPROB_ATOL's budget), and
+    seeded draws give the same tokens unless a draw falls within that of a boundary.
+    Inductor's kernels are built afresh here (an empty cache folder)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    decode_graph.inductor_builds.cache_clear()
+    assert decode_graph.inductor_builds() is None  # gcc is on these machines: it must compile
+    eager, compiled = (LocalEngine(LLAMA, TOK, compile=c, seed=0) for c in (False, True))
+    assert compiled.graph.compiled and not eager.graph.compiled
+    assert compiled.graph_note == "one compiled graph"
+    params = [SamplingParams(max_tokens=n, seed=k, temperature=1.0)
+              for k, n in enumerate([3, 90, 20, 70])]
+    for engine in (eager, compiled):
+        engine.stop_ids = frozenset()  # every row to its max_tokens
+    want, got = (e.generate_batch(_prompts(), params) for e in (eager, compiled))
+    for a, b in zip(want, got, strict=True):
+        assert a.response_ids == b.response_ids
+        torch.testing.assert_close(torch.tensor(b.response_logprobs),
+                                   torch.tensor(a.response_logprobs), atol=LOGPROB_ATOL, rtol=0)
+    assert [len(g.response_ids) for g in got] == [3, 90, 20, 70]
+
+
+def _hooked() -> LlamaForCausalLM:
+    model = build_model(TOK, seed=1)
+    model.lm_head.register_forward_hook(lambda m, i, out: out * 2)
+    return model
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda: GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32)),
+     "model_type 'gpt2'"),
+    (lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 10000.0})), "RoPE type 'linear'"),
+    (lambda: Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+     "sliding-window"),
+    (lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, hidden_act="gelu")), "activation 'gelu'"),
+    (_hooked, "a forward hook on lm_head"),
+])
+def test_a_model_it_cannot_run_is_named(make, why):
+    model = make()
+    reason = decode_graph.unsupported(model)
+    assert reason is not None and why in reason
+    graph, note = decode_graph.build(model, compile=True)
+    assert graph is None and why in note
+
+
+def test_lora_decodes_through_transformers():
+    import peft  # (the lora extra, which .ci/run installs)
+
+    model = peft.get_peft_model(build_model(TOK, seed=1), peft.LoraConfig(target_modules=["q_proj"]))
+    assert "LoRA" in decode_graph.unsupported(model)
+
+
+def test_a_hooked_model_decodes_with_its_hook():
+    """The engine of a model with a forward hook decodes through transformers, which runs it."""
+    model = build_model(TOK, seed=1)
+    no_eos = torch.zeros(len(TOK))
+    no_eos[TOK.eos_token_id] = -1e4
+    model.lm_head.register_forward_hook(lambda m, i, out: out + no_eos)
+    engine = LocalEngine(model, TOK)
+    assert engine.graph is None and "forward hook" in engine.graph_note
+    gen = engine.generate_batch(_prompts()[:1], SamplingParams(max_tokens=60, seed=1))[0]
+    assert TOK.eos_token_id not in gen.response_ids and len(gen.response_ids) == 60
+
+
+def test_where_torch_compile_fails_the_step_runs_eagerly(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    reason = decode_graph.inductor_builds.__wrapped__()
+    assert reason == "torch.compile failed: RuntimeError: no C++ compiler found"
+    monkeypatch.setattr(decode_graph, "inductor_builds", lambda: reason)
+    engine = LocalEngine(LLAMA, TOK, compile=True)
+    assert not engine.graph.compiled and engine.graph.fn is decode_graph.decode_step
+    assert engine.graph_note == f"one eager function ({reason})"
+    params = SamplingParams(max_tokens=8, seed=3)
+    plain = LocalEngine(LLAMA, TOK)
+    assert ([g.response_ids for g in engine.generate_batch(_prompts(), params)]
+            == [g.response_ids for g in plain.generate_batch(_prompts(), params)])
+
+
+def test_inductor_caches_per_cpu_capability(monkeypatch):
+    """torch 2.13 reuses a kernel its on-disk cache holds from a run under another
+    ATEN_CPU_CAPABILITY (measured: a compiled decode gave id 511 at every step after an avx512 run
+    had filled the cache, then an avx2 run read it): each capability gets a folder of its own,
+    unless the user chose the folder."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    decode_graph._cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir() + "-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")
+    decode_graph._cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    decode_graph._cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
