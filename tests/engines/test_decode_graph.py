@@ -128,6 +128,9 @@ def _hooked() -> LlamaForCausalLM:
     (lambda: LlamaForCausalLM(LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, hidden_act="gelu")), "activation 'gelu'"),
+    (lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, attention_dropout=0.1)), "attention dropout 0.1"),
     (_hooked, "a forward hook on lm_head"),
 ])
 def test_a_model_it_cannot_run_is_named(make, why):

@@ -20,7 +20,8 @@ here), one graph runs the step: no Python between ops, the elementwise ops betwe
 fused; it rounds differently (inductor keeps float32 between fused bf16 ops), so compiled and
 eager agree to the dtype's rounding, not bit for bit. Where inductor cannot build (no C++
 compiler), the step runs eagerly. Other models (another architecture, LoRA adapters, a sliding
-window, scaled RoPE) decode through transformers' forward: `unsupported` says why.
+window, scaled RoPE, attention dropout, a forward hook: what transformers would run and this
+function would not) decode through transformers' forward: `unsupported` says why.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def unsupported(runner: torch.nn.Module) -> str | None:
     rope = runner.model.rotary_emb
     if rope.rope_type != "default" or rope.attention_scaling != 1.0:
         return f"RoPE type {rope.rope_type!r} (default is)"
+    if getattr(runner.config, "attention_dropout", 0.0):
+        return f"attention dropout {runner.config.attention_dropout}"
     for layer in runner.model.layers:
         if getattr(layer.self_attn, "sliding_window", None) is not None:
             return "a sliding-window layer"
