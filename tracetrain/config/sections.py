@@ -798,8 +798,9 @@ class _LocalKeys(_EngineKeys):
     """A decode step of a Llama-family model (llama, qwen2) runs as one function of tensors
     (engines/decode_graph.py: eagerly, transformers' logits bit for bit without its per-layer
     overhead); `true` compiles it with torch.compile (inductor's CPU backend, gcc), eager where
-    that fails. Compiling takes ~1 min for a 135M model and, measured on a 2-core Zen 4, does not
-    make its decode step faster (docs/benchmarks.md)."""
+    that fails: ~1.1x faster a step again (SmolLM2-135M on a 2-core Zen 4), for ~1 min of
+    compiling at the first batch (seconds once inductor's disk cache has it) and logprobs that
+    differ from eager's by rounding (docs/benchmarks.md)."""
 
 
 class _ServerKeys(_EngineKeys):

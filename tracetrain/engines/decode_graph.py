@@ -170,13 +170,14 @@ class DecodeGraph:
         ids, layers = input_ids[:, 0], cache.layers
         for layer in layers:
             layer.make_room(1)
-        L, C = layers[0].length, layers[0].capacity
+        keys, values = zip(*(layer.stores for layer in layers), strict=True)
+        L, C = layers[0].length, keys[0].shape[-2]
         mask = torch.full((ids.shape[0], C), torch.finfo(self.dtype).min, dtype=self.dtype,
                           device=ids.device)
         mask[:, : L + 1].masked_fill_(attention_mask.bool(), 0.0)
         col = torch.tensor([L], device=ids.device)
-        logits = self.fn(weights(self.runner), [x._k for x in layers], [x._v for x in layers],
-                         ids, position_ids[:, 0], col, mask)
+        logits = self.fn(weights(self.runner), list(keys), list(values), ids,
+                         position_ids[:, 0], col, mask)
         for layer in layers:
             layer.advance(1)
         return logits, cache

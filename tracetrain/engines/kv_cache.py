@@ -57,9 +57,9 @@ class ReservedLayer(DynamicLayer):
         return C if self.length + n <= C else grown(self.length + n)
 
     @property
-    def capacity(self) -> int:
-        """The stores' columns C."""
-        return self._k.shape[-2]
+    def stores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value stores [B, K, C, d] (columns from `length` on: zero, free)."""
+        return self._k, self._v
 
     def make_room(self, n: int) -> None:
         """Stores with room for n more tokens (grown when full)."""
