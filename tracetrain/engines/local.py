@@ -31,8 +31,8 @@ names its LoRA adapter (SamplingParams.adapter) and one batch decodes rows of se
 (peft's `adapter_names`: the base weights' matmuls shared, each row's adapter its own).
 
 `precision` bf16 (or auto, where measured faster) decodes with a bfloat16 copy of the model,
-refreshed from it on every weight change: tracetrain/engines/precision.py. `compile`: a decode step
-runs as one graph built by torch.compile (Llama-family models: tracetrain/engines/decode_graph.py).
+refreshed from it on every weight change: tracetrain/engines/precision.py. A Llama-family decode
+step runs as one function of tensors, compiled with `compile` (tracetrain/engines/decode_graph.py).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class LocalEngine:
             "joined": 0, "prompt_tokens": 0, "prefill_tokens": 0, "prefix_cache_tokens": 0,  # (prefill.py)
             "prefill_s": 0.0, "decode_forward_s": 0.0, "sample_s": 0.0,  # seconds
         }
-        # the decode step as one compiled graph where it can be (engines/decode_graph.py)
+        # a decode step as one function (compiled with `compile`), or transformers' forward
         self.graph, self.graph_note = decode_graph.build(self.runner, compile, self.stats)
         self._step = self.graph or self._forward  # a decode step's forward pass
         self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
