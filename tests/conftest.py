@@ -8,6 +8,7 @@ imported (spawned processes inherit it)."""
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 SUPPORT = str(Path(__file__).resolve().parent / "support")
@@ -16,3 +17,21 @@ if SUPPORT not in sys.path:
 
 settings.register_profile("tracetrain", deadline=None)
 settings.load_profile("tracetrain")
+
+
+@pytest.fixture
+def clean_registries():
+    """The registries and sys.modules as they were before the test: a name a test registers (or a
+    config's plugin does) does not reach the tests that enumerate the registries; a plugin module
+    is imported again, and registers again, by the next config that names it."""
+    from tracetrain import registry
+
+    saved = [(r, dict(r._entries)) for rs in registry.KEYS.values() for r in rs]
+    modules = set(sys.modules)
+    yield
+    for r, entries in saved:
+        r._entries.clear()
+        r._entries.update(entries)
+    for name in set(sys.modules) - modules:
+        if name.startswith("tracetrain_plugin_"):
+            del sys.modules[name]

@@ -24,7 +24,7 @@ TESTS = Path(__file__).resolve().parent
 
 # Low to high. A module may import modules of its own layer and of the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("tracetrain.types", "tracetrain.registry"),  # the data model; the names a config can choose
+    ("tracetrain.types", "tracetrain.registry", "tracetrain.paths"),  # the data model; the names a config can choose; where a named file is
     ("tracetrain.config",),  # the typed run config
     ("tracetrain.agents", "tracetrain.envs"),  # tasks, datasets, environments, the runner (agents call the gateway over HTTP)
     ("tracetrain.models",),  # the policy and its tokenizer, LoRA
@@ -192,6 +192,13 @@ def test_a_pure_stage_reaches_no_io_module(stage):
     graph = import_graph()
     assert any(in_package(m, stage) for m in graph), stage
     assert {m: bad for m, bad in impure(graph).items() if in_package(m, stage)} == {}
+
+
+def test_a_file_a_config_names_is_looked_up_in_one_place():
+    """Beside the config file, then the working directory: only tracetrain/paths.py says how."""
+    looking = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+                     if "Path.cwd()" in p.read_text() and p.name != "paths.py")
+    assert looking == []
 
 
 def test_no_module_is_over_the_limit():

@@ -25,21 +25,6 @@ PLUGIN = Path(__file__).resolve().parent / "support" / "plugin_pieces.py"
 DEADLINE_S = 300
 
 
-@pytest.fixture
-def clean_registries():
-    """The registries and sys.modules as they were before the test: a name a test registers does
-    not reach the tests that enumerate the registries."""
-    saved = [(r, dict(r._entries)) for rs in registry.KEYS.values() for r in rs]
-    modules = set(sys.modules)
-    yield
-    for r, entries in saved:
-        r._entries.clear()
-        r._entries.update(entries)
-    for name in set(sys.modules) - modules:
-        if name.startswith("tracetrain_plugin_"):
-            del sys.modules[name]
-
-
 def test_the_alias_is_stored_as_the_name_it_stands_for():
     aliased = build_config({}, ["loss.mode=per_rollout_mean"])
     assert aliased.loss.mode == "rollout-mean"

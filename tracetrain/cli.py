@@ -194,9 +194,8 @@ def run_sft(args: argparse.Namespace) -> int:
     import json
 
     from tracetrain.config import load_config
-    from tracetrain.learn.sft import dedupe, fine_tune, select, sft_rows
-    from tracetrain.run import checkpoint
-    from tracetrain.run.evaluate import load_eval_policy, load_eval_whole
+    from tracetrain.learn.sft import dedupe, select
+    from tracetrain.models.compute import on_compute
     from tracetrain.store import SQLiteStore
 
     if args.min_reward is None and args.best_per_group is None:
@@ -215,6 +214,22 @@ def run_sft(args: argparse.Namespace) -> int:
     unique = dedupe(chosen)
     if not unique:
         raise UsageError(f"no rollout of {seen} in {[str(r) for r in args.runs]} was chosen")
+    # the model loaded and trained on the compute thread, as `train` does (models/compute.py)
+    report = on_compute(0, fine_tune_chosen, cfg, args, unique, {
+        "runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen)})
+    (args.out / "sft.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
+def fine_tune_chosen(cfg, args: argparse.Namespace, unique: list, report: dict) -> dict:
+    """`tracetrain sft`'s model work: the policy loaded, fine-tuned on the `unique` rollouts'
+    trained tokens (each policy on its own roles'), written to OUT/policy and OUT/checkpoint.pt;
+    `report` with what was trained added."""
+    from tracetrain.learn.sft import fine_tune, sft_rows
+    from tracetrain.run import checkpoint
+    from tracetrain.run.evaluate import load_eval_policy, load_eval_whole
+
     model, tokenizer = load_eval_policy(cfg, args.policy, adapter=True)
     whole = load_eval_whole(cfg, args.policy, sft=True)  # whole-model policies: their own models
     # several policies: each adapter on its own roles' tokens (the config as that policy learns)
@@ -235,14 +250,11 @@ def run_sft(args: argparse.Namespace) -> int:
     if not losses:
         raise UsageError("no rows to fine-tune on for any policy (policies.*.roles)")
     path = checkpoint.write_policy(model, tokenizer, args.out / "policy", whole)  # as a run's policy/
-    report = {"runs": [str(r) for r in args.runs], "rollouts_seen": seen, "chosen": len(chosen),
-              "trained_rollouts": len(unique), "rows": rows, "trained_tokens": tokens,
+    report = {**report, "trained_rollouts": len(unique), "rows": rows, "trained_tokens": tokens,
               "epoch_losses": losses[None] if None in losses else losses,
               "policy": str(path), "checkpoint": str(args.out / "checkpoint.pt")}
     checkpoint.save_weights(model, args.out / "checkpoint.pt", {"command": "tracetrain sft", **report}, whole)
-    (args.out / "sft.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
-    return 0
+    return report
 
 
 def writable_dir(option: str, path: Path) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tracetrain.paths import near_config, not_found
+
 F = TypeVar("F")
 
 
@@ -147,11 +149,10 @@ def import_plugins(modules: list[str], base_dir: str | Path | None = None) -> li
     out = []
     for spec in modules:
         if spec.endswith(".py"):
-            candidates = [Path(spec)] if Path(spec).is_absolute() else [
-                *([Path(base_dir) / spec] if base_dir is not None else []), Path.cwd() / spec]
-            path = next((p.resolve() for p in candidates if p.is_file()), None)
+            path = near_config(spec, base_dir, Path.is_file)
             if path is None:
-                raise ValueError(f"plugins: no file {spec!r} (looked in {[str(c) for c in candidates]})")
+                raise ValueError(f"plugins: {not_found(spec, base_dir)}")
+            path = path.resolve()
             name = f"tracetrain_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
             found = importlib.util.spec_from_file_location(name, path)
             out.append(str(path))

@@ -1,11 +1,14 @@
 """The decode step as one function (engines/decode_graph.py): run eagerly it gives the logits and
 the KV of transformers' forward over the same cache, bit for bit, for Llama and Qwen2 (q/k/v
 biases), any batch, padding, cache room and number of steps (hypothesis); compiled, the engine's
-seeded tokens are eager's and its logprobs agree to fp32 rounding; a model it cannot run is named
-and decodes through transformers' forward; where torch.compile fails, the step runs eagerly."""
+seeded tokens are eager's and its logprobs agree to fp32 rounding; each engine's compiled step
+has dynamo's recompile limit to itself, and says once when it falls back to eager at it; a model
+it cannot run is named and decodes through transformers' forward; where torch.compile fails, the
+step runs eagerly."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -106,6 +109,58 @@ def test_compiled_step_gives_eager_tokens_and_logprobs(monkeypatch, tmp_path):
         torch.testing.assert_close(torch.tensor(b.response_logprobs),
                                    torch.tensor(a.response_logprobs), atol=LOGPROB_ATOL, rtol=0)
     assert [len(g.response_ids) for g in got] == [3, 90, 20, 70]
+
+
+def _step(graph, batch: int) -> torch.Tensor:
+    """The logits of one decode step of `graph` over a prefill of `batch` rows of 3 tokens."""
+    vocab = graph.runner.config.vocab_size
+    ids, mask = torch.arange(3 * batch).view(batch, 3) % (vocab - 1) + 1, torch.ones(batch, 3, dtype=torch.int64)
+    cache, pos = _prefill(graph.runner, ids, mask)
+    y, mask = ids[:, :1], torch.cat([mask, mask.new_ones(batch, 1)], -1)
+    return graph(y, mask, (pos + 1)[:, None], reserve(cache, 2))[0]
+
+
+@torch.inference_mode()
+def test_each_engine_has_its_own_recompile_limit(monkeypatch, caplog):
+    """dynamo keeps compiled graphs per code object, and past torch._dynamo.config.recompile_limit
+    a new guard runs eagerly: engines of three models (another number of layers: another graph)
+    each compile their own step although the limit is 1; one engine past its own limit (batch 1
+    after batch 2: a recompile) logs once that it falls back, runs that step eagerly, and its
+    graph and the others' still run. The backend runs dynamo's graph as captured (not inductor's
+    build: which graphs dynamo keeps, and where, is the same), counting its compiles and runs."""
+    compiled, runs = [], []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return lambda *args: runs.append(gm) or gm.forward(*args)
+
+    monkeypatch.setattr(decode_graph, "inductor_builds", lambda: None)
+    monkeypatch.setattr(decode_graph, "BACKEND", backend)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    caplog.set_level(logging.WARNING, logger="tracetrain.engine")
+    engines = []
+    for layers in (1, 2, 3):
+        torch.manual_seed(layers)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=layers, num_attention_heads=2)).eval()
+        engines.append(decode_graph.DecodeGraph(model, compile=True))
+        _step(engines[-1], 2)
+        assert len(compiled) == len(runs) == layers, f"the {layers}-layer model's step ran eagerly"
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "tracetrain.engine"]
+
+    assert all(e.fallback is None for e in engines) and not said()
+    first, eager = engines[0], decode_graph.DecodeGraph(engines[0].runner, compile=False)
+    torch.testing.assert_close(_step(first, 1), _step(eager, 1), rtol=0, atol=0)
+    _step(first, 1)
+    assert len(compiled) == len(runs) == 3  # eagerly, both
+    assert "recompile_limit" in first.fallback and "runs eagerly" in first.fallback
+    assert said() == [f"engine: {first.fallback}"]  # once
+    for engine in engines:
+        _step(engine, 2)
+    assert len(compiled) == 3 and len(runs) == 6
+    assert [e.fallback is None for e in engines] == [False, True, True]
 
 
 def _hooked() -> LlamaForCausalLM:

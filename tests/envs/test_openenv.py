@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
-from tracetrain import registry
 from tracetrain.agents.tasks import load_source, open_task_data
 from tracetrain.config import build_config
 from tracetrain.envs import load_object
@@ -30,18 +29,9 @@ ENGINE = {"kind": "scripted_tools"}  # scripted_policy.py's engine
 
 
 @pytest.fixture(autouse=True)
-def plugin_registered():
+def plugin_registered(clean_registries):
     """engine.kind scripted_tools (a config's plugin) for each test only: the tests that enumerate
     the registries never see it."""
-    saved = [(r, dict(r._entries)) for rs in registry.KEYS.values() for r in rs]
-    modules = set(sys.modules)
-    yield
-    for r, entries in saved:
-        r._entries.clear()
-        r._entries.update(entries)
-    for name in set(sys.modules) - modules:  # imported again (and registered) by the next config
-        if name.startswith("tracetrain_plugin_"):
-            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
-from tracetrain import registry
+from tracetrain.agents.runner import agent_client
 from tracetrain.agents.tasks import load_source
 from tracetrain.config import build_config
 from tracetrain.envs import EnvError, load_object
@@ -36,18 +35,9 @@ def helper(name: str):
 
 
 @pytest.fixture(autouse=True)
-def plugin_registered():
+def plugin_registered(clean_registries):
     """engine.kind scripted_tools (a config's plugin) for each test only: the tests that enumerate
     the registries never see it."""
-    saved = [(r, dict(r._entries)) for rs in registry.KEYS.values() for r in rs]
-    modules = set(sys.modules)
-    yield
-    for r, entries in saved:
-        r._entries.clear()
-        r._entries.update(entries)
-    for name in set(sys.modules) - modules:  # imported again (and registered) by the next config
-        if name.startswith("tracetrain_plugin_"):
-            del sys.modules[name]
 
 
 def write_rows(tmp_path: Path, rows: list[dict]) -> str:
@@ -96,8 +86,7 @@ def test_the_classes_tools_are_its_public_methods_with_their_schemas(tmp_path):
     with live_gateway(tmp_path, ScriptedEngine()) as gw:
         (r,) = gw.create(1)
         with pytest.raises(EnvError, match=r"Undocumented.act has no schema"):
-            asyncio.run(env.agent(row, {"base_url": r["base_url"], "api_key": r["api_key"],
-                                        "model": "policy"}))
+            asyncio.run(env.agent(row, agent_client(r, {"model": "policy"}, 0)))
         gw.admin.close()
 
 
@@ -113,12 +102,13 @@ def test_a_rollout_plays_the_convention_through_the_gateway(tmp_path):
         gw.engine.say(hermes_call("add", {"n": 2}))
         gw.engine.say(hermes_call("add", {"m": 1}) + hermes_call("nope", {}))
         gw.engine.say("Done.")
-        client = {"base_url": r["base_url"], "api_key": r["api_key"], "model": "policy",
-                  "max_tokens": 64}
+        client = agent_client(r, {"model": "policy", "max_tokens": 64}, 0)
         closed = len(closed_list)
         reward = asyncio.run(env.agent({"prompt": "Count.", "target": 5}, client))
         assert reward == pytest.approx(-0.3 + 0.1)  # |5 - 2| / 10 off, and a tool was called
         assert closed_list[closed:] == [2]
+        (event,) = gw.store.list_events(r["rollout_id"], kind="metrics")  # each source's term
+        assert event.payload == pytest.approx({"closeness": -0.3, "called": 0.1})
         turns = gw.store.get_turns(r["rollout_id"])
         assert [t.context for t in turns] == ["rendered", "exact", "exact"]
         last = gw.engine.tokenizer.decode(turns[-1].prompt_ids)
@@ -135,7 +125,7 @@ def test_get_reward_and_done_end_and_score_the_rollout(tmp_path):
     with live_gateway(tmp_path, ScriptedEngine()) as gw:
         (r,) = gw.create(1)
         gw.engine.say(hermes_call("poke", {}))  # done after it: no second call
-        client = {"base_url": r["base_url"], "api_key": r["api_key"], "model": "policy"}
+        client = agent_client(r, {"model": "policy"}, 0)
         assert asyncio.run(env.agent({"prompt": "Go."}, client)) == 1.0
         assert len(gw.store.get_turns(r["rollout_id"])) == 1
         gw.admin.close()
@@ -160,6 +150,8 @@ def test_trains_with_tool_calls_exact_across_turns(tmp_path):
         assert record.reward == pytest.approx(-abs(record.task["target"] - added) / 10)
         assert all(t.response_logprobs and max(t.response_logprobs) < 0 for t in turns)
     steps = metrics(tmp_path / "run")
+    for m in steps:  # the reward function's mean over the step's rollouts (its only source)
+        assert m["env/closeness"] == pytest.approx(m["reward_mean"])
     assert [m["aggregate/breaks/total"] for m in steps] == [0, 0]
     assert [m["aggregate/n_rollouts"] for m in steps] == [4, 4]
     assert any(m["grad_norm"] > 0 for m in steps)  # a real update from the rewards' spread

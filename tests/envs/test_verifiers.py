@@ -6,7 +6,8 @@ classic (verifiers 0.3, in .venv): rows are its dataset and eval_dataset; it tra
 rubric's reward recorded (checked against the rubric computed here on the recorded reply), in the
 run's process and in agent worker processes; per-step rewards are turn rewards; a tool env plays
 through the gateway token-exactly. verifiers.v1 (0.4, in .venv-verifiers, a worker process): it
-trains with its task's reward recorded; a two-agent env records two roles. Environments that fail
+trains with its task's reward recorded; a two-agent env records two roles; once
+scripts/install-verifiers.sh has run, it plays with no network. Environments that fail
 (at load, in a rollout, in a reward, by hanging) fail with a clear error: the run before training,
 or the rollout, never the step.
 """
@@ -228,6 +229,33 @@ def test_v1_trains_from_its_own_venv_with_its_reward_recorded(tmp_path):
                                 "length": float(len(text))}
         assert r["task"]["prompt"] == f"What is {r['task']['idx']} plus {r['task']['idx'] + 1}?"
     assert len({r["reward"] for r in rollouts}) > 1
+
+
+def test_v1_plays_with_no_network_after_the_install_script(tmp_path, monkeypatch):
+    """The null harness runs verifiers' chat program in a uv environment that each worker syncs
+    (`uv sync --script`, with UV_OFFLINE=false: verifiers' own) at its first use; the install
+    script pre-fetches it. No network here: uv's requests go to a closed port (proxies), the rest
+    of uv is offline (UV_OFFLINE=1), and the gateway on this machine is reached directly."""
+    python = verifiers_python()
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        for var in (name, name.lower()):
+            monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    env = load_source(config(tmp_path, {"env_id": "vf_v1_digits", "python": str(python),
+                                        "args": {"agent": {"harness": {"id": "null"}}}}))
+    try:
+        with live_gateway(tmp_path) as gw:
+            (r,) = gw.create(1)
+            state, reward, text = asyncio.run(call_agent(env.agent, env.rows()[0], gateway_client(r), 60))
+            assert state == "succeeded", f"{text}\n(without network: bash scripts/install-verifiers.sh)"
+            (turn,) = gw.store.get_turns(r["rollout_id"])
+            reply = gw.engine.tokenizer.decode(turn.response_ids, skip_special_tokens=True).strip()
+            assert reward == pytest.approx(vf_digits.expected_reward(reply))
+            gw.admin.close()
+    finally:
+        env.close()
 
 
 def test_v1_two_agents_are_two_roles(tmp_path):

@@ -1,19 +1,23 @@
 """Roles and turn rewards at the gateway: each call records the role that made it (the request's
-`model`, or a role's base URL), rewards are given to turns while the rollout runs, and bad input is
-refused with a 4xx in the API's shape naming the field, recording nothing."""
+`model`, or a role's base URL), rewards are given to turns while the rollout runs, bad input is
+refused with a 4xx in the API's shape naming the field, recording nothing, and roles that share an
+engine each continue their own turns exactly (context: exact)."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from urllib.parse import quote
 
 import anthropic
 import httpx
 import openai
 import pytest
-from gateway_fixtures import FakeEngine, gateway, live_gateway  # noqa: F401
+from gateway_fixtures import FakeEngine, ScriptedEngine, gateway, live_gateway  # noqa: F401
 
 from tracetrain.gateway.app import create_app
+from tracetrain.gateway.context import KEEP
 from tracetrain.gateway.serve import ThreadedServer
+from tracetrain.rows.aggregate import aggregate
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -208,3 +212,57 @@ def test_a_roles_first_call_is_its_first_turn_whichever_engine_serves_it(tmp_pat
         ("solver", "rendered", "forgotten"),
         ("solver", "exact", None),
     ]
+
+
+def sampled_ids(tok, text: str) -> list[int]:
+    """`text` as a sampler may emit it: one token per character (not the tokenizer's own ids), then
+    eos; re-tokenizing its text gives other ids."""
+    return [i for ch in text for i in tok.encode(ch, add_special_tokens=False)] + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("schedule", ["alternating", "bursts"])
+def test_two_roles_on_one_engine_each_continue_their_own_turns(tmp_path, schedule):
+    """A solver and a checker of one rollout, served by one engine, each with its own growing
+    conversation: every call after a role's first continues that role's previous turn exactly
+    (prompt = its prompt + response ids + the new messages), and the rows, one per role, have no
+    break. `alternating`: one call each in turn, both roles opening alike and answering the same
+    text with other ids, so the other role's latest turn matches a role's history too.
+    `bursts`: KEEP + 1 solver calls between two checker calls."""
+    engine = ScriptedEngine()
+    tok = engine.tokenizer
+    task = [{"role": "system", "content": "Task 7."}, {"role": "user", "content": "Go."}]
+    if schedule == "alternating":
+        order = ["solver", "checker"] * 4
+        histories = {"solver": list(task), "checker": list(task)}
+    else:
+        order = (["solver"] * (KEEP + 1) + ["checker"]) * 2
+        histories = {"solver": list(task), "checker": [{"role": "user", "content": "Check."}]}
+    with live_gateway(tmp_path, engine) as gw:
+        (r,) = gw.create(1)
+        rid = r["rollout_id"]
+        client = openai.OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
+        for role in order:
+            history = histories[role]
+            text = f"guess {len(history) // 2}"
+            engine.script.append(
+                tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+                if role == "solver" else sampled_ids(tok, text)
+            )
+            out = client.chat.completions.create(model=role, messages=history)
+            assert out.choices[0].message.content == text
+            history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+        turns = turns_of(gw, rid)
+        assert gw.admin.patch(f"/rollouts/{rid}", json={"state": "succeeded"}).status_code == 200
+        rollouts = gw.store.load_rollouts(rollout_ids=[rid])
+        gw.admin.close()
+    assert [t["role"] for t in turns] == order
+    for role in ("solver", "checker"):
+        own = [t for t in turns if t["role"] == role]
+        assert own[0]["context_reason"] == "first_turn"
+        for before, turn in pairwise(own):
+            held = before["prompt_ids"] + before["response_ids"]
+            assert (turn["context"], turn["context_reason"]) == ("exact", None)
+            assert turn["prompt_ids"][: len(held)] == held and turn["reused_tokens"] == len(held)
+    _, metrics, breaks = aggregate(rollouts, max_prompt_length=2048, max_response_length=2048,
+                                   tokenizer=tok, return_breaks=True)
+    assert breaks == [] and metrics["n_rows"] == 2  # one row per role

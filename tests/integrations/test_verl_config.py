@@ -15,7 +15,7 @@ from verl.trainer.ppo.ray_trainer import Role
 from verl.utils.config import omega_conf_to_dataclass
 from verl_cpu import training_batch
 
-from tracetrain.config import TrainConfig, build_config
+from tracetrain.config import ConfigError, TrainConfig, build_config
 from tracetrain.integrations.verl.config import LOSS_MODULE, VerlConfig, build_verl_config
 from tracetrain.integrations.verl.trainer import make_trainer, verl_workers
 from tracetrain.objective.loss import policy_loss
@@ -59,7 +59,7 @@ def test_loss_settings_reach_verls_actor_and_our_loss(model_dir):
     assert actor.policy_loss.loss_mode == "seq-mean-token-mean"
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.1, 0.3)
     assert math.isinf(actor.clip_ratio_c)
-    assert actor.use_kl_loss and actor.kl_loss_coef == 0.02 and actor.kl_loss_type == "mse"
+    assert actor.use_kl_loss and actor.kl_loss_coef == 0.02 and actor.kl_loss_type == "k2"
     assert conf.actor_rollout_ref.model.external_lib == LOSS_MODULE
     assert actor.shuffle is False and actor.use_dynamic_bsz is True
 
@@ -83,6 +83,25 @@ def test_loss_settings_reach_verls_actor_and_our_loss(model_dir):
     assert float(ours) == pytest.approx(float(ref), rel=1e-6)
     dual, _ = policy_loss(lp, old, a, w, clip_low=0.1, clip_high=0.3, dual_clip=3.0)
     assert float(dual) != pytest.approx(float(ref), rel=1e-6)  # the setting matters here
+
+
+def test_verl_computes_each_kl_estimator_by_the_name_it_is_given(model_dir, clean_registries):
+    """One registry of KL estimators: each built-in one reaches verl's actor by its own name, and
+    verl's kl_penalty of that name is our estimator (inside verl's clamps); a plugin's is refused
+    under verl, naming the key."""
+    from verl.trainer.ppo.core_algos import kl_penalty
+
+    from tracetrain.registry import KL_ESTIMATORS
+
+    g = torch.Generator().manual_seed(0)
+    lp, ref = -torch.rand(4, 7, generator=g) * 3, -torch.rand(4, 7, generator=g) * 3
+    for name in KL_ESTIMATORS.builtin():
+        conf = build_verl_config(tracetrain_config(model_dir, loss={"kl_coef": 0.1, "kl_estimator": name}))
+        given = omega_conf_to_dataclass(conf.actor_rollout_ref.actor).kl_loss_type
+        torch.testing.assert_close(kl_penalty(lp, ref, given), KL_ESTIMATORS[name](lp, ref))
+    KL_ESTIMATORS.register("k1-mine")(lambda lp, ref: lp - ref)
+    with pytest.raises(ConfigError, match=r"'loss.kl_estimator': 'k1-mine' is a plugin's"):
+        build_verl_config(tracetrain_config(model_dir, loss={"kl_estimator": "k1-mine"}))
 
 
 def test_rollout_and_batch_sizes(model_dir):

@@ -160,7 +160,11 @@ _TEAMS = textwrap.dedent("""
     from test_train_e2e import EXAMPLE, small_config
     from tracetrain.agents.tasks import load_task
     from tracetrain.engines.local import LocalEngine
+    from tracetrain import cli
+    from tracetrain.learn import sft
+    from tracetrain.models import load
     from tracetrain.run import trainer as tr
+    from tracetrain.run.evaluate import evaluate
 
     seen = []
 
@@ -173,6 +177,7 @@ _TEAMS = textwrap.dedent("""
 
     LocalEngine._decode = parallel(LocalEngine._decode)
     tr.ppo_update, tr.build_rows = parallel(tr.ppo_update), parallel(tr.build_rows)
+    load.load_policy, sft.fine_tune = parallel(load.load_policy), parallel(sft.fine_tune)
 
     def workers():
         python = {{t.native_id for t in threading.enumerate()}}
@@ -180,22 +185,33 @@ _TEAMS = textwrap.dedent("""
 
     torch.set_num_threads(2)
     base = workers()
-    cfg = small_config({run_dir!r}, 1, **{{"engine.threads": 2, "trainer.eval_every": 0}})
-    asyncio.run(tr.Trainer(cfg, load_task("task.py", EXAMPLE)).run())
-    print(json.dumps({{"base": base, "most": max(seen), "calls": len(seen)}}))
+    run = {run_dir!r}
+    cfg = small_config(run, 1, **{{"engine.threads": 2, "trainer.eval_every": 0,
+                                   "task": str(EXAMPLE / "task.py")}})
+    task = load_task("task.py", EXAMPLE)
+    tr.train(cfg)
+    trained = len(seen)
+    asyncio.run(evaluate(cfg, task, None, policy=run + "/policy", k=1, n_tasks=2))
+    evaluated = len(seen)
+    assert cli.main(["sft", run + "/config.json", "--from", run, "--min-reward", "0",
+                     "--epochs", "1", "--out", run + "-sft"]) == 0
+    print(json.dumps({{"base": base, "most": max(seen), "calls": [trained, evaluated, len(seen)]}}))
 """)
 
 
 @pytest.mark.slow
-def test_a_training_run_keeps_one_openmp_team(tmp_path):
+def test_train_eval_and_sft_keep_one_openmp_team(tmp_path):
     """A run with collect step, 2 threads: while the engine decodes, the update runs and the event
     loop's thread builds rows, the process has one OpenMP worker (two teams would make libgomp
-    wake its workers through the kernel at every parallel region)."""
+    wake its workers through the kernel at every parallel region); and so it has while
+    `tracetrain eval` loads a policy and decodes, and `tracetrain sft` loads and fine-tunes."""
     code = _TEAMS.format(tests=str(Path(__file__).resolve().parents[1]), run_dir=str(tmp_path / "run"))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["calls"] >= 3  # the engine decoded, the update ran, rows were built
+    trained, evaluated, sft = seen["calls"]
+    # train: loaded, decoded, updated, built rows; eval: loaded, decoded; sft: loaded, fine-tuned
+    assert trained >= 4 and evaluated - trained >= 2 and sft - evaluated >= 2, seen
     assert seen["most"] - seen["base"] == 1, seen  # (threads some imports start: in base)

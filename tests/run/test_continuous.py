@@ -65,6 +65,28 @@ def test_the_collector_keeps_its_bounds_whatever_order_groups_finish_in(G, k, st
     asyncio.run(main())
 
 
+def test_a_resumed_collector_launches_no_saved_group_past_its_last_step():
+    """A checkpoint saved groups 6..11 for a 3-step run (G 4); resumed with 2 steps, groups 8..11
+    (step 2) are past its end: only 6 and 7 are launched, and no never-launched one."""
+
+    async def main():
+        played: list[int] = []
+
+        async def play(n: int) -> list:
+            played.append(n)
+            return [n]
+
+        c = Collector(play, lambda: 0, groups_per_step=4, max_staleness=1, last_group=2 * 4,
+                      next_group=12, redo=[6, 7, 8, 9, 10, 11])
+        assert c.launch() == 2 and sorted(c.groups) == [6, 7]
+        await c.take(1)
+        assert sorted(played) == [6, 7]
+        assert c.state()["redo"] == [6, 7]
+        await c.aclose()
+
+    asyncio.run(main())
+
+
 def test_group_specs_are_the_step_synchronous_runs():
     tasks = [{"q": j} for j in range(3)]
     whole = rollout_specs(tasks, 2, "abc-s5")
@@ -241,7 +263,8 @@ def test_rollouts_still_running_when_the_run_ends_are_failed_never_trained_and_c
     """Task 0 of each step waits 60 s after each call: its groups are still running when a run
     ends. A run stopped by an error after its first step's checkpoint, and the run resumed from
     that checkpoint for one step (it plays the untrained groups again, the slow ones among them,
-    and ends with them running): neither leaves a rollout queued or running in traces.db. Those
+    and ends with them running; it launches none of the saved groups past its last step):
+    neither leaves a rollout queued or running in traces.db. Those
     were failed with the error NEVER_TRAINED and no reward, none was trained, the viewer and
     `tracetrain inspect` show them failed, and the resumed run's summary.json counts its own."""
     from fastapi.testclient import TestClient
@@ -251,11 +274,11 @@ def test_rollouts_still_running_when_the_run_ends_are_failed_never_trained_and_c
     from tracetrain.view.app import create_view_app
     from tracetrain.view.inspection import inspect_rollout
 
-    def check(rs: dict, trained_groups: list[str]) -> list[str]:
+    def check(rs: dict, trained_groups: list[str], steps: int) -> list[str]:
         assert rs and not [r for r in rs.values() if not r.state.terminal]
         ended = sorted(i for i, r in rs.items() if r.error == NEVER_TRAINED)
         slow = sorted(i for i, r in rs.items() if r.group_id.endswith("-t0"))
-        assert len(slow) == 3 * 3 and set(slow) <= set(ended)  # the three steps' task 0
+        assert len(slow) == steps * 3 and set(slow) <= set(ended)  # each step's task 0
         for i in ended:
             assert rs[i].state.value == "failed" and rs[i].reward is None
             assert rs[i].group_id not in trained_groups
@@ -276,14 +299,15 @@ def test_rollouts_still_running_when_the_run_ends_are_failed_never_trained_and_c
         with pytest.raises(RuntimeError, match="stopped after the checkpoint"):
             train(cfg, base_dir=TESTS, log=lambda *_: None)
     first = records(run)
-    check(first, metrics(run)[0]["collect/groups"])
+    check(first, metrics(run)[0]["collect/groups"], 3)
 
     resumed = json.loads(cfg.model_dump_json())
     resumed["trainer"].update(steps=2, resume=True)  # (the checkpoint's next step is 1)
     out = train(build_config(resumed, []), base_dir=TESTS, log=lambda *_: None)
     assert [m["step"] for m in metrics(run)] == [0, 1]
     second = {i: r for i, r in records(run).items() if i not in first}
-    ended = check(second, metrics(run)[1]["collect/groups"])
+    # it plays steps 0 and 1's untrained groups again, none of step 2's (past its end)
+    ended = check(second, metrics(run)[1]["collect/groups"], 2)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["cancelled_at_end_rollouts"] == out["cancelled_at_end_rollouts"] == len(ended)
 

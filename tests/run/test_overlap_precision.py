@@ -74,19 +74,19 @@ def test_collect_overlap_is_one_version_behind_overlaps_and_resumes_identically(
     u0, u1 = spans["update"][0]
     assert c0 < u1 and u0 < c1, (spans, "the collect of step 1 did not overlap the update of step 0")
 
-    # Resume two more steps; the same as four straight (same rollouts, same updates).
+    # Resume two more steps; the same as four straight, bit for bit (every metric but the measured
+    # ones, the weights): step 2 is collected from the engine weights the checkpoint kept.
     train(small_config(run, 4, **{"trainer.resume": "true"}), base_dir=EXAMPLE, log=lambda *_: None)
     straight = tmp_path / "straight"
     train(small_config(straight, 4), base_dir=EXAMPLE, log=lambda *_: None)
     a, b = read_metrics(run), read_metrics(straight)
     assert [m["rollout_model_version"] for m in b] == [0, 0, 1, 2]
     assert turn_versions_of_step(straight, 3) == {2}
-    for x, y in zip(a, b, strict=True):
-        assert x["reward_mean"] == y["reward_mean"]
-        assert x["aggregate/n_rows"] == y["aggregate/n_rows"]
-        assert x["rollout_model_version"] == y["rollout_model_version"]
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4, abs=1e-6)
-    assert [x.get("eval/reward_mean") for x in a] == [y.get("eval/reward_mean") for y in b]
+    measured = ("time/", "memory/", "rollouts_per_s", "trained_tokens_per_s", "engine/idle_frac")
+    assert [{k: v for k, v in x.items() if not k.startswith(measured)} for x in a] == \
+        [{k: v for k, v in y.items() if not k.startswith(measured)} for y in b]
+    wa, wb = (torch.load(r / "checkpoint.pt", weights_only=False)["model"] for r in (run, straight))
+    assert all(torch.equal(wa[k], wb[k]) for k in wb)
 
 
 @pytest.mark.slow

@@ -136,3 +136,16 @@ def test_verls_step_takes_its_tasks_from_the_runs_data_file(tmp_path):
     for step in range(2):
         played = [json.loads(groups[f"n0-s{step}-t{j}"]) for j in range(G)]
         assert played == data.train_tasks(step, G)
+
+
+def test_env_metrics_average_each_name_over_the_rollouts_that_reported_it():
+    """r1 reports acc twice (its last value counts) and fmt; r2 acc only, with a NaN and a text
+    that are left out; r3 reports nothing. env/acc = (1 + 0) / 2, env/fmt = 0.5 / 1."""
+    from tracetrain.run.step import env_metrics
+
+    events = {"r1": [{"acc": 0.0, "fmt": 0.5}, {"acc": 1.0}],
+              "r2": [{"acc": 0.0, "len": float("nan"), "note": "x"}], "r3": []}
+    store = SimpleNamespace(list_events=lambda rid, kind=None: [
+        SimpleNamespace(payload=p) for p in events[rid] if kind == "metrics"])
+    assert env_metrics(store, ["r1", "r2", "r3"]) == {"env/acc": 0.5, "env/fmt": 0.5}
+    assert env_metrics(store, ["r3"]) == {}

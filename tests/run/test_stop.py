@@ -1,6 +1,7 @@
 """A run stopped by a signal (run/stop.py): SIGTERM in each phase of a step ends the run within
 the grace with the checkpoint of its last completed step, and the run resumed from it ends as the
-uninterrupted one does (the same metrics but the times, the same weights, bit for bit)."""
+uninterrupted one does (the same metrics but the times, the same weights, bit for bit), under
+trainer.collect step and overlap (there with the same traces too)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, TRIGGER = 5, 2  # the signal comes during step TRIGGER (0-based)
 TIMES = ("time/", "rollouts_per_s", "trained_tokens_per_s", "memory/", "engine/idle_frac")
+OVERLAP = ("trainer.collect=overlap", "trainer.max_staleness=1")
 
 
 def config(run: Path, *extra: str):
@@ -71,14 +74,15 @@ def straight(tmp_path_factory) -> Path:
     return path
 
 
-def patch_phase(phase: str, monkeypatch, stop_flags: list) -> None:
-    """Send SIGTERM to this process when step TRIGGER reaches `phase`."""
+def patch_phase(phase: str, monkeypatch, stop_flags: list, trigger: int = TRIGGER) -> None:
+    """Send SIGTERM to this process when step `trigger` reaches `phase`; "eval-wait" (collect
+    overlap): when its update is done and the next step's collect, which its eval waits for, runs."""
     if phase == "update":
         real = trainer_module.ppo_update
 
         def update(*a, **kw):
             stop_flags.append(1)
-            if len(stop_flags) == TRIGGER + 1:  # step TRIGGER's update (one per step)
+            if len(stop_flags) == trigger + 1:  # step `trigger`'s update (one per step)
                 signal_self()
                 wait_for(kw["stop"])
             return real(*a, **kw)
@@ -88,17 +92,35 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list) -> None:
         real_collect = trainer_module.collect
 
         async def collect(gateway, specs, *a, step, **kw):
-            if step == TRIGGER and "-eval" not in specs[0]["rollout_id"]:  # the step's, not an eval's
+            if step == trigger and "-eval" not in specs[0]["rollout_id"]:  # the step's, not an eval's
                 signal_self()
                 await asyncio.sleep(0.5)  # (cancelled by the stop)
             return await real_collect(gateway, specs, *a, step=step, **kw)
 
         monkeypatch.setattr(trainer_module, "collect", collect)
+    elif phase == "eval-wait":
+        real_update, real_collect = trainer_module.ppo_update, trainer_module.collect
+
+        def counted(*a, **kw):
+            out = real_update(*a, **kw)
+            stop_flags.append(1)
+            return out
+
+        async def collect(gateway, specs, *a, step, **kw):
+            if step == trigger + 1 and "-eval" not in specs[0]["rollout_id"]:
+                while len(stop_flags) < trigger + 1:  # until step `trigger`'s update is done
+                    await asyncio.sleep(0.01)
+                signal_self()
+                await asyncio.sleep(0.5)  # (cancelled by the stop)
+            return await real_collect(gateway, specs, *a, step=step, **kw)
+
+        monkeypatch.setattr(trainer_module, "ppo_update", counted)
+        monkeypatch.setattr(trainer_module, "collect", collect)
     elif phase == "eval":
         real_eval = Trainer.evaluate
 
         async def evaluate(self, gateway):
-            if self.step == TRIGGER + 1:  # the eval after step TRIGGER's update
+            if self.step == trigger + 1:  # the eval after step `trigger`'s update
                 signal_self()
                 await asyncio.sleep(0.5)
             return await real_eval(self, gateway)
@@ -108,7 +130,7 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list) -> None:
         real_write = durable.write
 
         def write(path, fill):
-            if path.name == f"step-{TRIGGER + 1:06d}.pt" and not stop_flags:  # (once)
+            if path.name == f"step-{trigger + 1:06d}.pt" and not stop_flags:  # (once)
                 stop_flags.append(1)
                 signal_self()
                 time.sleep(0.3)  # the loop goes on while this write finishes
@@ -152,6 +174,86 @@ def test_sigterm_in_any_phase_saves_the_last_step_and_the_resumed_run_is_the_str
     a, b = checkpoint.load(path / "checkpoint.pt")["model"], checkpoint.load(straight / "checkpoint.pt")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], v) for k, v in Trainer(config(tmp_path / "fresh"), None).model.state_dict().items())
+
+
+def traces(run_dir: Path) -> dict[str, set]:
+    """Each succeeded rollout's turns (response ids, logprobs, model version) and reward, by its id
+    less the process's nonce (a resumed run's rollouts have another): the distinct ones."""
+    db = sqlite3.connect(run_dir / "traces.db")
+    out: dict[str, set] = {}
+    for rid, reward in db.execute("SELECT rollout_id, reward_event FROM rollouts WHERE state = 'succeeded'"):
+        turns = tuple(db.execute("SELECT response_ids, logprobs, model_version FROM turns "
+                                 "WHERE rollout_id = ? ORDER BY idx", (rid,)))
+        out.setdefault(rid.split("-", 1)[1], set()).add((turns, reward))
+    db.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight_overlap(tmp_path_factory) -> Path:
+    """The uninterrupted run, collecting each next step while the update runs."""
+    path = tmp_path_factory.mktemp("straight_overlap")
+    run(config(path, *OVERLAP))
+    return path
+
+
+# phase, trigger, {the checkpoint's step: whether it keeps that step's rollouts}
+@pytest.mark.parametrize(("phase", "trigger", "outcomes"), [
+    ("collect", TRIGGER, {TRIGGER - 1: True, TRIGGER: False}),  # step TRIGGER - 1's update stopped, or done
+    ("update", TRIGGER, {TRIGGER: True}),
+    ("eval-wait", TRIGGER, {TRIGGER + 1: False}),  # the next step's collect is cut short
+    ("eval", TRIGGER, {TRIGGER + 1: True}),  # after the next step's collect
+    ("eval", STEPS - 1, {STEPS: False}),  # the last step's eval
+    ("checkpoint", TRIGGER, {TRIGGER + 1: True}),
+])
+def test_sigterm_under_collect_overlap_resumes_to_the_straight_run_bit_for_bit(
+        phase, trigger, outcomes, tmp_path, monkeypatch, straight_overlap):
+    """The stop's checkpoint keeps the next step's rollouts when they were collected, else the
+    engine's weights they are collected with (one version behind); the resumed run trains each of
+    them once, runs the stopped eval again where the uninterrupted run ran it, and ends with its
+    metrics, traces (token ids, logprobs, versions, rewards, evals' too) and weights, bit for bit."""
+    path = tmp_path / "run"
+    extra = [*OVERLAP, *(["trainer.checkpoint_every=1"] if phase == "checkpoint" else [])]
+    patch_phase(phase, monkeypatch, [], trigger)
+    run(config(path, *extra))
+    monkeypatch.undo()
+    ck = checkpoint.load(path / "checkpoint.pt")
+    assert ck["step"] in outcomes and len(lines(path)) == ck["step"]
+    assert ck["eval_pending"] == (phase.startswith("eval") or phase == "collect" and ck["step"] == trigger)
+    if outcomes[ck["step"]]:  # collected before the stop: trained, not collected again
+        assert ck["next_collected"].step == ck["step"]
+    else:  # the weights the uninterrupted run collected that step with
+        assert ck["next_collected"] is None and ck["engine"]["version"] == max(ck["step"] - 1, 0)
+
+    run(config(path, *extra))  # resumed to the end
+    assert_the_straight_overlapped_run(path, straight_overlap)
+
+
+def test_a_killed_overlapped_run_resumed_from_a_step_checkpoint_is_the_straight_run(tmp_path, straight_overlap):
+    """SIGKILL after step TRIGGER's checkpoint (the later steps' metrics lines and rollouts left as
+    the process left them): the run resumed from it is the uninterrupted one, bit for bit."""
+    path = tmp_path / "run"
+    extra = [*OVERLAP, "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={STEPS}"]
+    run(config(path, *extra))
+    for f in (path / "checkpoints").glob("step-*"):  # (and their sidecars)
+        if int(f.name.split(".")[0].removeprefix("step-")) > TRIGGER:
+            f.unlink()
+    (path / "checkpoint.pt").unlink()
+    assert checkpoint.load(durable.newest_valid(path)[0])["next_collected"].step == TRIGGER
+    run(config(path, *extra))
+    assert_the_straight_overlapped_run(path, straight_overlap)
+
+
+def assert_the_straight_overlapped_run(path: Path, straight: Path) -> None:
+    """Every step once; the metrics but the measured ones, the traces, the policy's weights and
+    the engine's (what a longer resumed run collects with) those of `straight`, bit for bit."""
+    assert [m["step"] for m in lines(path)] == list(range(STEPS))
+    assert without_times(lines(path)) == without_times(lines(straight))
+    assert traces(path) == traces(straight)
+    a, b = checkpoint.load(path / "checkpoint.pt"), checkpoint.load(straight / "checkpoint.pt")
+    for x, y in ((a["model"], b["model"]), (a["engine"]["model"], b["engine"]["model"])):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert a["engine"]["version"] == b["engine"]["version"] == STEPS - 1
 
 
 def test_the_cli_exits_0_on_sigterm_with_a_checkpoint_and_no_child_left(tmp_path):

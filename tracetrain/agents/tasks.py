@@ -11,6 +11,7 @@ from typing import Any
 
 from tracetrain.agents.runner import load_agent
 from tracetrain.config import ConfigError
+from tracetrain.paths import near_config, not_found
 
 
 def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = True):
@@ -19,11 +20,9 @@ def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = Tr
     `warm_start_transcripts(n, seed=..., **task_args)`. `needs_tasks` false (a run whose tasks
     come from `data.train`): `tasks` may be missing."""
     if spec.endswith(".py"):
-        candidates = [Path(spec)] if Path(spec).is_absolute() else [
-            *([base_dir / spec] if base_dir else []), Path.cwd() / spec]
-        path = next((p for p in candidates if p.is_file()), None)
+        path = near_config(spec, base_dir, Path.is_file)
         if path is None:
-            raise ConfigError(f"config key 'task': no file {spec!r} (looked in {[str(c) for c in candidates]})")
+            raise ConfigError(f"config key 'task': {not_found(spec, base_dir)}")
         mod_spec = importlib.util.spec_from_file_location(f"tracetrain_task_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
@@ -68,12 +67,9 @@ def open_task_data(cfg, base_dir: Path | None = None, source=None):
         return None
 
     def path(key: str, value: str) -> Path:
-        candidates = [Path(value)] if Path(value).is_absolute() else [
-            *([base_dir / value] if base_dir else []), Path.cwd() / value]
-        found = next((p for p in candidates if p.exists()), None)
+        found = near_config(value, base_dir)
         if found is None:
-            raise ConfigError(f"config key 'data.{key}': no file {value!r} (looked in "
-                              f"{[str(c) for c in candidates]})")
+            raise ConfigError(f"config key 'data.{key}': {not_found(value, base_dir)}")
         return found
 
     try:

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from tracetrain import registry
+from tracetrain.paths import near_config, not_found
 from tracetrain.types import UsageError, check_role
 
 
@@ -169,11 +170,10 @@ def _object_spec(value: str, info: ValidationInfo) -> str:
         raise ValueError(f"{value!r} is not of the form 'module:name' or 'path/to/file.py:name'")
     if target.endswith(".py") and not Path(target).is_absolute():
         base = (info.context or {}).get("base_dir")
-        candidates = [*([Path(base) / target] if base is not None else []), Path.cwd() / target]
-        found = next((c.resolve() for c in candidates if c.is_file()), None)
+        found = near_config(target, base, Path.is_file)
         if found is None:
-            raise ValueError(f"no file {target!r} (looked in {[str(c) for c in candidates]})")
-        return f"{found}:{name}"
+            raise ValueError(not_found(target, base))
+        return f"{found.resolve()}:{name}"
     return value
 
 
@@ -265,29 +265,19 @@ class VerifiersConfig(_Section):
     def _python(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None or "/" not in value:
             return value  # a command looked up on PATH when the worker starts
-        return str(cls._near_config(value, info) or value)
+        return str(near_config(value, (info.context or {}).get("base_dir")) or value)
 
     @field_validator("path")
     @classmethod
     def _path(cls, value: list[str], info: ValidationInfo) -> list[str]:
         out = []
         for folder in value:
-            found = cls._near_config(folder, info)
-            if found is None or not found.is_dir():
+            found = near_config(folder, (info.context or {}).get("base_dir"), Path.is_dir)
+            if found is None:
                 raise ValueError(f"no folder {folder!r} (relative to the config file, then the "
                                  "working directory)")
             out.append(str(found))
         return out
-
-    @staticmethod
-    def _near_config(value: str, info: ValidationInfo) -> Path | None:
-        """`value` made absolute (not resolved: a venv's python is a link): relative to the
-        config file, then the working directory, the first that exists; None when neither does."""
-        if Path(value).is_absolute():
-            return Path(value) if Path(value).exists() else None
-        base = (info.context or {}).get("base_dir")
-        candidates = [*([Path(base) / value] if base is not None else []), Path.cwd() / value]
-        return next((c.absolute() for c in candidates if c.exists()), None)
 
 
 class OpenEnvConfig(_Section):
@@ -721,10 +711,30 @@ class TrainerConfig(_Section):
     `auto`: whichever of the two a forward and backward pass of the model measures faster on this
     machine at the start of the run (logged, and kept by a resumed run). `bf16-mixed` and `auto`
     are for backend `embedded`."""
-    tensorboard: bool = False
-    """Also log each step's metrics to TensorBoard, in run_dir/tensorboard (needs tensorboard)."""
-    wandb: bool = False
-    """Also log each step's metrics to Weights & Biases, project `tracetrain` (needs wandb)."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(default_factory=list)
+    """Trackers that also get every step's metrics, the run's config and each eval pass's sample
+    rollouts (run/trackers.py; `pip install 'tracetrain[trackers]'`): `tensorboard`
+    (run_dir/tensorboard), `wandb` (project `tracetrain`), `trackio` (project `tracetrain`, its
+    local store), `mlflow` (experiment `tracetrain`, MLFLOW_TRACKING_URI or ./mlflow.db). One that
+    cannot start is named at the start and left out; one that fails later is warned about once:
+    training goes on."""
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a tracker named twice: {v}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trackers_by_name(cls, data: Any) -> Any:
+        """trainer.tensorboard / trainer.wandb (booleans) are refused, naming report_to."""
+        for old in ("tensorboard", "wandb"):
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"trainer.{old} is now a name in trainer.report_to: write "
+                                 f"`report_to: [{old}]` (also: trackio, mlflow)")
+        return data
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: an address to bind, not one to reach

@@ -22,11 +22,21 @@ eager agree to the dtype's rounding, not bit for bit. Where inductor cannot buil
 compiler), the step runs eagerly. Other models (another architecture, LoRA adapters, a sliding
 window, scaled RoPE, attention dropout, a forward hook: what transformers would run and this
 function would not) decode through transformers' forward: `unsupported` says why.
+
+dynamo keeps its compiled graphs on the function's code object, and after
+torch._dynamo.config.recompile_limit graphs (8 by default) a new shape or model runs eagerly. Each
+DecodeGraph compiles its own region of that cache (torch.compile's isolate_recompiles; a torch
+without it has one region for all), so every engine in a process has the whole limit to itself:
+other engines' models, batch sizes and numbers of layers take none of it. Where an engine's step
+does fall back (its own limit, or config.accumulated_recompile_limit, the cap over all regions of
+the code object), it logs a warning once, on the logger "tracetrain.engine".
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 import os
 from typing import Any
 
@@ -34,6 +44,12 @@ import torch
 import torch.nn.functional as F
 
 from tracetrain.engines.precision import dense_input
+
+log = logging.getLogger("tracetrain.engine")
+
+BACKEND = "inductor"  # torch.compile's backend for the step (a test may choose a cheaper one)
+_LIMIT_HIT = "Dynamo recompile limit exceeded"  # (the start of dynamo's message when it falls back)
+_ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def unsupported(runner: torch.nn.Module) -> str | None:
@@ -147,17 +163,59 @@ def _cache_per_capability() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
 
 
+def _limit_hits() -> int:
+    """How many times dynamo has fallen back to eager at a recompile limit in this process."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for msg, n in counters["unimplemented"].items() if msg.startswith(_LIMIT_HIT))
+
+
 class DecodeGraph:
     """The decode step of a supported runner (`unsupported` is None) over a cache of
     kv_cache.ReservedLayer layers, called as LocalEngine._forward is for a decode step; compiled
-    when `compile` and inductor builds here (`compiled`), else eager (`reason` says why)."""
+    when `compile` and inductor builds here (`compiled`), else eager (`reason` says why).
+    Compiled, its graphs are its own (module docstring); `fallback` is None until dynamo runs a
+    step of it eagerly at a recompile limit, then says so (and the log has said it once)."""
 
     def __init__(self, runner: torch.nn.Module, compile: bool, stats: dict | None = None):
         self.runner, self.stats = runner, stats
         self.dtype = runner.model.embed_tokens.weight.dtype
         self.reason = inductor_builds() if compile else "compile false"
         self.compiled = self.reason is None
-        self.fn = torch.compile(decode_step, dynamic=True) if self.compiled else decode_step
+        self.fallback: str | None = None
+        own = {"isolate_recompiles": True} if _ISOLATES else {}  # (torch 2.13 has it)
+        self.fn = (torch.compile(decode_step, dynamic=True, backend=BACKEND, **own)
+                   if self.compiled else decode_step)
+
+    def _full(self) -> str | None:
+        """Which of dynamo's limits this step's region of its cache has reached (None: neither)."""
+        from torch._dynamo import config, eval_frame
+
+        if hasattr(eval_frame, "_get_cache_entries_for_region"):
+            graphs = len(eval_frame._get_cache_entries_for_region(decode_step, self.fn._isolate_recompiles_id))
+            total = eval_frame._get_total_cache_entry_count(decode_step)
+        else:  # a torch without isolate_recompiles: one region, every engine's
+            graphs = total = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(decode_step.__code__))
+        limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
+        if graphs >= limit:
+            return f"torch._dynamo.config.recompile_limit ({limit} graphs, its own)"
+        if total >= config.accumulated_recompile_limit:
+            return (f"torch._dynamo.config.accumulated_recompile_limit "
+                    f"({config.accumulated_recompile_limit} graphs, over all engines in the process)")
+        return None
+
+    def _step(self, *args: Any) -> torch.Tensor:
+        """self.fn(*args), noting (once) a fall back to eager at a recompile limit: dynamo counts
+        one when it gives up compiling a frame; it was this step's where its region is full."""
+        if not self.compiled or self.fallback is not None:
+            return self.fn(*args)
+        hits = _limit_hits()
+        out = self.fn(*args)
+        if _limit_hits() > hits and (full := self._full()) is not None:
+            self.fallback = (f"the compiled decode step reached {full}: a step its graphs do "
+                             "not cover runs eagerly (correct, slower)")
+            log.warning("engine: %s", self.fallback)
+        return out
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, cache: Any, adapters: None = None
@@ -176,8 +234,8 @@ class DecodeGraph:
                           device=ids.device)
         mask[:, : L + 1].masked_fill_(attention_mask.bool(), 0.0)
         col = torch.tensor([L], device=ids.device)
-        logits = self.fn(weights(self.runner), list(keys), list(values), ids,
-                         position_ids[:, 0], col, mask)
+        logits = self._step(weights(self.runner), list(keys), list(values), ids,
+                            position_ids[:, 0], col, mask)
         for layer in layers:
             layer.advance(1)
         return logits, cache

@@ -19,6 +19,8 @@ One rollout of a task `row` (a dict: one row of data.train):
                [value]}) over reward_funcs (None: f left out, TRL's nansum), + env.get_reward()
                when the class defines it (TRL 1.16: one more reward source of weight 1); with
                neither, the instance's `reward` attribute
+    metrics  each source's term of that sum by name (the function's __name__, `get_reward`,
+             `reward`), the rollout's `metrics` event: the step's env/<name> (run/step.py)
     finally  env.close() when it has one
 
 Sync methods (the factory, reset, tools, sync reward functions, close) run in order on one daemon
@@ -40,6 +42,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from tracetrain.agents.runner import post_to_rollout
 from tracetrain.config import EnvironmentClassConfig
 from tracetrain.envs.base import (
     EnvError,
@@ -291,36 +294,40 @@ class EnvironmentClassEnv(Environment):
 
         completion = await tool_loop(client, messages, schemas, call_tool, c.max_turns,
                                      ended=lambda: getattr(instance, "done", False) is True)
-        return await self.score(thread, instance, funcs, task, prompt, completion)
+        reward, parts = await self.score(thread, instance, funcs, task, prompt, completion)
+        await post_to_rollout(client, "events", [{"kind": "metrics", "payload": parts}])
+        return reward
 
     async def score(self, thread: InstanceThread, instance: Any, funcs: list[Callable], row: dict,
-                    prompt: list[dict], completion: list[dict]) -> float:
-        """The rollout's reward (module docstring); ValueError naming the source of a bad one."""
+                    prompt: list[dict], completion: list[dict]) -> tuple[float, dict[str, float]]:
+        """The rollout's reward (module docstring) and each source's part of it, by name (a
+        reward function's, `get_reward`, `reward`: the rollout's `metrics` event); ValueError
+        naming the source of a bad one."""
         columns = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
         kwargs = {**columns, "trainer_state": None, "log_extra": _drop, "log_metric": _drop,
                   "environments": [instance]}
-        values = []
-        for fn in funcs:
+        parts: dict[str, float] = {}
+        for i, fn in enumerate(funcs):
             name = getattr(fn, "__name__", repr(fn))
             out = await run_method(thread, fn, prompts=[prompt], completions=[completion], **kwargs)
             if not isinstance(out, (list, tuple)) or len(out) != 1:
                 raise ValueError(f"reward function {name} returned {out!r}: one reward per "
                                  "completion (a list of 1) expected")
             if out[0] is not None:
-                values.append(finite(out[0], f"reward function {name}"))
+                parts[name if name not in parts else f"{name}_{i}"] = finite(out[0], f"reward function {name}")
         if callable(getattr(instance, "get_reward", None)):
             value = await run_method(thread, instance.get_reward)
             if value is not None:
-                values.append(finite(value, f"{type(instance).__name__}.get_reward()"))
+                parts["get_reward"] = finite(value, f"{type(instance).__name__}.get_reward()")
         elif not funcs:
             if not hasattr(instance, "reward"):
                 raise EnvError(
                     f"config key '{KEY}.reward_funcs': none given, and {type(instance).__name__} has "
                     "neither get_reward() nor a `reward` attribute: nothing scores the rollout")
-            values.append(finite(instance.reward, f"{type(instance).__name__}.reward"))
-        if not values:
+            parts["reward"] = finite(instance.reward, f"{type(instance).__name__}.reward")
+        if not parts:
             raise ValueError("every reward source returned None for this rollout")
-        return float(sum(values))
+        return float(sum(parts.values())), parts
 
 
 async def close(thread: InstanceThread, instance: Any) -> None:

@@ -30,11 +30,18 @@ role exist but none is held here (forgotten); some are held but none is a prefix
 harness truncated, summarised or edited its history); template_prefix. Under `context: template`
 every prompt is the full render.
 
-Memory: the last KEEP answered turns of each rollout on this engine (their messages, answer, ids,
-role), in an LRU over rollouts bounded by `max_bytes`. A gateway restart forgets them: the next
-turn of a rollout that was running renders in full (reason "forgotten"). Whether a call is its
-role's first is the caller's to say (first_calls.RoleCalls): a role served by another engine has
-its first call where this memory holds nothing of the rollout.
+Which earlier turn: the latest one of the calling role whose conversation is a prefix, else the
+latest one of another role (a role's first call may extend another role's conversation). So roles
+that alternate on one engine each continue their own turns: a role whose history also extends
+another role's turn (the same opening, an answer of the same text with other ids) still continues
+its own ids, which its row chains on (rows/roles.py).
+
+Memory: the last KEEP answered turns of each role of each rollout on this engine (their messages,
+answer, ids), so one role's calls never evict another's; in an LRU over rollouts bounded by
+`max_bytes`. A gateway restart forgets them: the next turn of a rollout that was running renders
+in full (reason "forgotten"). Whether a call is its role's first is the caller's to say
+(first_calls.RoleCalls): a role served by another engine has its first call where this memory
+holds nothing of the rollout.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from tracetrain.types import (
 
 CONTEXT_POLICIES = ("exact", "template")
 
-KEEP = 8  # answered turns remembered per rollout
+KEEP = 8  # answered turns remembered per role of a rollout
 _PLACEHOLDER = "…"  # stands for the answered message's text in the base (see _base)
 _PROBE = "\x00tracetrain-probe\x00"
 _REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
@@ -82,7 +89,7 @@ class Built:
 
 @dataclass(slots=True)
 class _Answered:
-    """One answered turn of a rollout: what it was sent, what it answered, its ids. Kept as bytes,
+    """One answered turn of a role: what it was sent, what it answered, its ids. Kept as bytes,
     arrays and tuples of atoms, which the garbage collector does not traverse: holding the
     messages as dicts made its full collections cost more than building the prompts."""
 
@@ -93,7 +100,6 @@ class _Answered:
     ids: array  # prompt_ids + response_ids
     response_tail: tuple[int, ...]
     turn: int  # its index in the rollout
-    role: str  # the role that made the call
 
     @property
     def size(self) -> int:  # bytes, roughly
@@ -222,7 +228,8 @@ class ExactContext:
         self.prompts, self.render = prompts, render
         self.tokenizer = prompts.tokenizer
         self.max_bytes = max_bytes
-        self._rollouts: OrderedDict[str, list[_Answered]] = OrderedDict()
+        # rollout -> role -> its last KEEP answered turns, oldest first
+        self._rollouts: OrderedDict[str, dict[str, list[_Answered]]] = OrderedDict()
         self._bytes = 0
         self._closings: dict[tuple[Any, bool], tuple[str, list[int]] | None] = {}
 
@@ -241,18 +248,22 @@ class ExactContext:
     ) -> Built:
         """The prompt of a chat request under `context: exact`. `full()`: the template's full render
         (ids); `first`: `role`, which makes the call, has made no chat call in the rollout yet;
-        `sent`: `messages_json(messages)`. Any earlier turn held here may be continued, whichever
-        role made it."""
-        seen = self._rollouts.get(rollout_id) or []
+        `sent`: `messages_json(messages)`. The turn continued is `role`'s own latest that matches,
+        else another role's latest that matches."""
+        roles = self._rollouts.get(rollout_id) or {}
         entry = None
-        if seen:
+        if roles:
             self._rollouts.move_to_end(rollout_id)
             tools_json = _json(tools)
-            entry = next((e for e in reversed(seen) if _continues(e, messages, sent, tools_json)), None)
+            own = roles.get(role, ())
+            others = sorted((e for r, held in roles.items() if r != role for e in held),
+                            key=lambda e: e.turn)
+            entry = next((e for held in (own, others) for e in reversed(held)
+                          if _continues(e, messages, sent, tools_json)), None)
         if entry is None:
             if first:
                 why = FIRST_TURN
-            elif any(e.role == role for e in seen):
+            elif role in roles:
                 why = NO_MATCH
             else:  # its role's earlier turns: before a restart, evicted, or on another engine
                 why = FORGOTTEN
@@ -334,16 +345,16 @@ class ExactContext:
         prompt = prompt_ids if isinstance(prompt_ids, array) else array("i", prompt_ids)
         entry = _Answered(
             sent, len(messages), answer_key(answer), tools_json,
-            prompt + array("i", response_ids), tuple(response_ids[-8:]), turn, role,
+            prompt + array("i", response_ids), tuple(response_ids[-8:]), turn,
         )
         if entry.size > self.max_bytes // 8:
             return
-        seen = self._rollouts.setdefault(rollout_id, [])
+        held = self._rollouts.setdefault(rollout_id, {}).setdefault(role, [])
         self._rollouts.move_to_end(rollout_id)
-        seen.append(entry)
+        held.append(entry)
         self._bytes += entry.size
-        if len(seen) > KEEP:
-            self._bytes -= seen.pop(0).size
+        if len(held) > KEEP:
+            self._bytes -= held.pop(0).size
         while self._bytes > self.max_bytes and self._rollouts:
             _, old = self._rollouts.popitem(last=False)
-            self._bytes -= sum(e.size for e in old)
+            self._bytes -= sum(e.size for turns in old.values() for e in turns)

@@ -3,10 +3,13 @@
     step, version        the next step, and the policy's model version
     model                the policy's weights (the adapter alone under LoRA; several policies:
                          {policy: its adapter's})
-    engine               collect overlap: the weights the next step's rollouts come from (the
-                         engine's: the policy before the last update), with their version
-    next_collected       collect overlap: that collect's results when it already ran (the
-                         rollouts themselves are in the store)
+    engine               collect overlap: the engine's copy of the weights, with their version;
+                         without next_collected, the weights the next step's rollouts come from
+                         (the policy before the last update)
+    next_collected       collect overlap: the next step's rollouts when their collect finished
+                         before the checkpoint (the end of a step, or a signal's stop): a resumed
+                         run trains them, it does not collect them again (the rollouts
+                         themselves are in the store)
     optimizer, scheduler their state
     ref_model            the KL reference, when the loss has one
     whole, whole_refs    several policies: each whole-model policy's model and KL reference
@@ -32,12 +35,14 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tracetrain.config import TrainerConfig
 from tracetrain.models import lora
 from tracetrain.run import durable
 
@@ -53,6 +58,14 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     gradient. The KL reference and the roles.serve "frozen" copy, of a fresh run and of a resumed
     one alike (a resumed run's then takes the checkpoint's weights)."""
     return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def due(t: TrainerConfig, step: int, checkpointed: float) -> bool:
+    """Whether a checkpoint is due after step `step` (the next step's number) under trainer
+    config `t`: every `t.checkpoint_every` steps, or `t.checkpoint_minutes` after the last one
+    (written at time.monotonic() `checkpointed`)."""
+    return bool(t.checkpoint_every and step % t.checkpoint_every == 0
+                or t.checkpoint_minutes and time.monotonic() - checkpointed >= 60 * t.checkpoint_minutes)
 
 
 def rng_state() -> dict:
@@ -240,3 +253,16 @@ def restore(tr: Any, path: Path) -> None:
     tr.resumed_precision = ck.get("precision")
     tr.collector_state = ck.get("collector")
     tr.eval_pending = ck.get("eval_pending", False)
+
+
+def resume(tr: Any) -> bool:
+    """The newest checkpoint of trainer `tr`'s run_dir that verifies (durable.newest_valid) into
+    `tr`, those skipped and the one taken logged; False if none."""
+    path, skipped = durable.newest_valid(tr.run_dir)
+    for why in skipped:
+        tr.log(f"checkpoint skipped: {why}")
+    if path is None:
+        return False
+    restore(tr, path)
+    tr.log(f"resumed from {path} at step {tr.step}")
+    return True

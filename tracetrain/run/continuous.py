@@ -54,14 +54,15 @@ class Collector:
     returning its results; version(): the engine's model version now. `redo`: groups a resumed
     run launches again first (launched, not trained, when its checkpoint was written);
     `next_group`: the first group never launched; `last_group`: no group from it on is launched
-    (the run needs steps x G)."""
+    (the run needs steps x G), a saved one (`redo`) included: a run resumed with fewer steps
+    plays none past its last step."""
 
     def __init__(self, play: Callable[[int], Awaitable[list]], version: Callable[[], int], *,
                  groups_per_step: int, max_staleness: int, last_group: int,
                  next_group: int = 0, redo: list[int] | None = None):
         self.play, self.version = play, version
         self.G, self.k, self.last = groups_per_step, max_staleness, last_group
-        self.next, self.redo = next_group, sorted(redo or [])
+        self.next, self.redo = next_group, sorted(n for n in redo or [] if n < last_group)
         self.groups: dict[int, Group] = {}  # launched, not trained
         self.taken: list[int] = []  # the step's, until `trained`
         self.last_take = time.perf_counter()  # when the last step's groups were taken (or the start)

@@ -20,6 +20,7 @@ whole-model policies' models on local engines of their own); a policy/ folder se
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import tempfile
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from tracetrain.config import ConfigError, TrainConfig
+from tracetrain.models.compute import on_compute, one_thread_here
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -114,14 +116,51 @@ def eval_tasks(cfg: TrainConfig, task: Any, data, n: int) -> list[dict]:
     return task.tasks(n, seed=-(cfg.trainer.seed * 1_000_003 + 1), **cfg.task_args)
 
 
+def eval_samples(store, tokenizer, tasks: list[dict], results: list, n: int = 8) -> list[dict]:
+    """The first `n` tries of an eval pass (`results[j]` played `tasks[j]`) as table rows:
+    task (its JSON), reply (the text of its last turn's response), reward (None: no reward, the
+    try failed or timed out)."""
+    results = results[:n]
+    played = {r.rollout_id: r for r in store.load_rollouts(rollout_ids=[r.rollout_id for r in results])}
+    rows = []
+    for t, r in zip(tasks, results, strict=False):
+        turns = played[r.rollout_id].turns if r.rollout_id in played else []
+        reply = tokenizer.decode(list(turns[-1].response_ids), skip_special_tokens=True) if turns else ""
+        rows.append({"task": json.dumps(t, default=str), "reply": reply,
+                     "reward": r.reward if r.state == "succeeded" else None})
+    return rows
+
+
 async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4,
                    temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
                    store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
     """Play each eval task k times with the policy; (summary, one row per task)."""
+    from tracetrain.engines.start import preflight
+
+    if k < 1:
+        raise ConfigError(f"--k must be >= 1, got {k}")
+    preflight(cfg)  # before loading anything: e.g. the interpreter must run vLLM
+    tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
+    # loaded where the engine decodes; this thread at one torch thread (models/compute.py)
+    threads = cfg.engine.threads or torch.get_num_threads()
+    model, tokenizer = on_compute(threads, load_eval_policy, cfg, policy)
+    whole = on_compute(threads, load_eval_whole, cfg, policy)
+    with one_thread_here():
+        results = await _play(cfg, task, tasks, model, tokenizer, whole, k=k, temperature=temperature,
+                              store_dir=store_dir, log=log)
+    summary, rows = tally(tasks, results, k, success)
+    return {**summary, "temperature": temperature, "top_p": cfg.rollout.top_p,
+            "policy": str(policy) if policy else "untrained"}, rows
+
+
+async def _play(cfg: TrainConfig, task: Any, tasks: list[dict], model, tokenizer, whole: dict, *,
+                k: int, temperature: float, store_dir: Path | None, log) -> list:
+    """The k tries of each of `tasks` through a gateway and engines of their own; the results in
+    task order."""
     from tracetrain.agents.lockstep import Lockstep
     from tracetrain.agents.runner import GatewayClient, agent_http_client
     from tracetrain.agents.tasks import resolve_agent
-    from tracetrain.engines.start import preflight, start_engine
+    from tracetrain.engines.start import start_engine
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import serve_in_loop
     from tracetrain.models import lora
@@ -129,12 +168,6 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     from tracetrain.run.step import collect, rollout_specs
     from tracetrain.store import SQLiteStore
 
-    if k < 1:
-        raise ConfigError(f"--k must be >= 1, got {k}")
-    preflight(cfg)  # before loading anything: e.g. the interpreter must run vLLM
-    tasks = eval_tasks(cfg, task, data, n_tasks or cfg.trainer.eval_tasks)
-    model, tokenizer = load_eval_policy(cfg, policy)
-    whole = load_eval_whole(cfg, policy)
     if cfg.model.lora is not None and not lora.is_lora(model):
         # a merged policy/ or the untrained base: an engine serves it whole, not base + adapter
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
@@ -166,9 +199,7 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
             for engine in engines.values():
                 await engine.aclose()
             store.close()
-    summary, rows = tally(tasks, results, k, success)
-    return {**summary, "temperature": temperature, "top_p": cfg.rollout.top_p,
-            "policy": str(policy) if policy else "untrained"}, rows
+    return results
 
 
 def tally(tasks: list[dict], results: list, k: int, success: float) -> tuple[dict, list[dict]]:

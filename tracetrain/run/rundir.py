@@ -1,4 +1,5 @@
-"""What a run leaves beside its rows: its directory's files, the metric sinks, the step line."""
+"""What a run leaves beside its rows: its directory's files and the step line (the trackers:
+run/trackers.py)."""
 
 from __future__ import annotations
 
@@ -44,34 +45,6 @@ def claim_run_dir(run_dir: Path, cfg: TrainConfig, resumed: list[dict] | None) -
     tmp = run_dir / "config.json.tmp"
     tmp.write_text(cfg.model_dump_json(indent=2))
     tmp.replace(run_dir / "config.json")  # whole or absent to a reader (tracetrain view)
-
-
-def metric_sinks(cfg: TrainConfig, run_dir: Path) -> list:
-    """Where step metrics go besides metrics.jsonl: TensorBoard and/or Weights & Biases, when
-    asked for (a clear error when asked for but not installed)."""
-    sinks = []
-    numeric = lambda m: {k: v for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}  # noqa: E731
-    if cfg.trainer.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ConfigError(f"config key 'trainer.tensorboard': needs the tensorboard package ({e})") from None
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
-
-        def tb(m: dict) -> None:
-            for k, v in numeric(m).items():
-                writer.add_scalar(k, v, m["step"])
-            writer.flush()
-
-        sinks.append(tb)
-    if cfg.trainer.wandb:
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError("config key 'trainer.wandb': needs the wandb package") from None
-        run = wandb.init(project="tracetrain", dir=str(run_dir), config=cfg.model_dump())
-        sinks.append(lambda m: run.log(numeric(m), step=m["step"]))
-    return sinks
 
 
 def format_step(m: dict) -> str:

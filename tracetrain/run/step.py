@@ -13,6 +13,7 @@ and checkpoint manager). What every backend logs of a step comes from `rows` and
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -209,6 +210,18 @@ class Collected:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+def collected_of(step: int, *candidates: Any) -> Collected | None:
+    """The rollouts of step `step` among `candidates` (each a Collected, the task of an
+    overlapped collect, done or not, or None), or None: what a stopped run keeps in its
+    checkpoint so that a resumed run trains them instead of collecting the step again."""
+    for c in candidates:
+        if hasattr(c, "done"):  # a task: its result once it finished whole
+            c = c.result() if c.done() and not c.cancelled() and c.exception() is None else None
+        if isinstance(c, Collected) and c.step == step:
+            return c
+    return None
+
+
 class Rows(NamedTuple):
     batch: TrainingBatch
     # [n_rollouts] one per rollout, or [rows, S] one per token of a turn-level estimator
@@ -224,7 +237,8 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
     n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were built), roles/* and
-    turn_rewards/* (roles.role_metrics), advantage/*, entropy/sampled, time/rows_s.
+    turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), advantage/*, entropy/sampled,
+    time/rows_s.
 
     entropy/sampled: the mean over the trained tokens of -(the engine's logprob), the sampling
     policy's per-token entropy estimated from its own samples (E_{a~pi} -log pi(a) = H(pi), at
@@ -249,6 +263,7 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
         **context_metrics(store.turn_contexts(ids)),
         **role_metrics(rollouts, train_roles),
         **staleness_counts(rollouts, version, train_roles),
+        **env_metrics(store, ids),
     }
     adv = None
     if batch.n_rows:
@@ -263,6 +278,22 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
             metrics["entropy/sampled"] = float(-trained.mean()) if trained.numel() else 0.0
     metrics["time/rows_s"] = time.perf_counter() - t0
     return Rows(batch, adv, metrics)
+
+
+def env_metrics(store, rollout_ids: Sequence[str]) -> dict[str, float]:
+    """env/<name>: the mean over the rollouts that reported `name` of what the environment
+    reported (each rollout's `metrics` events: a verifiers rubric's functions, an environment
+    class's reward functions; a name's last finite number per rollout)."""
+    values: dict[str, list[float]] = {}
+    for rid in rollout_ids:
+        mine: dict[str, float] = {}
+        for event in store.list_events(rid, kind="metrics"):
+            payload = event.payload if isinstance(event.payload, dict) else {}
+            mine.update({str(k): float(v) for k, v in payload.items()
+                         if isinstance(v, (int, float)) and math.isfinite(v)})
+        for k, v in mine.items():
+            values.setdefault(k, []).append(v)
+    return {f"env/{k}": math.fsum(v) / len(v) for k, v in sorted(values.items())}
 
 
 def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s: float) -> dict:

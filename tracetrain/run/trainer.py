@@ -51,11 +51,11 @@ from tracetrain.learn.optim import optimizer_and_schedule
 from tracetrain.learn.update import UpdateStopped, ppo_update
 from tracetrain.models import lora
 from tracetrain.models.compute import compute_thread, on_compute, one_thread_here, run_with_threads
-from tracetrain.run import checkpoint, continuous, durable, policies, services
-from tracetrain.run.evaluate import eval_tasks
+from tracetrain.run import checkpoint, continuous, policies, services
+from tracetrain.run.evaluate import eval_samples, eval_tasks
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
-from tracetrain.run.rundir import claim_run_dir, format_step, metric_sinks, rewrite_metrics
+from tracetrain.run.rundir import claim_run_dir, format_step, rewrite_metrics
 from tracetrain.run.step import (
     ENGINE_WORK,
     Collected,
@@ -63,6 +63,7 @@ from tracetrain.run.step import (
     build_rows,
     check_top_p,
     collect,
+    collected_of,
     end_unfinished,
     engine_metrics,
     rollout_specs,
@@ -71,6 +72,7 @@ from tracetrain.run.step import (
     update_metrics,
 )
 from tracetrain.run.stop import Stop, Stopped
+from tracetrain.run.trackers import NO_TRACKERS, open_trackers
 from tracetrain.run.weights import WeightSync
 
 log = logging.getLogger("tracetrain.trainer")
@@ -115,6 +117,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
 
 class Trainer:
     """Owns the policy, the engine, the store and the in-process gateway of one run."""
+
+    trackers = NO_TRACKERS  # trainer.report_to's, while `run` runs (run/trackers.py)
 
     def __init__(self, cfg: TrainConfig, task_module: Any, data=None, *, log=print,
                  dp: DataParallel = DataParallel()):
@@ -199,7 +203,7 @@ class Trainer:
             self.stop.uninstall()
             self.checkpoints.close()
         if self.stop.requested.is_set():
-            saved = (f"checkpoint of step {self.step} written to {self.checkpoint_path()}"
+            saved = (f"checkpoint of step {self.step} written to {self.run_dir / 'checkpoint.pt'}"
                      if self.step_rng is not None else "stopped before the first step: nothing saved")
             self.log(f"stopped: {saved}; trainer.resume=true continues the run")
         return self.history
@@ -234,26 +238,28 @@ class Trainer:
             bar = tqdm(total=cfg.trainer.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True)
             try:
-                with contextlib.suppress(Stopped):  # (a stop saves the last completed step too)
-                    await self.run_steps(gateway, engine, bar, metric_sinks(cfg, self.run_dir))
+                with (contextlib.suppress(Stopped),  # (a stop saves the last completed step too)
+                      open_trackers(cfg, self.run_dir, self.log) as self.trackers):
+                    await self.run_steps(gateway, engine, bar)
             finally:
                 bar.close()
             if self.dp.enabled and self.step < cfg.trainer.steps:  # stopped: the other ranks too
                 await self.on_update_thread(0, from_main, STOPPED, self.dp)
-            self.save_checkpoint(final=True)  # before the services stop: a slow server's end must not cost it
+            self.save_checkpoint(self.next_collected, final=True)  # before the services stop: a slow server's end must not cost it
             self.stop.saved = True
 
-    async def run_steps(self, gateway: GatewayClient, engine, bar, sinks: list) -> None:
+    async def run_steps(self, gateway: GatewayClient, engine, bar) -> None:
         """The steps of the run. collect "overlap": step k+1's rollouts are collected while step k's
         update runs, by the policy before that update (one version behind); the engine takes the
         new weights between the two collects, so each step's rollouts come from one version.
         collect "continuous": each step takes finished groups from those in flight (continuous.py)."""
         cfg, overlap, stop = self.cfg, self.cfg.trainer.collect == "overlap", self.stop
         pending: asyncio.Task | None = None  # collect overlap: the next step's collect
+        collected: Collected | None = None
         self.step_rng = checkpoint.rng_state()  # (a resumed run's: its checkpoint's, just restored)
         await end_unfinished(self.store, None, self.log)  # what a killed process left running
         if self.eval_pending:
-            await stop.until(self.eval_again(gateway))
+            await stop.until(self.eval_again(gateway, engine))
         initial = await stop.until(self.evaluate(gateway)) if cfg.trainer.eval_every and self.step == 0 else None
         if cfg.trainer.collect == "continuous":
             self.collector = continuous.start(self, gateway, engine)
@@ -283,10 +289,12 @@ class Trainer:
                     raise
                 finally:
                     m["time/elapsed_s"] = time.perf_counter() - self.started
-                    self.record(m, bar, sinks)
-                if self.checkpoint_due():
+                    self.record(m, bar)
+                if checkpoint.due(cfg.trainer, self.step, self.checkpointed):
                     self.save_checkpoint(await stop.until(pending) if pending is not None else None)
         finally:  # the collection ends: what is still running is cancelled, its rollouts failed
+            if overlap and self.next_collected is None:  # stopped: this step's rollouts, if collected
+                self.next_collected = collected_of(self.step, collected, pending)
             if pending is not None and not pending.done():
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
@@ -351,24 +359,31 @@ class Trainer:
         overlapped collect of the next step finishes on the old ones before)."""
         if pending is not None:
             await asyncio.wait([pending])
-        elif self.cfg.trainer.collect == "overlap":  # the last step: keep what a resumed run collects with
-            self.sync.keep_for_resume()
+        elif self.cfg.trainer.collect == "overlap" and self.step >= self.cfg.trainer.steps:
+            self.sync.keep_for_resume()  # the last step: keep what a longer resumed run collects with
         await self.sync.catch_up(gateway, self.version)
         return await self.evaluate(gateway)
 
-    async def eval_again(self, gateway: GatewayClient) -> None:
-        """The eval a signal stopped (the last step's), into its metrics line; an engine with its
-        own copy of the weights holds the next step's, not the step's: then it is left out."""
-        self.eval_pending = False
-        if self.sync.own_copy:
+    async def eval_again(self, gateway: GatewayClient, engine) -> None:
+        """The eval a signal stopped (the last step's), into its metrics line, as the uninterrupted
+        run ran it: collect overlap, after the next step's collect (when the checkpoint has not
+        its rollouts: from the engine's weights, kept for it). Continuous collection with an own
+        copy of the weights leaves it out (the engine holds the weights of the groups in flight)."""
+        overlap = self.cfg.trainer.collect == "overlap"
+        if self.sync.own_copy and not overlap:
+            self.eval_pending = False
             self.log(f"step {self.step - 1}'s eval was stopped by a signal; not run again (the engine "
                      "holds the weights of the next step's rollouts)")
             return
-        self.history[-1]["eval/reward_mean"] = await self.evaluate(gateway)
+        if overlap and self.next_collected is None and self.step < self.cfg.trainer.steps:
+            self.next_collected = await self.collect_step(gateway, engine, self.step)
+        self.history[-1]["eval/reward_mean"] = await (self.eval_after_update(gateway, None) if overlap
+                                                      else self.evaluate(gateway))
+        self.eval_pending = False
         rewrite_metrics(self.run_dir, self.history)
 
-    def record(self, m: dict, bar, sinks: list) -> None:
-        """A step's metrics: history, metrics.jsonl, the sinks, the progress bar and its line;
+    def record(self, m: dict, bar) -> None:
+        """A step's metrics: history, metrics.jsonl, the trackers, the progress bar and its line;
         the random state of the step's end (what a checkpoint of it keeps)."""
         self.history.append(m)
         self.step_rng = checkpoint.rng_state()
@@ -377,8 +392,7 @@ class Trainer:
                 f.write(json.dumps(m) + "\n")
         except OSError as e:
             raise OSError(e.errno, f"{self.metrics_path}: {e.strerror or e}") from e
-        for sink in sinks:
-            sink(m)
+        self.trackers.log(m)
         bar.update(1)
         bar.set_postfix(reward=f"{m['reward_mean']:.3f}", rps=f"{m['rollouts_per_s']:.0f}")
         bar.write(format_step(m))
@@ -425,6 +439,7 @@ class Trainer:
         tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
         results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
         self.sync.drop_prefix_caches()  # the next collect starts as a resumed run's would
+        self.trackers.samples(self.step - 1, eval_samples(self.store, self.tokenizer, tasks, results))
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
@@ -470,15 +485,6 @@ class Trainer:
             executor, functools.partial(run_with_threads, threads, fn, *args, **kwargs))
 
     # -- checkpoints -----------------------------------------------------------------------
-    def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
-
-    def checkpoint_due(self) -> bool:
-        """trainer.checkpoint_every steps, or trainer.checkpoint_minutes, since the last one."""
-        t = self.cfg.trainer
-        return bool(t.checkpoint_every and self.step % t.checkpoint_every == 0
-                    or t.checkpoint_minutes and time.monotonic() - self.checkpointed >= 60 * t.checkpoint_minutes)
-
     def save_checkpoint(self, next_collected: Collected | None = None, *, final: bool = False) -> None:
         """The run's state into run_dir/checkpoints (checkpoint.Checkpoints): copied, and written
         while the run goes on; `final` (the run's end): written before this returns, and
@@ -489,12 +495,5 @@ class Trainer:
             checkpoint.write_policy(self.model, self.tokenizer, self.run_dir / "policy", self.whole)
 
     def load_checkpoint(self) -> bool:
-        """The newest checkpoint that verifies (durable.newest_valid) into this trainer; False if none."""
-        path, skipped = durable.newest_valid(self.run_dir)
-        for why in skipped:
-            self.log(f"checkpoint skipped: {why}")
-        if path is None:
-            return False
-        checkpoint.restore(self, path)
-        self.log(f"resumed from {path} at step {self.step}")
-        return True
+        """The newest checkpoint that verifies into this trainer (checkpoint.resume); False if none."""
+        return checkpoint.resume(self)

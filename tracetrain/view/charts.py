@@ -1,6 +1,7 @@
 """The run page's curves: metric series -> SVG polylines (drawn by the template, no script).
 
-    charts(steps) -> [Chart]   one per entry of CHARTS that has at least one finite point
+    charts(steps) -> [Chart]   one per entry of CHARTS, then one per environment metric (env/<name>,
+                               run/step.py), that has at least one finite point
 
 A chart maps step x to [LEFT, WIDTH - RIGHT] and value y to [HEIGHT - BOTTOM, TOP] linearly over
 the finite points of its series (a flat series gets a range of +-1 around its value).
@@ -50,9 +51,15 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def env_charts(steps: list[dict]) -> list[tuple[str, tuple[str, ...]]]:
+    """A chart per env/<name> key of `steps`, in the order the keys first appear."""
+    names = dict.fromkeys(k for m in steps for k in m if k.startswith("env/"))
+    return [(f"environment: {k.removeprefix('env/')}", (k,)) for k in names]
+
+
 def charts(steps: list[dict]) -> list[Chart]:
     out = []
-    for title, keys in CHARTS:
+    for title, keys in CHARTS + env_charts(steps):
         data = {k: [(m["step"], float(m[k])) for m in steps if _finite(m.get(k))] for k in keys}
         data = {k: v for k, v in data.items() if v}
         if not data:

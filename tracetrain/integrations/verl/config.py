@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.config import ConfigError, VerlConfig
+from tracetrain.registry import KL_ESTIMATORS
 
 LOSS_MODULE = (
     "tracetrain.integrations.verl.loss"  # imported by verl's workers: registers the losses
 )
 _MISSING = object()
-KL_TYPES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}  # tracetrain estimator -> verl's name
 
 
 def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
@@ -55,6 +55,11 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
     if gpus % v.rollout_tp:
         raise ConfigError(
             f"config key 'verl.rollout_tp': {v.rollout_tp} must divide the {gpus} GPUs"
+        )
+    if lc.kl_estimator not in KL_ESTIMATORS.builtin():  # verl computes k1, k2, k3 by their names
+        raise ConfigError(
+            f"config key 'loss.kl_estimator': {lc.kl_estimator!r} is a plugin's; backend verl "
+            f"computes the KL in its own workers, by name: {', '.join(KL_ESTIMATORS.builtin())}"
         )
     max_len = ac.max_prompt_length + ac.max_response_length
     actor, rollout, ref = (
@@ -101,7 +106,7 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
         f"{actor}.calculate_entropy": lc.entropy_coef > 0,
         f"{actor}.use_kl_loss": use_kl,
         f"{actor}.kl_loss_coef": lc.kl_coef if use_kl else 0.001,
-        f"{actor}.kl_loss_type": KL_TYPES[lc.kl_estimator],
+        f"{actor}.kl_loss_type": lc.kl_estimator,
         f"{actor}.ppo_epochs": oc.ppo_epochs,
         f"{actor}.shuffle": False,
         f"{actor}.ppo_mini_batch_size": rc.tasks_per_step // oc.mini_batches,

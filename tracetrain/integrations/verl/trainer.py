@@ -233,7 +233,8 @@ class VerlRun:
         from tracetrain.agents.tasks import resolve_agent
         from tracetrain.gateway.app import create_app
         from tracetrain.gateway.inprocess import admin_key_for, app_options, bind, serve_in_loop
-        from tracetrain.run.rundir import format_step, metric_sinks
+        from tracetrain.run.rundir import format_step
+        from tracetrain.run.trackers import start_trackers
         from tracetrain.store import SQLiteStore
 
         cfg = self.cfg
@@ -245,7 +246,7 @@ class VerlRun:
         sock = bind(cfg.gateway)
         app = create_app(self.store, engines, admin_key=admin_key, close_engines=True,
                          **app_options(cfg.gateway, sock.getsockname()[1]))
-        sinks, history = metric_sinks(cfg, self.run_dir), []
+        history, trackers = [], start_trackers(cfg, self.run_dir, self.log)
         try:
             async with (
                 serve_in_loop(app, sock) as url,
@@ -258,8 +259,7 @@ class VerlRun:
                         history.append(m)
                         with (self.run_dir / "metrics.jsonl").open("a") as f:
                             f.write(json.dumps(m) + "\n")
-                        for sink in sinks:
-                            sink(m)
+                        trackers.log(m)
                         self.log(format_step(m))
                         every = cfg.trainer.checkpoint_every
                         if every and self.step % every == 0:
@@ -268,6 +268,7 @@ class VerlRun:
                 finally:
                     await gateway.aclose()
         finally:
+            trackers.close()
             self.store.close()
         return history
 
