@@ -102,10 +102,10 @@ async def main(args: argparse.Namespace) -> None:
 
     from tracetrain.config import ModelConfig
     from tracetrain.engines.local import LocalEngine
-    from tracetrain.engines.vllm import write_hf_dir
     from tracetrain.engines.vllm_server import VLLMServer
     from tracetrain.models.compute import on_compute
     from tracetrain.models.load import load_policy
+    from tracetrain.models.save import write_hf_dir
 
     hf_logging.disable_progress_bar()
     # the model is loaded, and decodes, on the compute thread (the event loop's thread runs torch

@@ -74,7 +74,8 @@ async def time_pushes(server, tok, weights_dir: Path, model, pushes: int) -> tup
     """Median seconds of one push of new weights, and of writing the file alone."""
     import torch
 
-    from tracetrain.engines.vllm import VLLMEngine, write_weights
+    from tracetrain.engines.vllm import VLLMEngine
+    from tracetrain.models.save import write_weights
 
     engine = VLLMEngine(server, tok, weights_dir, max_context=512)
     times, writes = [], []
@@ -95,8 +96,8 @@ async def time_pushes(server, tok, weights_dir: Path, model, pushes: int) -> tup
 
 
 def sync_bench(args) -> None:
-    from tracetrain.engines.vllm import untied_state_dict, write_hf_dir
     from tracetrain.engines.vllm_server import VLLMServer
+    from tracetrain.models.save import untied_state_dict, write_hf_dir
     from tracetrain.models.tiny import build_model, build_tokenizer
 
     tok = build_tokenizer()

@@ -218,7 +218,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from tracetrain.agents.tasks import load_source, open_task_data
+    from tracetrain.agents.tasks import open_task_data
+    from tracetrain.envs import load_source
     from tracetrain.models.load import load_policy
     from tracetrain.run.evaluate import eval_tasks
 

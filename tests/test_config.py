@@ -193,3 +193,30 @@ def test_a_dumped_config_takes_another_engine_kind_by_override():
     dumped["engine"]["batch_window_ms"] = 5.0
     with pytest.raises(ConfigError, match=r"'engine\.batch_window_ms': only for engine\.kind 'local'"):
         build_config(dumped, ["engine.kind=vllm", "engine.python=p"])
+
+
+# ----------------------------------------------------------------- the environment's keys by kind
+@pytest.mark.parametrize("env, says", [
+    ({"verifiers": {"env_id": "vf-sums", "args": {"n": 3}}},
+     "config key 'env.kind': the environment's kind is a key of `env` now, beside its other keys: "
+     "write `env: {kind: verifiers, env_id: vf-sums, args: {n: 3}}`"),
+    ({"env_id": "vf-sums"},
+     "config key 'env.kind': required, one of reasoning_gym, verifiers, environment_class, openenv"),
+    ({"kind": "verifiers", "env_id": "x", "dataset": "y"},
+     "config key 'env.dataset': only for env.kind 'reasoning_gym' (env.kind is 'verifiers')"),
+    ({"kind": "reasoning_gym", "size": 10}, "config key 'env.dataset': give `dataset` (one)"),
+    ({"kind": "openenv", "client": "a:B"}, "config key 'env.app': give `app`"),
+])
+def test_each_env_kind_takes_its_own_keys(env, says):
+    with pytest.raises(ConfigError) as e:
+        build_config({"env": env})
+    assert str(e.value).startswith(says)
+
+
+def test_the_env_kind_chooses_its_section_and_the_old_shape_is_told_the_new_one():
+    cfg = build_config({"env": {"kind": "verifiers", "env_id": "vf-sums"}})
+    assert type(cfg.env).__name__ == "VerifiersConfig" and cfg.env.env_id == "vf-sums"
+    assert TrainConfig.model_validate(cfg.model_dump()) == cfg
+    assert build_config({}, ["env.kind=verifiers", "env.env_id=vf-sums"]) == cfg
+    with pytest.raises(ConfigError, match=r"write `env: \{kind: verifiers, env_id: vf-sums\}`"):
+        build_config({}, ["env.verifiers.env_id=vf-sums"])

@@ -31,11 +31,17 @@ DOC = ROOT / "docs" / "config.md"
 
 
 def kinds(annotation) -> list[type[BaseModel]]:
-    """The models of a section that is a union of them, one per kind (`engine`), else []."""
-    inner = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
-             for a in typing.get_args(annotation)]
-    models = [a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)]
-    return models if len(models) > 1 and len(models) == len(inner) else []
+    """The models of a section that is a union of them, one per kind (`engine`; `env`, a union or
+    null), else []."""
+    for union in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(union) is typing.Annotated:  # the discriminator around the union
+            union = typing.get_args(union)[0]
+        inner = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+                 for a in typing.get_args(union)]
+        models = [a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) > 1 and len(models) == len(inner):
+            return models
+    return []
 
 
 def walk(model: type[BaseModel] | list[type[BaseModel]], prefix: str = ""):
@@ -57,6 +63,8 @@ def walk(model: type[BaseModel] | list[type[BaseModel]], prefix: str = ""):
             if kinds(field.annotation):
                 assert all(k.__doc__ for k in kinds(field.annotation)), f"a kind of {key!r} has no docstring"
                 below.append((kinds(field.annotation), key))
+                if type(None) in typing.get_args(field.annotation):  # a key too (null: off)
+                    yield key, m, name
                 continue
             yield key, m, name
             inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
@@ -66,9 +74,9 @@ def walk(model: type[BaseModel] | list[type[BaseModel]], prefix: str = ""):
         yield from walk(section, key)
 
 
-# Optional sections that must be given a choice (env: which standard; each one's source): their
+# Optional sections that must be given a choice (env: which standard, and its source): their
 # keys' defaults are checked one by one below, not as a section built at its defaults.
-A_CHOICE = {"env", "env.reasoning_gym", "env.verifiers", "env.openenv", "env.environment_class"}
+A_CHOICE = {"env"}
 
 
 def optional_sections(rows: dict[str, dict[str, str]]) -> set[str]:

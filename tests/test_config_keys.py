@@ -12,7 +12,7 @@ an expression that is its section, one of
                               parameter annotated with the section's class (`lc: LoraConfig`)
 within the function where the alias is made and the functions nested in it. A top-level key is an
 attribute of `cfg` itself (or of a parameter annotated TrainConfig). Reading a property of a config
-class (`cfg.lockstep`) reads the keys it reads through `self` in config/sections.py. The checker is run on a
+class (`cfg.lockstep`) reads the keys it reads through `self` in tracetrain/config/. The checker is run on a
 made-up key nothing reads, and on planted reads of it, below: it can fail.
 """
 
@@ -34,18 +34,14 @@ from tracetrain.run.step import check_top_p, collect, rollout_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tracetrain"
-CONFIG = PACKAGE / "config" / "sections.py"
+CONFIG = PACKAGE / "config"
 
 # key -> (module that consumes it, text that module holds where it does, how). Only what the
 # static walk cannot see; each entry is checked to be needed and to still hold its text.
 CONSUMED_ELSEWHERE: dict[str, tuple[str, str, str]] = {
-    "plugins": ("tracetrain/config/sections.py", "registry.import_plugins(plugins",
+    "plugins": ("tracetrain/config/train.py", "registry.import_plugins(plugins",
                 "TrainConfig's own validator imports them while the config is built, before the "
                 "other keys are checked against the names they register"),
-    **{f"env.{kind}": ("tracetrain/envs/base.py", "return cls(getattr(env_config, kind))",
-                       "open_environment hands the section that is given to its kind's adapter, "
-                       "which reads its keys")
-       for kind in ("reasoning_gym", "verifiers", "openenv", "environment_class")},
 }
 
 
@@ -168,7 +164,7 @@ def reads(sources: dict[str, str], keys: set[str],
 
 def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[str]]:
     """{(section prefix, attribute): the keys it reads} for the properties and public methods of
-    the config's classes in `text` (config/sections.py): `cfg.lockstep` reads what TrainConfig.lockstep
+    the config's classes in `text` (tracetrain/config/): `cfg.lockstep` reads what TrainConfig.lockstep
     reads through `self`, and through the methods it calls on `self`."""
     _, classes, root = section_classes()
     prefix_of = {**classes, root: ""}
@@ -203,7 +199,7 @@ def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[st
 def package_sources() -> dict[str, str]:
     """The package's modules but the config's own (the config does not read itself into use)."""
     return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))
-            if CONFIG.parent not in p.parents}
+            if CONFIG not in p.parents}
 
 
 def all_keys() -> list[str]:
@@ -211,7 +207,8 @@ def all_keys() -> list[str]:
 
 
 def package_reads(keys: set[str]) -> dict[str, list[str]]:
-    return reads(package_sources(), keys, config_properties(CONFIG.read_text(), keys))
+    text = "\n".join(p.read_text() for p in sorted(CONFIG.glob("*.py")))
+    return reads(package_sources(), keys, config_properties(text, keys))
 
 
 def test_every_config_key_is_read_by_the_code_or_listed_with_its_consumer():

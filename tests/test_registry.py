@@ -42,6 +42,7 @@ def test_the_alias_is_stored_as_the_name_it_stands_for():
     ("correction.weight", ["none", "token", "rollout"]),
     ("correction.mask", ["none", "token", "rollout"]),
     ("engine.kind", ["local", "vllm"]),
+    ("env.kind", ["reasoning_gym", "verifiers", "environment_class", "openenv"]),
 ])
 def test_an_unknown_name_is_refused_with_every_known_one(key, names):
     with pytest.raises(ConfigError) as e:

@@ -48,7 +48,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
     # Weights before any update (same seed -> the same initial model and warm start).
     probe = Trainer(small_config(tmp_path / "probe", 1), load_task("task.py", EXAMPLE))
-    initial = {k: v.clone() for k, v in probe.model.state_dict().items()}
+    initial = {k: v.clone() for k, v in probe.learner.model.state_dict().items()}
 
     run = tmp_path / "run"
     out = train(small_config(run, 2), base_dir=EXAMPLE, log=lambda *_: None)

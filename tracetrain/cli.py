@@ -148,8 +148,9 @@ def run_eval(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from tracetrain.agents.tasks import load_source, open_task_data
+    from tracetrain.agents.tasks import open_task_data
     from tracetrain.config import load_config
+    from tracetrain.envs import load_source
     from tracetrain.run.evaluate import evaluate
 
     cfg = load_config(args.config, list(args.overrides))

@@ -117,11 +117,15 @@ CORRECTION_MASKS = Registry("correction.mask", "correction mask", "tracetrain.ob
 """Importance masks: fn(log ratios, rollout index [rows], band) -> keep [rows, S]."""
 ENGINE_KINDS = Registry("engine.kind", "engine kind", "tracetrain.engines.start")
 """Engine starters: async fn(cfg, weights, tokenizer, *, version, run_dir, threads, log)."""
+ENV_KINDS = Registry("env.kind", "environment kind", *(
+    f"tracetrain.envs.{m}" for m in ("reasoning_gym", "verifiers_env", "environment_class", "openenv")))
+"""Environment adapters (envs/base.py's Environment): cls(the config's `env` section); the
+package tracetrain.envs imports these modules in this order (so the kinds have one order)."""
 
 KEYS: dict[str, tuple[Registry, ...]] = {}
 """Config key -> the registries whose names it accepts (advantage.estimator: both levels)."""
 for _r in (ADVANTAGE_ESTIMATORS, TURN_ESTIMATORS, LOSS_MODES, KL_ESTIMATORS, CORRECTION_WEIGHTS,
-           CORRECTION_MASKS, ENGINE_KINDS):
+           CORRECTION_MASKS, ENGINE_KINDS, ENV_KINDS):
     KEYS[_r.key] = (*KEYS.get(_r.key, ()), _r)
 
 

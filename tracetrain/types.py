@@ -28,12 +28,12 @@ LOGPROB_TOLERANCE = 1e-3
 # render (RENDERED), and why (the gateway records these; gateway/context.py):
 EXACT, RENDERED = "exact", "rendered"
 # Why a turn's prompt was rendered in full:
-POLICY = "policy"  # context: template
+TEMPLATE = "template"  # gateway.context: template (every prompt the full render)
 FIRST_TURN = "first_turn"  # the first call of its role in the rollout
 FORGOTTEN = "forgotten"  # its role's earlier turns exist but the gateway holds none (restart, eviction)
 NO_MATCH = "no_match"  # no earlier turn's conversation is a prefix of the messages
 TEMPLATE_PREFIX = "template_prefix"  # the template's render of the base is not a prefix
-REASONS = (POLICY, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
+REASONS = (TEMPLATE, FIRST_TURN, FORGOTTEN, NO_MATCH, TEMPLATE_PREFIX)
 
 
 class UsageError(ValueError):

@@ -4,7 +4,7 @@ verifiers: sums of two numbers from a dataset it builds, a rubric of two reward 
     import verifiers as vf
     env = vf.load_environment("vf-sums")     # imports this module (on the path), calls this
 
-tracetrain trains on it unchanged: `env: {verifiers: {env_id: vf-sums}}` (config.yaml here).
+tracetrain trains on it unchanged: `env: {kind: verifiers, env_id: vf-sums}` (config.yaml here).
 """
 
 import random

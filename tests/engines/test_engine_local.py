@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from tracetrain.engines.base import Engine, PromptTooLong, SamplingParams
+from tracetrain.engines.decoder import Decoder, Request
 from tracetrain.engines.local import LocalEngine
+from tracetrain.engines.local_options import LocalOptions
+from tracetrain.models.compute import on_compute
 from tracetrain.models.tiny import build_model, build_tokenizer
 
 
@@ -438,3 +441,23 @@ def test_cancelled_request_stops_decoding_and_the_rest_of_its_batch_is_unchanged
     # row-steps: the kept request's, plus the victim's until it was dropped (not 200 of them)
     assert eng.stats["tokens"] < len(gen.response_ids) + 100
     assert streamed < 100
+
+
+def test_the_decoder_alone_decodes_as_the_engine(model, tok, prompts):
+    """engines/decoder.py without the gathering: Requests in, their ids, logprobs and finish
+    filled, bit for bit the engine's for the same seeds; the options one LocalOptions or its
+    fields by name; the counters read as a mapping."""
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=k) for k in range(len(prompts))]
+    engine = LocalEngine(model, tok, LocalOptions(seed=0), max_batch_size=8)
+    assert engine.options == LocalOptions(seed=0, max_batch_size=8)
+    want = engine.generate_batch(prompts, params)
+    decoder = Decoder(model, tok, LocalOptions(seed=0))
+    reqs = [Request(list(p), sp, sp.seed) for p, sp in zip(prompts, params, strict=True)]
+    on_compute(decoder.threads, decoder.decode, reqs, decoder.model_version)  # (as engines do)
+    assert [(r.ids, r.logprobs, r.finish) for r in reqs] == [
+        (g.response_ids, g.response_logprobs, g.finish_reason) for g in want]
+    counts = [{k: v for k, v in s.items() if not k.endswith("_s")}
+              for s in (decoder.stats, engine.stats)]
+    assert counts[0] == counts[1] and decoder.stats["batches"] == 1
+    with pytest.raises(ValueError, match="max_batch_size"):
+        LocalOptions(max_batch_size=0)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-import tracetrain.engines.local as local
+import tracetrain.engines.decoder as decoder
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.sampling import sample_tokens, uniform
@@ -183,7 +183,7 @@ def test_requests_at_top_p_1_decode_exactly_as_before(model, tok, prompts, monke
     params = [SamplingParams(max_tokens=16, temperature=t, seed=11 + k)
               for k, t in enumerate([1.0, 0.7, 1.5, 0.0])]
     now = LocalEngine(model, tok).generate_batch(prompts, params)
-    monkeypatch.setattr(local, "sample_tokens", sample_tokens_before)
+    monkeypatch.setattr(decoder, "sample_tokens", sample_tokens_before)
     before = LocalEngine(model, tok).generate_batch(prompts, params)
     assert [g.response_ids for g in now] == [g.response_ids for g in before]
     assert [g.response_logprobs for g in now] == [g.response_logprobs for g in before]

@@ -28,8 +28,9 @@ from safetensors import safe_open
 from tracetrain.config import ConfigError, LocalEngineConfig, build_config
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
-from tracetrain.engines.vllm import VLLMEngine, write_hf_dir
+from tracetrain.engines.vllm import VLLMEngine
 from tracetrain.engines.vllm_server import VLLMServer, server_command
+from tracetrain.models.save import write_hf_dir
 from tracetrain.models.tiny import build_model, build_tokenizer
 from tracetrain.run.trainer import train
 

@@ -28,10 +28,11 @@ from test_engine_vllm import (
 from tracetrain.config import ConfigError, LoraConfig, build_config
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
-from tracetrain.engines.vllm import ADAPTER_NAME, LoraTransport, VLLMEngine, write_hf_dir
+from tracetrain.engines.vllm import ADAPTER_NAME, LoraTransport, VLLMEngine
 from tracetrain.engines.vllm_server import VLLMServer, server_command
 from tracetrain.models import lora
 from tracetrain.models.load import load_policy
+from tracetrain.models.save import write_hf_dir
 from tracetrain.models.tiny import build_model
 from tracetrain.run.trainer import train
 

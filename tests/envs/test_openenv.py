@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
-from tracetrain.agents.tasks import load_source, open_task_data
+from tracetrain.agents.tasks import open_task_data
 from tracetrain.config import build_config
-from tracetrain.envs import load_object
+from tracetrain.envs import load_object, load_source
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
 
-HERE = Path(__file__).resolve().parent
-COUNTER = HERE / "openenv_counter.py"
-PLUGIN = str(HERE / "scripted_policy.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+COUNTER = SUPPORT / "openenv_counter.py"
+PLUGIN = str(SUPPORT / "scripted_policy.py")
 ENGINE = {"kind": "scripted_tools"}  # scripted_policy.py's engine
 
 
@@ -52,7 +52,7 @@ def config(tmp_path: Path, env: dict, *overrides: str, rows: list[dict] | None =
     if rows is not None:
         (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         data = {"train": str(tmp_path / "train.jsonl")}
-    return build_config({"plugins": [PLUGIN], "engine": ENGINE, "env": {"openenv": env}, "data": data}, [
+    return build_config({"plugins": [PLUGIN], "engine": ENGINE, "env": {"kind": "openenv", **env}, "data": data}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.max_tokens=64",
         "rollout.timeout_s=20", "aggregate.max_prompt_length=1024",

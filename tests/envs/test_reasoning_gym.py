@@ -13,9 +13,9 @@ import pytest
 import reasoning_gym
 from gateway_fixtures import ScriptedEngine, live_gateway
 
-from tracetrain.agents.tasks import load_source, open_task_data
+from tracetrain.agents.tasks import open_task_data
 from tracetrain.config import ConfigError, build_config
-from tracetrain.envs import EnvError
+from tracetrain.envs import EnvError, load_source
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
@@ -25,7 +25,7 @@ ARITH = {"dataset": "basic_arithmetic", "size": 40, "seed": 7,
 
 
 def config(tmp_path: Path, env: dict, *overrides: str, data: dict | None = None):
-    return build_config({"env": {"reasoning_gym": env}, "data": data or {}}, [
+    return build_config({"env": {"kind": "reasoning_gym", **env}, "data": data or {}}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.max_tokens=6",
         "rollout.timeout_s=60", "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}",
@@ -96,15 +96,15 @@ def test_the_agent_plays_through_the_gateway_and_scores_with_the_dataset(tmp_pat
 
 
 def test_bad_names_and_options_are_errors_naming_the_key(tmp_path):
-    with pytest.raises(EnvError, match=r"env.reasoning_gym.*no reasoning-gym dataset 'basic_arithmetc'"):
+    with pytest.raises(EnvError, match=r"'env\.dataset'.*no reasoning-gym dataset 'basic_arithmetc'"):
         load_source(config(tmp_path, {**ARITH, "dataset": "basic_arithmetc", "config": {}})).rows()
-    with pytest.raises(EnvError, match=r"env.reasoning_gym.*TypeError"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*TypeError"):
         load_source(config(tmp_path, {**ARITH, "config": {"no_such_option": 1}})).rows()
-    with pytest.raises(ConfigError, match=r"env.reasoning_gym.*`dataset`.*`datasets`"):
+    with pytest.raises(ConfigError, match=r"'env\.dataset'.*`dataset`.*`datasets`"):
         config(tmp_path, {"size": 10})
-    with pytest.raises(ConfigError, match=r"data.train / data.eval: env.reasoning_gym brings its own rows"):
+    with pytest.raises(ConfigError, match=r"data.train / data.eval: env.kind reasoning_gym brings its own rows"):
         config(tmp_path, ARITH, data={"train": "x.jsonl"})
-    with pytest.raises(ConfigError, match=r"'task': not with env.reasoning_gym"):
+    with pytest.raises(ConfigError, match=r"'task': not with env \(kind reasoning_gym"):
         config(tmp_path, ARITH, "task=examples/calculator/task.py")
 
 

@@ -14,16 +14,15 @@ import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
 from tracetrain.agents.runner import agent_client
-from tracetrain.agents.tasks import load_source
 from tracetrain.config import build_config
-from tracetrain.envs import EnvError, load_object
+from tracetrain.envs import EnvError, load_object, load_source
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
 
-HERE = Path(__file__).resolve().parent
-ENVS = f"{HERE / 'tool_envs.py'}"
-PLUGIN = str(HERE / "scripted_policy.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ENVS = f"{SUPPORT / 'tool_envs.py'}"
+PLUGIN = str(SUPPORT / "scripted_policy.py")
 
 
 ENGINE = {"kind": "scripted_tools"}  # scripted_policy.py's engine
@@ -48,7 +47,7 @@ def write_rows(tmp_path: Path, rows: list[dict]) -> str:
 
 def config(tmp_path: Path, env: dict, rows: list[dict], *overrides: str):
     return build_config({"plugins": [PLUGIN], "engine": ENGINE,
-                         "env": {"environment_class": env}, "data": {"train": write_rows(tmp_path, rows)}}, [
+                         "env": {"kind": "environment_class", **env}, "data": {"train": write_rows(tmp_path, rows)}}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         f"rollout.tasks_per_step={len(rows)}", "rollout.n_per_task=2", "rollout.max_tokens=64",
         "rollout.timeout_s=20", "aggregate.max_prompt_length=1024",
@@ -71,7 +70,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_the_classes_tools_are_its_public_methods_with_their_schemas(tmp_path):
-    from tracetrain.envs.tools import tool_methods, tool_schemas
+    from tracetrain.envs.environment_class import tool_methods, tool_schemas
 
     counter = helper("Counter")()
     assert list(tool_methods(counter)) == ["add"]  # not reset, close, nor _private

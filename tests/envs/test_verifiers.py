@@ -1,5 +1,5 @@
 """verifiers environments against the real packages (no fakes of verifiers): the environments are
-small local modules (tests/envs/vf_envs), found through `env.verifiers.path` as a user's own
+small local modules (tests/support/vf_envs), found through `env.verifiers.path` as a user's own
 module on PYTHONPATH would be.
 
 classic (verifiers 0.3, in .venv): rows are its dataset and eval_dataset; it trains with its
@@ -27,15 +27,15 @@ import pytest
 from gateway_fixtures import ScriptedEngine, hermes_call, live_gateway
 
 from tracetrain.agents.runner import call_agent
-from tracetrain.agents.tasks import load_source, open_task_data
+from tracetrain.agents.tasks import open_task_data
 from tracetrain.config import ConfigError, build_config
-from tracetrain.envs import EnvError, verifiers_env
+from tracetrain.envs import EnvError, load_source, verifiers_env
 from tracetrain.models.tiny import build_tokenizer
 from tracetrain.run.trainer import train
 from tracetrain.store import SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[2]
-ENVS = Path(__file__).resolve().parent / "vf_envs"
+ENVS = ROOT / "tests" / "support" / "vf_envs"
 sys.path.insert(0, str(ENVS))  # the expected rewards below are computed with the modules' own code
 
 import vf_digits  # noqa: E402
@@ -55,7 +55,7 @@ def verifiers_python() -> Path:
 
 
 def config(tmp_path: Path, env: dict, *overrides: str, data: dict | None = None, roles: dict | None = None):
-    return build_config({"env": {"verifiers": {"path": [str(ENVS)], **env}}, "data": data or {},
+    return build_config({"env": {"kind": "verifiers", "path": [str(ENVS)], **env}, "data": data or {},
                          **({"roles": roles} if roles else {})}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.max_tokens=8",
@@ -194,19 +194,19 @@ def test_a_classic_env_that_raises_fails_its_rollout_with_the_error(tmp_path, wh
 
 
 def test_classic_errors_name_the_key(tmp_path):
-    with pytest.raises(EnvError, match=r"env\.verifiers.*Could not import 'vf-nope'"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*Could not import 'vf-nope'"):
         load_source(config(tmp_path, {"env_id": "vf-nope", "api": "classic"})).rows()
-    with pytest.raises(EnvError, match=r"env\.verifiers.*broke while loading"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*broke while loading"):
         load_source(config(tmp_path, {"env_id": "vf_broken", "args": {"where": "load"}})).rows()
-    with pytest.raises(EnvError, match=r"env\.verifiers.*unexpected keyword argument 'nope'"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*unexpected keyword argument 'nope'"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "args": {"nope": 1}})).rows()
-    with pytest.raises(ConfigError, match=r"env\.verifiers\.path.*no folder 'no/such/folder'"):
+    with pytest.raises(ConfigError, match=r"env\.path.*no folder 'no/such/folder'"):
         config(tmp_path, {"env_id": "vf-digits", "path": ["no/such/folder"]})
     # an interpreter without verifiers: the worker says so
     bare = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else pytest.skip("no /usr/bin/python3")
-    with pytest.raises(EnvError, match=r"env\.verifiers.*no verifiers in .*install-verifiers"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*no verifiers in .*install-verifiers"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "python": bare})).rows()
-    with pytest.raises(EnvError, match=r"env\.verifiers\.python.*no interpreter 'no-such-python'"):
+    with pytest.raises(EnvError, match=r"env\.python.*no interpreter 'no-such-python'"):
         load_source(config(tmp_path, {"env_id": "vf-digits", "python": "no-such-python"})).rows()
 
 
@@ -282,7 +282,7 @@ def test_v1_failures_fail_the_rollout_and_a_hung_worker_is_killed(tmp_path, monk
     env = load_source(config(tmp_path, {"env_id": "vf_v1_broken", "python": str(python), "api": "v1",
                                         "args": {"agent": {"harness": {"id": "null"}}}}))
     rows = {row["name"]: row for row in env.rows()}  # the taskset's task data, as rows
-    with pytest.raises(EnvError, match=r"env\.verifiers.*taskset 'vf_v1_nope' not found"):
+    with pytest.raises(EnvError, match=r"config key 'env'.*taskset 'vf_v1_nope' not found"):
         loading.result()
     pool.shutdown()
     assert rows["ok"] == {"idx": 0, "name": "ok", "prompt": "Question ok?"} and env.eval_rows() is None

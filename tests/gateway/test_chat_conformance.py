@@ -162,4 +162,4 @@ def test_one_row_under_exact_and_classified_breaks_under_template(
     turns, metrics, breaks = got["template"]
     assert breaks == expected_breaks(tool_style, drops)
     assert metrics["n_rows"] == 1 + len(breaks)
-    assert {t.context_reason for t in turns} == {"policy"}
+    assert {t.context_reason for t in turns} == {"template"}

@@ -188,7 +188,7 @@ def test_prompts_continue_exactly_or_equal_the_full_render(policy_gateway, conve
         assert turn["response_ids"] == ids
         if policy == "template":
             assert turn["prompt_ids"] == full_render_ids(tok, sent, tools)
-            assert (turn["context"], turn["context_reason"]) == ("rendered", "policy")
+            assert (turn["context"], turn["context_reason"]) == ("rendered", "template")
             continue
         if k == 0:
             assert turn["prompt_ids"] == full_render_ids(tok, sent, tools)

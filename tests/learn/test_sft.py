@@ -78,7 +78,7 @@ def test_sft_from_a_run_then_rl_from_its_policy(tmp_path, capsys):
     cfg = build_config(json.loads((run / "config.json").read_text()),
                        ["model.kind=pretrained", f"model.path={out / 'policy'}",
                         f"trainer.run_dir={tmp_path / 'rl'}", "trainer.steps=1", "warm_start.steps=0"])
-    start = Trainer(cfg, None, log=lambda *_: None).model.state_dict()
+    start = Trainer(cfg, None, log=lambda *_: None).learner.model.state_dict()
     saved = AutoModelForCausalLM.from_pretrained(out / "policy").state_dict()
     assert all(torch.equal(start[k], saved[k]) for k in saved)
     rl = train(cfg, base_dir=guess, log=lambda *_: None)

@@ -138,15 +138,14 @@ def test_trainer_runs_its_model_work_where_the_engine_decodes(main_threads, tmp_
         return threading.get_ident(), omp_threads()
 
     async def calls():
-        return [await trainer.on_update_thread(n, where) for n in (1, 3, 1)]
+        return [await trainer.update_thread.run(n, where) for n in (1, 3, 1)]
 
     seen = asyncio.run(calls())
     compute = compute_thread().submit(threading.get_ident).result()
     assert len({ident for ident, _ in seen}) == 1 and seen[0][0] != threading.get_ident()
     assert (seen[0][0] == compute) == (collect == "step")
     assert [n for _, n in seen] == [1, 3, 1]
-    if trainer.update_executor is not None:
-        trainer.update_executor.shutdown()
+    trainer.update_thread.close()
 
 
 # In a fresh process: the OS threads the run adds that are not Python's are OpenMP's workers
@@ -163,6 +162,7 @@ _TEAMS = textwrap.dedent("""
     from tracetrain import cli
     from tracetrain.learn import sft
     from tracetrain.models import load
+    from tracetrain.run import learner as lr
     from tracetrain.run import trainer as tr
     from tracetrain.run.evaluate import evaluate
 
@@ -176,7 +176,7 @@ _TEAMS = textwrap.dedent("""
         return run
 
     LocalEngine._decode = parallel(LocalEngine._decode)
-    tr.ppo_update, tr.build_rows = parallel(tr.ppo_update), parallel(tr.build_rows)
+    lr.ppo_update, lr.build_rows = parallel(lr.ppo_update), parallel(lr.build_rows)
     load.load_policy, sft.fine_tune = parallel(load.load_policy), parallel(sft.fine_tune)
 
     def workers():

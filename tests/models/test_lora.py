@@ -153,7 +153,7 @@ def test_saved_adapter_merged_policy_and_peft_directory_give_the_same_logprobs(t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tracetrain.engines.vllm import write_hf_dir
+    from tracetrain.models.save import write_hf_dir
 
     pm = lora_model(tok, seed=4)
     state = lora.weights(pm)

@@ -31,16 +31,16 @@ def test_a_resumed_runs_reference_model_is_a_fresh_runs(tmp_path, extra):
     training flag (under LoRA peft leaves the adapter's dropout in training mode), every
     parameter's requires_grad, and the weights (the reference's, not the policy's since)."""
     fresh = trainer(tmp_path, *extra)
-    fresh.start_reference()
+    fresh.learner.start_reference()
     with torch.no_grad():  # an update: the policy moves, its reference does not
-        for p in lora.trainable(fresh.model):
+        for p in lora.trainable(fresh.learner.model):
             p.add_(0.5)
-    path = checkpoint.save(fresh, tmp_path / "checkpoint.pt")
+    path = checkpoint.save(tmp_path / "checkpoint.pt", fresh.state, fresh.learner, fresh.sync)
 
     resumed = trainer(tmp_path, *extra)
-    checkpoint.restore(resumed, path)
-    resumed.start_reference()  # (what run() calls: the restored reference is kept)
-    a, b = fresh.ref_model, resumed.ref_model
+    checkpoint.restore(path, resumed.learner, resumed.sync)
+    resumed.learner.start_reference()  # (what run() calls: the restored reference is kept)
+    a, b = fresh.learner.ref_model, resumed.learner.ref_model
     assert a is not None and b is not None
     mode = {n: m.training for n, m in a.named_modules()}
     assert not any(mode.values())
@@ -48,7 +48,7 @@ def test_a_resumed_runs_reference_model_is_a_fresh_runs(tmp_path, extra):
     grads = {n: p.requires_grad for n, p in a.named_parameters()}
     assert grads and not any(grads.values())
     assert {n: p.requires_grad for n, p in b.named_parameters()} == grads
-    sa, sb, policy = a.state_dict(), b.state_dict(), resumed.model.state_dict()
+    sa, sb, policy = a.state_dict(), b.state_dict(), resumed.learner.model.state_dict()
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(not torch.equal(sb[k], policy[k]) for k in sb)  # the reference, not the policy

@@ -15,9 +15,10 @@ from test_train_e2e import small_config as e2e_config
 
 from tracetrain.config import ConfigError, build_config
 from tracetrain.learn.logprobs import PRECISIONS, autocast, faster_precision, response_logprobs
+from tracetrain.learn.update import ppo_update
 from tracetrain.models import tiny
 from tracetrain.rows.aggregate import aggregate
-from tracetrain.run.trainer import Trainer, ppo_update, train
+from tracetrain.run.trainer import Trainer, train
 from tracetrain.types import Rollout, Turn
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess"
@@ -40,14 +41,15 @@ def turn_versions_of_step(run_dir: Path, step: int) -> set[int]:
 @pytest.mark.slow
 def test_collect_overlap_is_one_version_behind_overlaps_and_resumes_identically(tmp_path, monkeypatch):
     # Wall-clock intervals of every collect and every update of the run.
-    import tracetrain.run.trainer as T
+    import tracetrain.run.collectors as C
+    import tracetrain.run.learner as L
 
     spans = {"collect": [], "update": []}
-    collect_step, update = T.Trainer.collect_step, T.ppo_update
+    collect_step, update = C.Play.step, L.ppo_update
 
-    async def timed_collect(self, gateway, engine, step):
+    async def timed_collect(self, step):
         t = time.perf_counter()
-        out = await collect_step(self, gateway, engine, step)
+        out = await collect_step(self, step)
         spans["collect"].append((step, t, time.perf_counter()))
         return out
 
@@ -58,8 +60,8 @@ def test_collect_overlap_is_one_version_behind_overlaps_and_resumes_identically(
         spans["update"].append((t, time.perf_counter()))
         return out
 
-    monkeypatch.setattr(T.Trainer, "collect_step", timed_collect)
-    monkeypatch.setattr(T, "ppo_update", timed_update)
+    monkeypatch.setattr(C.Play, "step", timed_collect)
+    monkeypatch.setattr(L, "ppo_update", timed_update)
 
     run = tmp_path / "run"
     train(small_config(run, 2), base_dir=EXAMPLE, log=lambda *_: None)
@@ -173,7 +175,7 @@ def test_attn_implementation_reaches_the_model(tmp_path):
     from tracetrain.agents.tasks import load_task
 
     trainer = Trainer(cfg, load_task("task.py", EXAMPLE))
-    assert trainer.model.config._attn_implementation == "eager"
+    assert trainer.learner.model.config._attn_implementation == "eager"
 
 
 def _tiny_model():
@@ -224,15 +226,15 @@ def test_faster_precision_picks_the_one_that_measures_faster(slow, monkeypatch):
 def test_auto_precision_is_resolved_once_recorded_and_kept_by_a_resumed_run(tmp_path, monkeypatch):
     import json
 
-    import tracetrain.run.trainer as T
+    import tracetrain.run.learner as L
 
-    seen, update = [], T.ppo_update
+    seen, update = [], L.ppo_update
 
     def spy(*a, **k):
         seen.append(a[4].trainer.precision)  # ppo_update(model, optimizer, batch, adv, cfg, ...)
         return update(*a, **k)
 
-    monkeypatch.setattr(T, "ppo_update", spy)
+    monkeypatch.setattr(L, "ppo_update", spy)
     import tracetrain.run.precision as P
 
     monkeypatch.setattr(P, "faster_precision", lambda model: ("bf16-mixed", {"fp32": 2.0, "bf16-mixed": 1.0}))

@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "guess" / "config.yaml"
-SHUFFLED = Path(__file__).resolve().parent / "shuffled_guess.py"
+SHUFFLED = Path(__file__).resolve().parents[1] / "support" / "shuffled_guess.py"
 DEADLINE_S = 600
 # What a run measures rather than computes: left out of the comparison, and nothing else.
 MEASURED = ("time/", "memory/", "rollouts_per_s", "trained_tokens_per_s", "engine/idle_frac")

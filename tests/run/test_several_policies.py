@@ -54,7 +54,7 @@ def adapters(run_dir: Path) -> dict:
 
 def initial(cfg) -> dict:
     """The weights the run starts from (the same seed: the same base and fresh adapters)."""
-    return lora.weights(Trainer(cfg, None).model)
+    return lora.weights(Trainer(cfg, None).learner.model)
 
 
 # -- config ------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ import torch
 
 from tracetrain.config import build_config
 from tracetrain.run import checkpoint, durable
+from tracetrain.run import collectors as collectors_module
+from tracetrain.run import learner as learner_module
 from tracetrain.run import stop as stop_module
-from tracetrain.run import trainer as trainer_module
 from tracetrain.run.trainer import Trainer, train
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -78,7 +79,7 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list, trigger: int = TRIGGE
     """Send SIGTERM to this process when step `trigger` reaches `phase`; "eval-wait" (collect
     overlap): when its update is done and the next step's collect, which its eval waits for, runs."""
     if phase == "update":
-        real = trainer_module.ppo_update
+        real = learner_module.ppo_update
 
         def update(*a, **kw):
             stop_flags.append(1)
@@ -87,9 +88,9 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list, trigger: int = TRIGGE
                 wait_for(kw["stop"])
             return real(*a, **kw)
 
-        monkeypatch.setattr(trainer_module, "ppo_update", update)
+        monkeypatch.setattr(learner_module, "ppo_update", update)
     elif phase == "collect":
-        real_collect = trainer_module.collect
+        real_collect = collectors_module.collect
 
         async def collect(gateway, specs, *a, step, **kw):
             if step == trigger and "-eval" not in specs[0]["rollout_id"]:  # the step's, not an eval's
@@ -97,9 +98,9 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list, trigger: int = TRIGGE
                 await asyncio.sleep(0.5)  # (cancelled by the stop)
             return await real_collect(gateway, specs, *a, step=step, **kw)
 
-        monkeypatch.setattr(trainer_module, "collect", collect)
+        monkeypatch.setattr(collectors_module, "collect", collect)
     elif phase == "eval-wait":
-        real_update, real_collect = trainer_module.ppo_update, trainer_module.collect
+        real_update, real_collect = learner_module.ppo_update, collectors_module.collect
 
         def counted(*a, **kw):
             out = real_update(*a, **kw)
@@ -114,16 +115,16 @@ def patch_phase(phase: str, monkeypatch, stop_flags: list, trigger: int = TRIGGE
                 await asyncio.sleep(0.5)  # (cancelled by the stop)
             return await real_collect(gateway, specs, *a, step=step, **kw)
 
-        monkeypatch.setattr(trainer_module, "ppo_update", counted)
-        monkeypatch.setattr(trainer_module, "collect", collect)
+        monkeypatch.setattr(learner_module, "ppo_update", counted)
+        monkeypatch.setattr(collectors_module, "collect", collect)
     elif phase == "eval":
         real_eval = Trainer.evaluate
 
-        async def evaluate(self, gateway):
-            if self.step == trigger + 1:  # the eval after step `trigger`'s update
+        async def evaluate(self, play):
+            if self.state.step == trigger + 1:  # the eval after step `trigger`'s update
                 signal_self()
                 await asyncio.sleep(0.5)
-            return await real_eval(self, gateway)
+            return await real_eval(self, play)
 
         monkeypatch.setattr(Trainer, "evaluate", evaluate)
     elif phase == "checkpoint":
@@ -173,7 +174,7 @@ def test_sigterm_in_any_phase_saves_the_last_step_and_the_resumed_run_is_the_str
     assert without_times(lines(path)) == without_times(lines(straight))
     a, b = checkpoint.load(path / "checkpoint.pt")["model"], checkpoint.load(straight / "checkpoint.pt")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], v) for k, v in Trainer(config(tmp_path / "fresh"), None).model.state_dict().items())
+    assert any(not torch.equal(a[k], v) for k, v in Trainer(config(tmp_path / "fresh"), None).learner.model.state_dict().items())
 
 
 def traces(run_dir: Path) -> dict[str, set]:

@@ -26,7 +26,7 @@ def whole(run_dir: Path) -> dict:
 
 def base_state(cfg) -> dict:
     """The run's model as it starts (the same seed: the same weights), without adapters."""
-    return {k: v.clone() for k, v in lora.base(Trainer(cfg, None).model).state_dict().items()}
+    return {k: v.clone() for k, v in lora.base(Trainer(cfg, None).learner.model).state_dict().items()}
 
 
 def moved(a: dict, b: dict) -> bool:
@@ -58,9 +58,9 @@ def test_a_whole_model_policy_trains_its_own_copy_beside_an_adapter(tmp_path):
     assert sorted(end_adapters) == ["solver"] and any(v.abs().max() > 0 for k, v in
                                                       end_adapters["solver"].items() if "lora_B" in k)
     trainer = Trainer(cfg, None)
-    checkpoint.restore(trainer, tmp_path / "run" / "checkpoint.pt")
-    assert not moved(start, lora.base(trainer.model).state_dict())  # the base: frozen
-    assert not moved(start, trainer.whole_refs["checker"].state_dict())  # its reference: as it started
+    checkpoint.restore(tmp_path / "run" / "checkpoint.pt", trainer.learner, trainer.sync)
+    assert not moved(start, lora.base(trainer.learner.model).state_dict())  # the base: frozen
+    assert not moved(start, trainer.learner.whole_refs["checker"].state_dict())  # its reference: as it started
     for m in ms:
         assert m["policy/checker/engine/logprob_gap_max"] < 1e-4
         assert m["policy/solver/engine/logprob_gap_max"] < 1e-4

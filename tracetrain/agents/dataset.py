@@ -37,7 +37,7 @@ class DatasetError(UsageError):
     """A dataset file that cannot be used; the message names the file (and the row and field)."""
 
 
-class Rows:
+class TaskRows:
     """Random access to a dataset's rows as dicts; `name` is the path shown in errors."""
 
     name: str
@@ -49,7 +49,7 @@ class Rows:
         raise NotImplementedError
 
 
-class JsonlRows(Rows):
+class JsonlRows(TaskRows):
     """One JSON object per non-empty line; lines indexed by byte offset, parsed on demand."""
 
     CHUNK = 1 << 24
@@ -95,7 +95,7 @@ class JsonlRows(Rows):
                     yield self._parse(text, n)
 
 
-class ParquetRows(Rows):
+class ParquetRows(TaskRows):
     def __init__(self, path: Path):
         import pyarrow.parquet as pq
 
@@ -117,7 +117,7 @@ class ParquetRows(Rows):
             return self._group[1][i - int(self.starts[g])]
 
 
-class ArrowRows(Rows):
+class ArrowRows(TaskRows):
     """A pyarrow Table, or a `datasets.Dataset` (memory-mapped)."""
 
     def __init__(self, name: str, table: Any):
@@ -132,7 +132,7 @@ class ArrowRows(Rows):
         return dict(self.table[i])
 
 
-def open_rows(path: str | Path) -> Rows:
+def open_rows(path: str | Path) -> TaskRows:
     """The rows of a dataset file or `datasets` folder (DatasetError when it is neither)."""
     path = Path(path)
     if path.is_dir():
@@ -167,7 +167,7 @@ def open_rows(path: str | Path) -> Rows:
                        "files or a datasets.save_to_disk folder")
 
 
-def check_fields(rows: Rows, fields: Sequence[str]) -> None:
+def check_fields(rows: TaskRows, fields: Sequence[str]) -> None:
     """DatasetError naming the file, the row (1-based) and the field of the first row that lacks
     one of `fields` (or is not an object)."""
     if not fields:
@@ -220,7 +220,7 @@ class TaskData:
     """A run's tasks from files: the train rows dealt by EpochOrder, and the eval rows (a file of
     their own, or a held-out share of the train file, or none)."""
 
-    def __init__(self, train: Rows, *, eval_rows: Rows | None = None, eval_fraction: float = 0.0,
+    def __init__(self, train: TaskRows, *, eval_rows: TaskRows | None = None, eval_fraction: float = 0.0,
                  split_seed: int = 0, seed: int = 0, shuffle: bool = True,
                  fields: Sequence[str] = ()):
         check_fields(train, fields)

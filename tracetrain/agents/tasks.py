@@ -1,6 +1,7 @@
-"""A run's task source and its agent, resolved from the config: a task module (`task`, `agent`)
-or an environment (`env`, tracetrain/envs); used by the trainer, the verl backend, `tracetrain
-eval` and the agent worker processes alike."""
+"""A run's task module, its dataset and its agent, resolved from the config (`task`, `data`,
+`agent`); used by the trainer, the verl backend, `tracetrain eval` and the agent worker processes
+alike. An environment (`env`) is opened by tracetrain/envs, whose `load_source` chooses between
+the two; `open_task_data` takes the rows of either."""
 
 from __future__ import annotations
 
@@ -37,19 +38,9 @@ def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = Tr
     return module
 
 
-def load_source(cfg, base_dir: Path | None = None):
-    """The run's task source: its environment (`env`: envs.Environment, whose `agent` plays a
-    task) or its task module (`task`, load_task)."""
-    if cfg.env is not None:
-        from tracetrain.envs import open_environment
-
-        return open_environment(cfg.env)
-    return load_task(cfg.task, base_dir, needs_tasks=cfg.data.train is None)
-
-
 def open_task_data(cfg, base_dir: Path | None = None, source=None):
     """The run's dataset (dataset.TaskData): `data.train`'s rows, or those of the environment
-    `source` that brings its own; None when the tasks come from the task module's `tasks`. Paths
+    `source` (envs.load_source) that brings its own; None when the tasks come from the task module's `tasks`. Paths
     are relative to the config file, then the working directory. Every row is checked for
     `data.fields` here, before any training."""
     from tracetrain.agents.dataset import DatasetError, TaskData, open_rows
@@ -62,7 +53,7 @@ def open_task_data(cfg, base_dir: Path | None = None, source=None):
                             split_seed=dc.split_seed, seed=cfg.trainer.seed, shuffle=dc.shuffle,
                             fields=dc.fields)
         except DatasetError as e:
-            raise ConfigError(f"config key 'env.{cfg.env.kind}': {e}") from None
+            raise ConfigError(f"config key 'env' (kind {cfg.env.kind}): {e}") from None
     if dc.train is None:
         return None
 

@@ -14,7 +14,8 @@ from pydantic import (
     ValidationError,
 )
 
-from tracetrain.config.sections import ConfigError, TrainConfig, union_sections
+from tracetrain.config.base import ConfigError, union_sections
+from tracetrain.config.train import TrainConfig
 
 # Keys that moved or were replaced: a file or an override that still gives one is told where it
 # went (an error, as any unknown key).
@@ -79,13 +80,23 @@ def _kind_switched(data: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
         variants, old, new = union_sections(field.annotation), data.get(name), over.get(name)
         if not (variants and isinstance(old, dict) and isinstance(new, dict) and "kind" in new):
             continue
-        tag = next(m.discriminator for m in field.metadata if isinstance(m, Discriminator))
+        tag = _discriminator(field)
         before, after = variants.get(tag(old)), variants.get(tag({**old, **new}))
         if before is None or after is None or before is after:
             continue
         out[name] = {k: v for k, v in old.items() if k in after.model_fields or k not in before.model_fields
                      or v != before.model_fields[k].get_default(call_default_factory=True)}
     return out
+
+
+def _discriminator(field: Any) -> Any:
+    """The function that tells the kind of a union section's value (`engine`, `env`)."""
+    import typing
+
+    metadata = [*field.metadata, *(m for a in typing.get_args(field.annotation)
+                                   if typing.get_origin(a) is typing.Annotated
+                                   for m in typing.get_args(a)[1:])]
+    return next(m.discriminator for m in metadata if isinstance(m, Discriminator))
 
 
 _KEYED = re.compile(r"^Value error, ([a-z_]+(?:\.[A-Za-z0-9_][A-Za-z0-9_-]*)*): (.*)$", re.S)

@@ -11,7 +11,9 @@ from pydantic import (
 )
 
 from tracetrain import registry
-from tracetrain.config.sections import Registered, TrainConfig, VerlConfig, union_sections
+from tracetrain.config.base import Registered, union_sections
+from tracetrain.config.serving import VerlConfig
+from tracetrain.config.train import TrainConfig
 
 REFERENCE_COMMAND = "python -m tracetrain.config --markdown > docs/config.md"
 
@@ -50,6 +52,16 @@ def _optional_section(annotation: Any) -> type[BaseModel] | None:
     return args[0] if len(args) == 1 and _is_section(args[0]) else None
 
 
+def _holds_a_value(annotation: Any) -> bool:
+    """Whether a field is a key of its own: a value, or a section that may be null (null: off);
+    not a section that is always there (`model`, `engine`)."""
+    import typing
+
+    if _is_section(annotation):
+        return False
+    return not union_sections(annotation) or type(None) in typing.get_args(annotation)
+
+
 def describe(model: type[BaseModel], name: str) -> str:
     """The meaning of `model`'s field `name`: its attribute docstring, else
     EXTERNAL_DESCRIPTIONS."""
@@ -81,7 +93,7 @@ def leaf_keys() -> list[tuple[str, type[BaseModel], str]]:
     for prefix, model in sections():
         for name, field in model.model_fields.items():
             key = f"{prefix}.{name}" if prefix else name
-            if not _is_section(field.annotation) and not union_sections(field.annotation):
+            if _holds_a_value(field.annotation):
                 out.setdefault(key, (key, model, name))
     return list(out.values())
 
@@ -149,7 +161,7 @@ def _code(text: str) -> str:
 _HEADER = f"""\
 # Configuration reference
 
-<!-- Generated from tracetrain/config/sections.py by `{REFERENCE_COMMAND}`; do not edit.
+<!-- Generated from the section models of tracetrain/config/ by `{REFERENCE_COMMAND}`; do not edit.
      tests/test_config_docs.py fails when the two differ. -->
 
 A run is configured by a YAML file, and `key.sub=value` overrides after it on the command line
@@ -195,18 +207,29 @@ def _rows(prefix: str, models: list[type[BaseModel]], tags: dict[type[BaseModel]
     """The table rows of a section: one model's keys, or those of a union's models (`engine`), each
     key once, marked with the kinds that have it when not all do."""
     names = _unique([n for m in models for n, f in m.model_fields.items()
-                     if not _is_section(f.annotation) and not union_sections(f.annotation)])
+                     if _holds_a_value(f.annotation)])
     rows = []
     for name in names:
         having = [m for m in models if name in m.model_fields]
         field = (default_model if default_model in having else having[0]).model_fields[name]
-        meaning = " ".join(_unique([describe(m, name) for m in having]))
+        meanings: dict[str, list[str]] = {}  # meaning -> the kinds it is of
+        for m in having:
+            meanings.setdefault(describe(m, name), []).append(f"`{tags.get(m)}`")
+        meaning = " ".join(meanings) if len(meanings) == 1 or name == "kind" else " ".join(
+            f"{' and '.join(k)}: {text}" for text, k in meanings.items())
         if len(having) < len(models):
             labels = ["a plugin's" if tags[m] == "plugin" else f"`{tags[m]}`" for m in having]
             meaning = f"(kind {' or '.join(labels)}) {meaning}"
+        others = {}  # the kinds whose default is not the one shown (`kind`'s own: its tag)
+        for m in having if name != "kind" else ():
+            f = m.model_fields[name]
+            if not f.is_required() and (field.is_required() or _default(f) != _default(field)):
+                others.setdefault(_code(_yaml_value(_default(f))), []).append(f"`{tags[m]}`")
+        meaning += "".join(f" Default for kind {', '.join(k)}: {v}." for v, k in others.items())
         key = f"{prefix}.{name}" if prefix else name
         cells = [_code(key),
-                 _code(" | ".join(_unique([_type_name(m.model_fields[name].annotation) for m in having]))),
+                 _code(" | ".join(_unique([t for m in having
+                                           for t in _type_name(m.model_fields[name].annotation).split(" | ")]))),
                  "required" if field.is_required() else _code(_yaml_value(_default(field))),
                  ", ".join(_unique([c for m in having for c in _constraints(m.model_fields[name])])),
                  meaning]

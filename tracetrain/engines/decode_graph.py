@@ -38,6 +38,7 @@ import functools
 import inspect
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -172,12 +173,13 @@ def _limit_hits() -> int:
 
 class DecodeGraph:
     """The decode step of a supported runner (`unsupported` is None) over a cache of
-    kv_cache.ReservedLayer layers, called as LocalEngine._forward is for a decode step; compiled
+    kv_cache.ReservedLayer layers, called as the decoder's _forward is for a decode step; compiled
     when `compile` and inductor builds here (`compiled`), else eager (`reason` says why).
     Compiled, its graphs are its own (module docstring); `fallback` is None until dynamo runs a
     step of it eagerly at a recompile limit, then says so (and the log has said it once)."""
 
-    def __init__(self, runner: torch.nn.Module, compile: bool, stats: dict | None = None):
+    def __init__(self, runner: torch.nn.Module, compile: bool,
+                 stats: MutableMapping[str, Any] | None = None):
         self.runner, self.stats = runner, stats
         self.dtype = runner.model.embed_tokens.weight.dtype
         self.reason = inductor_builds() if compile else "compile false"
@@ -241,7 +243,7 @@ class DecodeGraph:
         return logits, cache
 
 
-def build(runner: torch.nn.Module, compile: bool, stats: dict | None = None
+def build(runner: torch.nn.Module, compile: bool, stats: MutableMapping[str, Any] | None = None
           ) -> tuple[DecodeGraph | None, str]:
     """(the engine's decode step: a DecodeGraph, or None for transformers' forward; what was
     chosen, and why) for `runner` and the engine's `compile`."""

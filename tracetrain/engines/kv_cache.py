@@ -2,8 +2,8 @@
 
 transformers' DynamicLayer appends a step's keys by torch.cat: every decode step copies the whole
 cache, per layer [B, K, L, d] for keys and again for values, O(L) bytes per step for one token's
-worth of new data (SmolLM2-135M, 32 rows of ~150 tokens in bf16: 110 MB a step, 0.5 s of a 3 s
-32-token decode). A ReservedLayer holds a store [B, K, C, d] with C >= L columns:
+worth of new data (what that cost: docs/benchmarks.md, "The decode's KV cache reserved ahead").
+A ReservedLayer holds a store [B, K, C, d] with C >= L columns:
 
     update(k [B, K, n, d]):   store[:, :, L : L + n] = k;   L += n;   keys = store[:, :, :L]
 

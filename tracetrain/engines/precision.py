@@ -44,8 +44,8 @@ def dense_input(module: torch.nn.Module, args: tuple) -> tuple:
 def _for_engine(runner: torch.nn.Module) -> torch.nn.Module:
     """`runner` with decode attention by grouped matmuls, and its lm head given a dense input
     (`dense_input`): a prefill's last positions, hidden[:, -1:] of [B, S, h], are a strided view,
-    for which torch's matmul expands the [h, V] weight to [B, h, V] and copies it (a 1.8 GB copy
-    for 32 rows of SmolLM2 in bf16: 1.2 s of a 1.7 s prefill pass, measured on the Zen 4 VM)."""
+    for which torch's matmul expands the [h, V] weight to [B, h, V] and copies it (its cost:
+    docs/benchmarks.md, "Engine precision, requests that join a batch, the lm head's copy")."""
     inner = runner.get_base_model() if hasattr(runner, "get_base_model") else runner
     inner.set_attn_implementation(ATTENTION)
     inner.get_output_embeddings().register_forward_pre_hook(dense_input)

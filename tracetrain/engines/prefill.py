@@ -30,7 +30,7 @@ Supports caches of full-attention layers (DynamicLayer); a sliding-window model 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ class Prefill:
     between batches (0: none)."""
 
     def __init__(self, forward: Forward, *, pad_id: int, device: torch.device, budget: int,
-                 stats: dict):
+                 stats: MutableMapping[str, Any]):
         self.forward, self.pad_id, self.device, self.stats = forward, pad_id, device, stats
         self.tree = PrefixCache(budget)
 

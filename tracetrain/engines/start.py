@@ -58,13 +58,14 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
     """In this process, decoding with the module itself (shared with the optimizer unless the
     trainer gives it a copy)."""
     from tracetrain.engines.local import LocalEngine
+    from tracetrain.engines.local_options import LocalOptions
 
-    engine = LocalEngine(weights, tokenizer, max_batch_size=4096, model_version=version,
-                         seed=cfg.trainer.seed, threads=threads,
-                         batch_window_ms=cfg.engine.batch_window_ms, lockstep=lockstep,
-                         prefix_cache_bytes=cfg.engine.prefix_cache_mb << 20,
-                         prefix_cache=cfg.engine.prefix_cache_mb > 0,
-                         precision=cfg.engine.precision, compile=cfg.engine.compile)
+    ec = cfg.engine
+    engine = LocalEngine(weights, tokenizer, LocalOptions(
+        max_batch_size=4096, model_version=version, seed=cfg.trainer.seed, threads=threads,
+        batch_window_ms=ec.batch_window_ms, lockstep=lockstep,
+        prefix_cache_bytes=ec.prefix_cache_mb << 20, prefix_cache=ec.prefix_cache_mb > 0,
+        precision=ec.precision, compile=ec.compile))
     log(f"engine decode step: {engine.graph_note}")
     if engine.precision_s is not None:
         log(f"engine.precision auto: {engine.precision} (a decode step, best of 3: " + ", ".join(
@@ -78,8 +79,9 @@ async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, 
     """A vLLM server launched on the weights (engine.python), or a running one (engine.base_url)
     they are pushed to; under LoRA the server holds the base and takes the adapter
     (engines/vllm.py)."""
-    from tracetrain.engines.vllm import LoraTransport, NcclTransport, VLLMEngine, write_hf_dir
+    from tracetrain.engines.vllm import LoraTransport, NcclTransport, VLLMEngine
     from tracetrain.engines.vllm_server import VLLMServer
+    from tracetrain.models.save import write_hf_dir
 
     ec, ac = cfg.engine, cfg.aggregate
     transport = NcclTransport() if ec.sync == "nccl" else None

@@ -1,7 +1,11 @@
 """What every environment adapter is: a task source (its rows) and an agent that plays one task
-through the gateway.
+through the gateway, registered under the `env.kind` that chooses it:
 
-An Environment is built from its config section alone (`env.<kind>`, already validated, paths
+    @register_env("kind")                       # registry.ENV_KINDS, in the adapter's module
+    class MyEnv(Environment): ...
+    open_environment(cfg.env)                   # -> ENV_KINDS[cfg.env.kind](cfg.env)
+
+An Environment is built from its config section alone (`env`, already validated, paths
 absolute) and pickles as that section: a worker process (`rollout.agent_workers`) or a Ray worker
 rebuilds it and opens what it holds (a dataset, a server, a worker in another venv) on first use
 there. Its agent makes one environment instance per rollout, closes it when the rollout ends, and
@@ -19,15 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tracetrain.agents.dataset import Rows
+from tracetrain import registry
+from tracetrain.agents.dataset import TaskRows
 from tracetrain.types import UsageError
 
-KINDS = {  # env.<kind> -> the module:class of its adapter
-    "reasoning_gym": "tracetrain.envs.reasoning_gym:ReasoningGymEnv",
-    "verifiers": "tracetrain.envs.verifiers_env:VerifiersEnv",
-    "openenv": "tracetrain.envs.openenv:OpenEnvEnv",
-    "environment_class": "tracetrain.envs.tools:EnvironmentClassEnv",
-}
+ENV_KINDS = registry.ENV_KINDS
+register_env = ENV_KINDS.register
 PACKAGES = {"reasoning_gym": "reasoning-gym", "verifiers": "verifiers", "openenv": "openenv-core",
             "trl": "trl"}
 
@@ -37,10 +38,9 @@ class EnvError(UsageError):
 
 
 class Environment:
-    """A task source and its agent. Subclasses set `kind` and implement `agent`; `rows` returns
-    the tasks it brings (None: data.train's rows are the tasks)."""
-
-    kind: str = ""
+    """A task source and its agent. Subclasses register under their kind (`register_env`) and
+    implement `agent`; `rows` returns the tasks it brings (None: data.train's rows are the
+    tasks)."""
 
     def __init__(self, config: Any):
         self.config = config
@@ -48,11 +48,11 @@ class Environment:
     def __reduce__(self):
         return (type(self), (self.config,))
 
-    def rows(self) -> Rows | None:
+    def rows(self) -> TaskRows | None:
         """The rows the run trains on (and holds out from, with data.eval_fraction)."""
         return None
 
-    def eval_rows(self) -> Rows | None:
+    def eval_rows(self) -> TaskRows | None:
         """Held-out rows of the environment's own (verifiers' eval_dataset); None: none."""
         return None
 
@@ -65,7 +65,7 @@ class Environment:
         """Release what the environment opened in this process (servers, worker processes)."""
 
 
-class RowsOf(Rows):
+class TaskRowsOf(TaskRows):
     """`n` rows, row i being `row(i)` (a dict), named `name` in errors: an environment's tasks
     (a generated dataset, a loaded one, a list, seeds) as the run's dataset code reads them."""
 
@@ -123,11 +123,8 @@ def load_object(spec: str, key: str) -> Any:
 
 
 def open_environment(env_config: Any) -> Environment:
-    """The Environment of a config's `env` section (config.EnvConfig)."""
-    kind = env_config.kind
-    module, _, name = KINDS[kind].partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(getattr(env_config, kind))
+    """The Environment of a config's `env` section (config.EnvConfig): its kind's adapter."""
+    return ENV_KINDS[ENV_KINDS.resolve(env_config.kind)](env_config)
 
 
 def openai_for(client: dict):

@@ -1,12 +1,13 @@
 """OpenEnv environments (openenv-core's `EnvClient` over a WebSocket), played as an environment
-class (envs/tools.py) whose one tool is the environment's step.
+class (envs/environment_class.py) whose one tool is the environment's step.
 
 One rollout of a task `row` (data.train's row, or {"seed": seed + i} with `size`):
 
     session  = Client(base_url=server).connect()          one session per rollout (a server at its
                max_concurrent_envs is waited on, retrying, until the rollout's timeout)
     result   = await session.reset(**row)                 the server's reset takes the keys its
-               signature names; its observation, as text, is appended to the prompt (tools.py)
+               signature names; its observation, as text, is appended to the prompt
+               (environment_class.py)
     tool     `step`: parameters = the Action model's fields but `metadata` (the client's generic
                Action type, or the server's /schema for a GenericEnvClient); description = the
                Action class's docstring
@@ -41,12 +42,12 @@ import threading
 import typing
 from typing import Any
 
-from tracetrain.agents.dataset import Rows
+from tracetrain.agents.dataset import TaskRows
 from tracetrain.config import OpenEnvConfig
-from tracetrain.envs.base import EnvError, Environment, RowsOf, load_object, need
-from tracetrain.envs.tools import parse_arguments, prompt_messages, tool_loop
+from tracetrain.envs.base import EnvError, Environment, TaskRowsOf, load_object, need, register_env
+from tracetrain.envs.environment_class import parse_arguments, prompt_messages, tool_loop
 
-KEY = "env.openenv"
+KEY = "env"
 RETRY_S = (0.05, 1.0)  # backoff while the server is at its session limit: first, most
 
 
@@ -153,16 +154,15 @@ def step_reward(value: Any, where: str) -> float | None:
     return reward
 
 
+@register_env("openenv")
 class OpenEnvEnv(Environment):
-    """env.openenv: the module docstring's rollout."""
+    """env.kind openenv: the module docstring's rollout."""
 
-    kind = "openenv"
-
-    def rows(self) -> Rows | None:
+    def rows(self) -> TaskRows | None:
         c: OpenEnvConfig = self.config
         if c.size is None:
             return None
-        return RowsOf(c.size, lambda i: {"seed": c.seed + i}, f"OpenEnv seeds {c.seed}..{c.seed + c.size - 1}")
+        return TaskRowsOf(c.size, lambda i: {"seed": c.seed + i}, f"OpenEnv seeds {c.seed}..{c.seed + c.size - 1}")
 
     def _client_cls(self) -> type:
         need("openenv.core.env_client", f"{KEY}.client")

@@ -17,19 +17,20 @@ import functools
 import re
 from typing import Any
 
-from tracetrain.agents.dataset import Rows
+from tracetrain.agents.dataset import TaskRows
 from tracetrain.config import ReasoningGymConfig
 from tracetrain.envs.base import (
     EnvError,
     Environment,
-    RowsOf,
+    TaskRowsOf,
     load_object,
     need,
     openai_for,
+    register_env,
     sampling,
 )
 
-KEY = "env.reasoning_gym"
+KEY = "env"
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -45,8 +46,9 @@ def last_number(reply: str) -> str | None:
     return found[-1] if found else None
 
 
+@register_env("reasoning_gym")
 class ReasoningGymEnv(Environment):
-    kind = "reasoning_gym"
+    """env.kind reasoning_gym: the module docstring's rows and reward."""
 
     @functools.cached_property
     def dataset(self) -> Any:
@@ -58,7 +60,8 @@ class ReasoningGymEnv(Environment):
         names = [c.dataset] if c.dataset is not None else list(c.datasets)
         unknown = [n for n in names if n not in DATASETS]
         if unknown:
-            raise EnvError(f"config key '{KEY}': no reasoning-gym dataset {unknown[0]!r} "
+            key = f"{KEY}.dataset" if c.dataset is not None else f"{KEY}.datasets"
+            raise EnvError(f"config key '{key}': no reasoning-gym dataset {unknown[0]!r} "
                                    f"({len(DATASETS)} known, e.g. {', '.join(sorted(DATASETS)[:5])})")
         try:
             if c.dataset is not None:
@@ -70,10 +73,10 @@ class ReasoningGymEnv(Environment):
         except (TypeError, ValueError, AssertionError) as e:  # an option the dataset refuses
             raise EnvError(f"config key '{KEY}': {type(e).__name__}: {e}") from None
 
-    def rows(self) -> Rows:
+    def rows(self) -> TaskRows:
         c: ReasoningGymConfig = self.config
         ds = self.dataset  # row i: entry i (a dict: question, answer, metadata)
-        return RowsOf(len(ds), lambda i: dict(ds[i]), f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
+        return TaskRowsOf(len(ds), lambda i: dict(ds[i]), f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
                                          f"(size {c.size}, seed {c.seed})")
 
     @functools.cached_property

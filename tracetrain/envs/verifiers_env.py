@@ -40,11 +40,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from tracetrain.agents.dataset import Rows
+from tracetrain.agents.dataset import TaskRows
 from tracetrain.config import VerifiersConfig
-from tracetrain.envs.base import EnvError, Environment, RowsOf, need
+from tracetrain.envs.base import EnvError, Environment, TaskRowsOf, need, register_env
 
-KEY = "env.verifiers"
+KEY = "env"
 WORKER = Path(__file__).with_name("verifiers_worker.py")
 CANCEL_GRACE_S = 10.0  # a cancelled rollout must be let go of this fast, or its worker is killed
 LOAD_TIMEOUT_S = 600.0  # a worker's load (import verifiers, the env, its dataset) at most
@@ -52,15 +52,15 @@ CLIENT_KEYS = ("base_url", "api_key", "model", "temperature", "top_p", "max_toke
 log = logging.getLogger("tracetrain.envs.verifiers")
 
 
-def dataset_rows(dataset: Any, name: str) -> RowsOf:
+def dataset_rows(dataset: Any, name: str) -> TaskRowsOf:
     """A classic environment's (HF) dataset as rows: row i is its row i, as JSON carries it."""
     from tracetrain.envs.verifiers_worker import Classic
 
-    return RowsOf(len(dataset), lambda i: Classic.row(dataset, i), name)
+    return TaskRowsOf(len(dataset), lambda i: Classic.row(dataset, i), name)
 
 
-def list_rows(rows: list[dict], name: str) -> RowsOf:
-    return RowsOf(len(rows), rows.__getitem__, name)
+def list_rows(rows: list[dict], name: str) -> TaskRowsOf:
+    return TaskRowsOf(len(rows), rows.__getitem__, name)
 
 
 class WorkerDied(RuntimeError):
@@ -203,8 +203,9 @@ def _close_workers() -> None:
         w.close()
 
 
+@register_env("verifiers")
 class VerifiersEnv(Environment):
-    kind = "verifiers"
+    """env.kind verifiers: the module docstring's rows and rollout."""
 
     def _search_path(self) -> None:
         c: VerifiersConfig = self.config
@@ -289,7 +290,7 @@ class VerifiersEnv(Environment):
             self._loaded = msg
         return self._loaded
 
-    def rows(self) -> Rows:
+    def rows(self) -> TaskRows:
         c: VerifiersConfig = self.config
         name = f"verifiers {c.env_id}"
         if self.in_process:
@@ -300,7 +301,7 @@ class VerifiersEnv(Environment):
             return dataset_rows(ds, name)
         return list_rows(self._load_rows()["rows"], name)
 
-    def eval_rows(self) -> Rows | None:
+    def eval_rows(self) -> TaskRows | None:
         c: VerifiersConfig = self.config
         if self.in_process:
             ds = self.classic.dataset(eval=True)

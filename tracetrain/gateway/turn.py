@@ -44,8 +44,8 @@ from tracetrain.gateway.streaming import TextDeltas
 from tracetrain.store import NewTurn, RolloutEnded, RolloutHead
 from tracetrain.types import (
     DEFAULT_ROLE,
-    POLICY,
     RENDERED,
+    TEMPLATE,
     TERMINAL_STATES,
     RolloutState,
     TraceError,
@@ -271,7 +271,7 @@ async def chat_answer(
             rollout.rollout_id, messages, tools, full, first=first, sent=sent, role=role
         )
     else:
-        built = Built(full(), RENDERED, POLICY, 0)
+        built = Built(full(), RENDERED, TEMPLATE, 0)
     prompt_ids = built.prompt_ids
     params = render.sampling_params(
         tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured

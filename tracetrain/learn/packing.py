@@ -49,8 +49,8 @@ from tracetrain.learn.sparse_pack import SparsePlan, build_plan
 # where the model's attention bypasses the dispatcher). Benchmarks and tests set it.
 PACK_ATTENTION = "auto"
 # auto's threshold: the row blocks' gathers cost about what the scores they save do until the plan
-# is down to half the dense scores (bench/bench_pack_attention.py, SmolLM2's heads: a shared pack
-# at 0.63 of them is 1.1x the dense mask's time, an unshared one at 0.1 is 0.14x)
+# is down to half the dense scores (measured with bench/bench_pack_attention.py: docs/benchmarks.md,
+# "A pack's attention without the dense mask")
 AUTO_SCORES = 0.5
 
 

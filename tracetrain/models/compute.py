@@ -5,10 +5,9 @@ torch's CPU ops run on OpenMP (libgomp, bundled in the CPU wheel). Its thread co
 thread, and each OS thread that once ran a parallel region on n > 1 threads keeps a team of n - 1
 OpenMP workers for as long as it lives. Once a process's OpenMP workers (and its first thread)
 outnumber its CPUs, libgomp throttles its spin-wait between parallel regions to ~100 spins, so
-every region after that wakes its workers through the kernel: on 2 CPUs (AMD EPYC Zen 4), a
-32-row decode step of SmolLM2-135M in bf16 took 65 ms with one team in the process and 85-100 ms
-with two (~950 voluntary context switches a step instead of ~1; bench/bench_omp_teams.py,
-docs/speed.md). So the local engines' decoding and the trainer's model work run on one thread,
+every region after that wakes its workers through the kernel, a context switch per region where
+one team has none (measured: docs/benchmarks.md, "One OpenMP team in the process";
+bench/bench_omp_teams.py). So the local engines' decoding and the trainer's model work run on one thread,
 `compute_thread()`, and the event loop's thread computes on one torch thread while a trainer runs
 (`one_thread_here`): the process then has one team.
 

@@ -20,6 +20,6 @@ def context_metrics(turns: Sequence[tuple[str | None, str | None, int]]) -> dict
         if context == EXACT:
             out["context/exact"] += 1
             out["context/reused_tokens"] += reused or 0
-        elif context == RENDERED:
-            out[f"context/rendered/{reason}"] += 1
+        elif context == RENDERED:  # (a reason of an older store, e.g. "policy": counted as it is)
+            out[f"context/rendered/{reason}"] = out.get(f"context/rendered/{reason}", 0) + 1
     return out

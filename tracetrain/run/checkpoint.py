@@ -20,10 +20,11 @@
     collector            collect "continuous": the next group and the groups launched, not trained
     eval_pending         the last step's eval was stopped by a signal: the resumed run runs it
 
-`state` is that dict (its tensors copied when it is written while the run goes on); `save` writes
-it whole or not at all (run/durable.py); `restore` checks it and puts it back into a Trainer built
-from the same config. `Checkpoints` writes a run's into run_dir/checkpoints/ on its own thread,
-one at a time, and finds the newest that verifies.
+`state` is that dict, made of the run's state (run/state.py), the learner's and the engine's weights
+(its tensors copied when it is written while the run goes on); `save` writes it whole or not at all
+(run/durable.py); `restore` checks it, puts the weights back into a learner and a weight sync built
+from the same config and returns the run's state. `Checkpoints` writes a run's into
+run_dir/checkpoints/ on its own thread, one at a time, and finds the newest that verifies.
 
 `save_weights` writes a weights-only checkpoint (`tracetrain sft`'s): kind "weights", the model
 (the adapter alone under LoRA) and what made it. `tracetrain eval --policy` and `sft --policy` read
@@ -45,6 +46,7 @@ import torch
 from tracetrain.config import TrainerConfig
 from tracetrain.models import lora
 from tracetrain.run import durable
+from tracetrain.run.state import RunState
 
 KEYS = ("step", "version", "model", "optimizer", "scheduler", "rng", "history")  # what every run's has
 
@@ -86,34 +88,28 @@ def _copied(x: Any) -> Any:
     return x
 
 
-def state(tr: Any, next_collected: Any = None, *, copied: bool = False) -> dict:
-    """Trainer `tr`'s checkpoint (module docstring). `copied`: every tensor cloned and the
-    history copied, so the run may go on while it is written."""
+def state(run: RunState, learner: Any, sync: Any, *, copied: bool = False) -> dict:
+    """The checkpoint (module docstring) of a run at `run`, with `learner`'s weights and
+    optimizers (run/learner.py) and `sync`'s engine weights (run/weights.py). `copied`: every
+    tensor cloned and the history copied, so the run may go on while it is written."""
     out = {
-        "step": tr.step,
-        "version": tr.version,
-        "model": lora.weights(tr.model),
-        "engine": None if tr.sync.engine_model is None else tr.sync.next_weights or {
-            "model": lora.weights(tr.sync.engine_model), "version": tr.sync.engine_version},
-        "next_collected": next_collected,
-        "optimizer": tr.optimizer.state_dict(),
-        "scheduler": tr.scheduler.state_dict(),
-        "ref_model": None if tr.ref_model is None else tr.ref_model.state_dict(),
-        "whole": {name: m.state_dict() for name, m in tr.whole.items()},
-        "whole_refs": {name: m.state_dict() for name, m in tr.whole_refs.items()},
-        "frozen": None if tr.frozen_model is None else lora.weights(tr.frozen_model),
-        "rng": getattr(tr, "step_rng", None) or rng_state(),
-        "history": tr.history,
-        "precision": tr.cfg.trainer.precision,
-        "collector": tr.collector.state() if tr.collector is not None else tr.collector_state,
-        "eval_pending": getattr(tr, "eval_pending", False),
+        "step": run.step,
+        "version": run.version,
+        **learner.checkpoint(),
+        "engine": sync.checkpoint(),
+        "next_collected": run.next_collected,
+        "rng": run.rng or rng_state(),
+        "history": run.history,
+        "precision": run.precision,
+        "collector": run.collector,
+        "eval_pending": run.eval_pending,
     }
-    return {**_copied(out), "history": copy.deepcopy(tr.history)} if copied else out
+    return {**_copied(out), "history": copy.deepcopy(run.history)} if copied else out
 
 
-def save(tr: Any, path: Path, next_collected: Any = None) -> Path:
-    """Write trainer `tr`'s checkpoint to `path`, whole or not at all (durable.write)."""
-    payload = state(tr, next_collected)
+def save(path: Path, run: RunState, learner: Any, sync: Any) -> Path:
+    """Write the checkpoint of `state(run, learner, sync)` to `path`, whole or not at all."""
+    payload = state(run, learner, sync)
     return durable.write(path, lambda f: torch.save(payload, f))
 
 
@@ -165,11 +161,11 @@ class Checkpoints:
 
 def write_policy(model: torch.nn.Module, tokenizer, path: Path,
                  whole: dict[str, torch.nn.Module] | None = None) -> Path:
-    """`path` (a run's policy/): the policy as a Hugging Face directory (engines/vllm.write_hf_dir);
+    """`path` (a run's policy/): the policy as a Hugging Face directory (models/save.write_hf_dir);
     under LoRA the merged model, and the adapter alone in path/adapter (peft's format). With
     several policies: path/<policy>/ each, its own adapter merged, and the adapter alone in
     path/<policy>/adapter; a whole-model policy's (`whole`) its model."""
-    from tracetrain.engines.vllm import write_hf_dir
+    from tracetrain.models.save import write_hf_dir
 
     for name, m in (whole or {}).items():
         write_hf_dir(m, tokenizer, path / name)
@@ -220,49 +216,27 @@ def load(path: Path) -> dict:
     return ck
 
 
-def restore(tr: Any, path: Path) -> None:
-    """Load the checkpoint at `path` into trainer `tr`."""
+def restore(path: Path, learner: Any, sync: Any) -> RunState:
+    """The checkpoint at `path` put back: `learner`'s weights and optimizers, `sync`'s engine
+    weights, the random state; returns the run's state."""
     ck = load(path)
-    lora.load_weights(tr.model, ck["model"])
-    tr.optimizer.load_state_dict(ck["optimizer"])
-    tr.scheduler.load_state_dict(ck["scheduler"])
-    if ck["ref_model"] is not None:
-        tr.ref_model = frozen_copy(tr.model)
-        tr.ref_model.load_state_dict(ck["ref_model"])
-    if sorted(ck.get("whole", {})) != sorted(tr.whole):
-        raise CheckpointError(f"{path}: whole-model policies {sorted(ck.get('whole', {}))}; this "
-                              f"run's are {sorted(tr.whole)} (policies.*.lora, policies.*.model)")
-    for name, m in tr.whole.items():  # in place: the optimizers hold their parameters
-        m.load_state_dict(ck["whole"][name])
-    tr.whole_refs = {name: frozen_copy(tr.whole[name]) for name in ck.get("whole_refs", {})}
-    for name, ref in tr.whole_refs.items():
-        ref.load_state_dict(ck["whole_refs"][name])
-    if ck.get("frozen") is not None:
-        tr.frozen_model = frozen_copy(tr.model)
-        lora.load_weights(tr.frozen_model, ck["frozen"])
+    learner.restore(ck, path)
+    sync.restore(ck.get("engine"))
     torch.set_rng_state(ck["rng"]["torch"])
     random.setstate(ck["rng"]["python"])
-    tr.step = ck["step"]
-    tr.version = ck.get("version", ck["step"])
-    tr.history = ck["history"]
-    if ck.get("engine") is not None:
-        tr.sync.engine_model = copy.deepcopy(tr.model)
-        lora.load_weights(tr.sync.engine_model, ck["engine"]["model"])
-        tr.sync.engine_version = ck["engine"]["version"]
-    tr.next_collected = ck.get("next_collected")
-    tr.resumed_precision = ck.get("precision")
-    tr.collector_state = ck.get("collector")
-    tr.eval_pending = ck.get("eval_pending", False)
+    return RunState(step=ck["step"], version=ck.get("version", ck["step"]), history=ck["history"],
+                    next_collected=ck.get("next_collected"), collector=ck.get("collector"),
+                    precision=ck.get("precision"), eval_pending=ck.get("eval_pending", False))
 
 
-def resume(tr: Any) -> bool:
-    """The newest checkpoint of trainer `tr`'s run_dir that verifies (durable.newest_valid) into
-    `tr`, those skipped and the one taken logged; False if none."""
-    path, skipped = durable.newest_valid(tr.run_dir)
+def resume(run_dir: Path, learner: Any, sync: Any, log=print) -> RunState | None:
+    """The newest checkpoint of `run_dir` that verifies (durable.newest_valid), restored; those
+    skipped and the one taken logged; None if none."""
+    path, skipped = durable.newest_valid(run_dir)
     for why in skipped:
-        tr.log(f"checkpoint skipped: {why}")
+        log(f"checkpoint skipped: {why}")
     if path is None:
-        return False
-    restore(tr, path)
-    tr.log(f"resumed from {path} at step {tr.step}")
-    return True
+        return None
+    run = restore(path, learner, sync)
+    log(f"resumed from {path} at step {run.step}")
+    return run

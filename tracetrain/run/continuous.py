@@ -18,13 +18,13 @@ token is more than k versions old and nothing is dropped for age. Groups are tak
 group's advantage needs all of it). With k = 0, G groups launch, all are waited for, the update
 runs, then the next G launch: the step-synchronous run, the same tasks, seeds and samples.
 
-The only I/O is through `play` (the runner through the gateway); the rest is bookkeeping.
+The only I/O is through `play` (the runner through the gateway: run/collectors.py's
+ContinuousCollector); the rest is bookkeeping.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,7 +65,7 @@ class Collector:
         self.next, self.redo = next_group, sorted(n for n in redo or [] if n < last_group)
         self.groups: dict[int, Group] = {}  # launched, not trained
         self.taken: list[int] = []  # the step's, until `trained`
-        self.last_take = time.perf_counter()  # when the last step's groups were taken (or the start)
+        self.last_take = time.perf_counter()  # when the last step's groups were taken (or start)
 
     def launch(self) -> int:
         """Launch groups up to the bound; returns how many."""
@@ -132,41 +132,6 @@ def group_specs(tasks: list[dict], number: int, groups_per_step: int, n_per_task
     prefix = f"{nonce}-s{step}-t{j}"
     return [{"rollout_id": f"{prefix}-n{m}", "group_id": prefix, "task": tasks[j]}
             for m in range(n_per_task)], step
-
-
-def start(tr, gateway, engine) -> Collector:
-    """The collector of trainer `tr`'s run (its groups launched): group n is played through the
-    gateway by tr.agent as the step-synchronous run plays it (`group_specs`)."""
-    from tracetrain.run.step import collect, step_tasks
-
-    cfg = tr.cfg
-    G, n_per_task = cfg.rollout.tasks_per_step, cfg.rollout.n_per_task
-    # a step's tasks, made once while its groups launch (the last few steps' kept)
-    tasks_of = functools.lru_cache(maxsize=cfg.trainer.max_staleness + 2)(
-        lambda step: step_tasks(tr.task, cfg, step, tr.data))
-
-    async def play(number: int) -> list:
-        specs, step = group_specs(tasks_of(number // G), number, G, n_per_task, tr.nonce)
-        return await collect(gateway, specs, tr.agent, cfg, temperature=cfg.rollout.temperature,
-                             step=step, http_client=tr.http_client, workers=tr.workers,
-                             first_position=(number % G) * n_per_task)
-
-    c = Collector(play, lambda: engine.model_version, groups_per_step=G,
-                  max_staleness=cfg.trainer.max_staleness, last_group=cfg.trainer.steps * G,
-                  **(tr.collector_state or {}))
-    c.launch()
-    return c
-
-
-async def stop(tr) -> None:
-    """The end of trainer `tr`'s continuous collection: what a resumed run launches again kept
-    (tr.collector_state), the groups still running cancelled."""
-    if tr.collector is None:
-        return
-    tr.collector_state = tr.collector.state()
-    if n := await tr.collector.aclose():
-        tr.log(f"continuous collection: {n} groups still running at the end, cancelled")
-    tr.collector = None
 
 
 async def take_step(c: Collector, engine, step: int, version: int, before: dict):

@@ -7,8 +7,8 @@
     sync      the engine takes the new weights; the model version goes up by one
 
 `collect` runs the agents (agents/runner.py, runner_ray.py, workers.py), `learn` and `sync` are
-the backend's (the embedded trainer: update.ppo_update and Trainer.push_weights; verl: its actor
-and checkpoint manager). What every backend logs of a step comes from `rows` and `throughput`.
+the backend's (the embedded trainer: run/learner.py's update and run/weights.py's WeightSync;
+verl: its actor and checkpoint manager). What every backend logs of a step comes from `rows` and `throughput`.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ class WeightSync:
         """The engine started on `engine_weights`, and its slot in the in-process gateway."""
         self.engine, self.slot = engine, slot
         # a server holds its weights elsewhere: engine_model mirrors them for the checkpoint
-        self.mirror = self.engine_model is not None and getattr(engine, "model", None) is not self.engine_model
+        self.mirror = (self.engine_model is not None
+                       and getattr(engine, "model", None) is not self.engine_model)
 
     @property
     def shared(self) -> bool:
@@ -86,14 +87,13 @@ class WeightSync:
         if server is not None:
             server.check_alive()
 
-    async def update(self, gateway: GatewayClient, run_update: Callable[[], Awaitable[Any]],
-                     version: int, *, push_now: bool) -> tuple[Any, dict[str, float]]:
-        """Run the update (`run_update()`), which makes the policy `version`; -> (its result,
-        {"time/update_s", "time/sync_s" when pushed}). Shared weights change inside a held window
-        and the engine's version moves with them; a sleeping server sleeps through it; an own
-        copy is pushed after it when `push_now` (collection waits for the new weights)."""
+    async def run_update(self, gateway: GatewayClient, run_update: Callable[[], Awaitable[Any]],
+                         version: int) -> tuple[Any, dict[str, float]]:
+        """Run the optimizer update (`run_update()`), which makes the policy `version`; -> (its
+        result, {"time/update_s"}). Shared weights change inside a held window and the engine's
+        version moves with them; a sleeping server sleeps through it; an own copy is left as it
+        is (`send` or `catch_up` gives it the new weights)."""
         held = self.shared or self.sleep_level
-        times = {}
         async with contextlib.AsyncExitStack() as windows:
             for slot in ([self.slot] if held else []) + [slot for _, slot in self.whole]:
                 await windows.enter_async_context(held_engine(gateway, slot))
@@ -101,17 +101,22 @@ class WeightSync:
                 await self.engine.sleep(self.sleep_level)
             t = time.perf_counter()
             result = await run_update()
-            times["time/update_s"] = time.perf_counter() - t
+            times = {"time/update_s": time.perf_counter() - t}
             if self.shared:
                 self.engine.update_weights(None, version)
             for engine, _ in self.whole:
                 engine.update_weights(None, version)
-        if push_now and not self.shared:
-            t = time.perf_counter()
-            async with held_engine(gateway, self.slot):
-                await self.push(version)
-            times["time/sync_s"] = time.perf_counter() - t
         return result, times
+
+    async def send(self, gateway: GatewayClient, version: int) -> dict[str, float]:
+        """An engine with its own copy takes the policy's weights (`version`) now, in a held
+        window; -> {"time/sync_s"} (nothing for shared weights)."""
+        if self.shared:
+            return {}
+        t = time.perf_counter()
+        async with held_engine(gateway, self.slot):
+            await self.push(version)
+        return {"time/sync_s": time.perf_counter() - t}
 
     async def catch_up(self, gateway: GatewayClient, version: int) -> None:
         """An engine with its own copy takes the policy's weights (`version`), in a held window;
@@ -133,3 +138,18 @@ class WeightSync:
         the ones the next step's rollouts come from."""
         self.next_weights = {"version": self.engine_version, "model": {
             k: v.clone() for k, v in lora.weights(self.engine_model).items()}}
+
+    def checkpoint(self) -> dict | None:
+        """What a checkpoint keeps of the engine (own copy only): the weights the next step's
+        rollouts come from and their version."""
+        if self.engine_model is None:
+            return None
+        return self.next_weights or {"model": lora.weights(self.engine_model),
+                                     "version": self.engine_version}
+
+    def restore(self, saved: dict | None) -> None:
+        """The engine's copy of a checkpoint (`checkpoint`'s), on a copy of the policy."""
+        if saved is not None:
+            self.engine_model = copy.deepcopy(self.model)
+            lora.load_weights(self.engine_model, saved["model"])
+            self.engine_version = saved["version"]

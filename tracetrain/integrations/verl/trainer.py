@@ -283,7 +283,8 @@ def train_verl(
     from omegaconf import OmegaConf
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
-    from tracetrain.agents.tasks import load_source, open_task_data
+    from tracetrain.agents.tasks import open_task_data
+    from tracetrain.envs import load_source
     from tracetrain.run.report import summary
     from tracetrain.run.rundir import refuse_earlier_run
     from tracetrain.run.step import check_top_p

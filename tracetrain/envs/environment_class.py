@@ -49,10 +49,11 @@ from tracetrain.envs.base import (
     Environment,
     load_object,
     openai_for,
+    register_env,
     sampling,
 )
 
-KEY = "env.environment_class"
+KEY = "env"
 NOT_TOOLS = ("reset", "get_reward", "close")  # the lifecycle, never offered to the model
 ToolCall = Callable[[int, str, str], Awaitable[str]]  # (turn, name, JSON arguments) -> result text
 
@@ -235,10 +236,9 @@ def finite(value: Any, what: str) -> float:
     return float(value)
 
 
+@register_env("environment_class")
 class EnvironmentClassEnv(Environment):
-    """env.environment_class: the module docstring's rollout, for each row of data.train."""
-
-    kind = "environment_class"
+    """env.kind environment_class: the module docstring's rollout, for each row of data.train."""
 
     @property
     def factory(self) -> Callable[[], Any]:
