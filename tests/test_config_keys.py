@@ -12,7 +12,7 @@ an expression that is its section, one of
                               parameter annotated with the section's class (`lc: LoraConfig`)
 within the function where the alias is made and the functions nested in it. A top-level key is an
 attribute of `cfg` itself (or of a parameter annotated TrainConfig). Reading a property of a config
-class (`cfg.lockstep`) reads the keys it reads through `self` in tracetrain/config/. The checker is run on a
+class (`cfg.reproducible`) reads the keys it reads through `self` in tracetrain/config/. The checker is run on a
 made-up key nothing reads, and on planted reads of it, below: it can fail.
 """
 
@@ -164,7 +164,7 @@ def reads(sources: dict[str, str], keys: set[str],
 
 def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[str]]:
     """{(section prefix, attribute): the keys it reads} for the properties and public methods of
-    the config's classes in `text` (tracetrain/config/): `cfg.lockstep` reads what TrainConfig.lockstep
+    the config's classes in `text` (tracetrain/config/): `cfg.reproducible` reads what TrainConfig.reproducible
     reads through `self`, and through the methods it calls on `self`."""
     _, classes, root = section_classes()
     prefix_of = {**classes, root: ""}

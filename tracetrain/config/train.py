@@ -210,8 +210,9 @@ class TrainConfig(_Section):
                                        "loss": self.loss.model_copy(update=loss)})
 
     @property
-    def lockstep(self) -> bool:
-        """Whether the engine's batches close in lockstep (trainer.reproducible)."""
+    def reproducible(self) -> bool:
+        """trainer.reproducible resolved: true where it was asked for or left null and applies
+        (the engine's batches then close in lockstep, agents/lockstep.py)."""
         return self.trainer.reproducible is not False and self._not_reproducible() is None
 
     @model_validator(mode="after")

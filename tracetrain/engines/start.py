@@ -46,7 +46,7 @@ def preflight(cfg: TrainConfig) -> None:
 async def start_engine(cfg: TrainConfig, weights: torch.nn.Module, tokenizer, *, version: int,
                        run_dir: Path, threads: int, log=print, lockstep=None):
     """The engine of kind cfg.engine.kind, serving `weights` as model version `version`;
-    `lockstep` (agents/lockstep.py, when cfg.lockstep): the engine closes its batches by it."""
+    `lockstep` (agents/lockstep.py, when cfg.reproducible): the engine closes its batches by it."""
     return await ENGINE_KINDS[cfg.engine.kind](cfg, weights, tokenizer, version=version,
                                                run_dir=run_dir, threads=threads, log=log,
                                                lockstep=lockstep)

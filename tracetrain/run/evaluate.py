@@ -176,7 +176,7 @@ async def _play(cfg: TrainConfig, task: Any, tasks: list[dict], model, tokenizer
     agent = resolve_agent(task, cfg.agent)
     with tempfile.TemporaryDirectory(prefix="tracetrain-eval-") as tmp:
         store = SQLiteStore((store_dir or Path(tmp)) / "eval_traces.db")
-        lockstep = Lockstep() if cfg.lockstep else None  # the same tries on every call
+        lockstep = Lockstep() if cfg.reproducible else None  # the same tries on every call
         engines = {}
         for name, m in {"default": model, **{policies.engine_name(p): w for p, w in whole.items()}}.items():
             engines[name] = await start_engine(cfg, m, tokenizer, version=0, run_dir=Path(tmp),

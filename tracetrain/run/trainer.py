@@ -126,7 +126,7 @@ class Trainer:
                                sleep_level=getattr(cfg.engine, "sleep_level", 0))
         self.state = RunState()
         self.nonce = secrets.token_hex(3)  # this process's rollouts apart from a resumed run's
-        self.lockstep = Lockstep() if cfg.lockstep else None  # trainer.reproducible
+        self.lockstep = Lockstep() if cfg.reproducible else None  # (agents/lockstep.py)
         self.started = time.perf_counter()  # time/elapsed_s counts from `run`'s start
         self.checkpoints = checkpoint.Checkpoints(self.run_dir, cfg.trainer.keep_checkpoints)
         self.checkpointed = time.monotonic()  # when the last checkpoint was written
