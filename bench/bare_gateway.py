@@ -63,7 +63,8 @@ class Bare:
         prompt = list(range(100, 100 + len(raw) // 4))
         params = SamplingParams(max_tokens=body.get("max_tokens") or 64)
         upstream = orjson.dumps(request_body("fake", prompt, params))
-        async with self.session.post(self.url, data=upstream, headers={"Content-Type": "application/json"}) as r:
+        async with self.session.post(self.url, data=upstream,
+                                     headers={"Content-Type": "application/json"}) as r:
             ids, _, _ = parse_choice(orjson.loads(await r.read()))
         call = next(self.calls)
         message = {"role": "assistant", "content": None, "tool_calls": [{

@@ -81,7 +81,8 @@ def scripted_replies(tok) -> list[list[int]]:
     for k in range(16):
         args = {"expr": f"{13 + k}*17 + {7 + k}*29"}
         as_template = '<tool_call>\n{"name": "calc", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
-        compact = "<tool_call>" + json.dumps({"name": "calc", "arguments": args}, separators=(",", ":")) + "</tool_call>"
+        compact = ("<tool_call>" + json.dumps({"name": "calc", "arguments": args}, separators=(",", ":"))
+                   + "</tool_call>")
         text = f"Step {k + 1}: I add the two totals.\n" + as_template
         reply = (as_template, compact, text)[k % 3]
         out.append(tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id])
@@ -347,7 +348,8 @@ def run(turns: int, args, tok, tokdir: str, upstream: str, tmp: Path) -> dict[st
         print(f"  bare      {turns:3d} turns: {cpu_text(out['bare'], turns)}", flush=True)
     prompt = prompt_cpu(agents["exact"], dbs["exact"], tok)
     print(f"  prompt only, in-process replay of the exact run: template {prompt['prompt_template_ms']:.3f} "
-          f"ms/req (turn {turns} {prompt['prompt_template_ms_end']:.3f}), exact {prompt['prompt_exact_ms']:.3f} "
+          f"ms/req (turn {turns} {prompt['prompt_template_ms_end']:.3f}), "
+          f"exact {prompt['prompt_exact_ms']:.3f} "
           f"ms/req (turn {turns} {prompt['prompt_exact_ms_end']:.3f})", flush=True)
     for c in out:
         out[c].update(prompt)
@@ -416,8 +418,9 @@ def main(argv=None) -> list[dict[str, dict]]:
                 pair = {c: median_run(rs) for c, rs in runs.items()}
                 results.append(pair)
                 e, t = pair["exact"], pair["template"]
-                print(f"  {turns} turns, medians of {args.repeats}, template / exact: gateway CPU per request "
-                      f"{t['cpu_ms'] / e['cpu_ms']:.2f}x (last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x, "
+                print(f"  {turns} turns, medians of {args.repeats}, template / exact: "
+                      f"gateway CPU per request {t['cpu_ms'] / e['cpu_ms']:.2f}x "
+                      f"(last {LAST} turns {t['cpu_ms_last'] / e['cpu_ms_last']:.2f}x, "
                       f"turn {turns} {t['cpu_ms_end'] / e['cpu_ms_end']:.2f}x), "
                       f"forward tokens {t['forward_tokens'] / e['forward_tokens']:.2f}x, "
                       f"ids stored {t['stored_kb'] / e['stored_kb']:.2f}x, "

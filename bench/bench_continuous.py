@@ -52,7 +52,8 @@ def warm(out: Path, common: list[str]) -> Path:
     task = load_task(cfg.task, CONFIG.parent)
     model, tokenizer = load_policy(cfg.model, seed=cfg.trainer.seed)
     ws = cfg.warm_start
-    transcripts = task.warm_start_transcripts(ws.steps * ws.batch_size, seed=cfg.trainer.seed, **cfg.task_args)
+    transcripts = task.warm_start_transcripts(ws.steps * ws.batch_size, seed=cfg.trainer.seed,
+                                              **cfg.task_args)
     t = time.perf_counter()
     losses = warm_start(model, tokenizer, transcripts, steps=ws.steps, batch_size=ws.batch_size,
                         lr=ws.lr, seed=cfg.trainer.seed, precision=cfg.trainer.precision)

@@ -99,10 +99,11 @@ def main() -> None:
         reached = sum(r["gain_step"] is not None for r in mine)
         med[arm] = statistics.median(steps)
         minutes = [r["gain_min"] for r in mine if r["gain_min"] is not None]
+        evals = [r["eval_last"] for r in mine if r["eval_last"] is not None]
         print(f"  {arm:13s} steps to the gain {med[arm]:.0f} ({reached}/{len(mine)} reached), "
               f"minutes {fmt(statistics.median(minutes) if minutes else None, '.1f')}, last window "
               f"{statistics.median(r['last_window'] for r in mine):.3f}, eval "
-              f"{fmt(statistics.median([r['eval_last'] for r in mine if r['eval_last'] is not None] or [0]), '.3f')}")
+              f"{fmt(statistics.median(evals or [0]), '.3f')}")
     if len(a.arms) == 2 and med[a.arms[1]]:
         print(f"steps to the gain, {a.arms[0]} / {a.arms[1]}: {med[a.arms[0]] / med[a.arms[1]]:.2f}")
 

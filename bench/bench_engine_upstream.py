@@ -99,7 +99,8 @@ def main() -> None:
         proc.terminate()
         proc.wait()
     print(
-        f"{args.concurrency} concurrent requests, 51-token prompts, 16 tokens each, fake upstream in a subprocess"
+        f"{args.concurrency} concurrent requests, 51-token prompts, 16 tokens each, "
+        "fake upstream in a subprocess"
     )
     print(f"{'client':36s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for name, rps, lat in results:

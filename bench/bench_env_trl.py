@@ -131,56 +131,84 @@ def run_tracetrain(args: argparse.Namespace, out: Path) -> None:
     budget, every = args.budget_s, args.eval_every_s
     rec = {"side": args.side, "machine": machine(), "points": [], "steps": [], "eval_s": 0.0,
            "config": cfg.model_dump(mode="json")}
-    state = {"next": every, "clock": 0.0}
-    learn = T.Trainer.learn
+    state = {"next": every, "clock": 0.0, "evals": []}
+    make_collector = T.collector_for
 
-    async def timed_learn(self, gateway, engine, collected):
-        state["trainer"] = self
-        t = time.perf_counter()
-        m = await learn(self, gateway, engine, collected)
+    def timed_collector(play, sync, stop, log=print):
+        """The run's collector (run/collectors.py), its step's learn timed: from the end of
+        `taken` (the rollouts in hand: rows, update and sync follow) to the end of `synced`."""
+        collector = make_collector(play, sync, stop, log)
+        taken, synced = collector.taken, collector.synced
+
+        async def timed_taken(st):
+            await taken(st)
+            state["learn_t0"] = time.perf_counter()
+
+        async def timed_synced(st, updated):
+            times = await synced(st, updated)
+            end_of_step(state["trainer"], st.step + 1)  # (the loop counts it done next)
+            return times
+
+        collector.taken, collector.synced = timed_taken, timed_synced
+        return collector
+
+    def end_of_step(self, step: int) -> None:
+        """The step's learn done, before its eval: the clock; this step the last, or an eval due."""
         now = time.perf_counter()
         clock = now - self.started - rec["eval_s"]
-        state["clock"] = clock
-        rec["steps"].append({"step": self.step, "clock_s": clock, "learn_s": now - t,
-                             "cpu_s": cpu_s() - state.get("cpu0", 0.0) - rec.get("eval_cpu_s", 0.0),
-                             "collect_s": m.get("time/collect_s"), "update_s": m.get("time/update_s"),
-                             "train_s": m.get("time/train_s"), "reward_mean": m.get("reward_mean"),
-                             "precision": self.cfg.trainer.precision})
+        state.update(clock=clock, learn_s=now - state["learn_t0"],
+                     cpu_s=cpu_s() - state.get("cpu0", 0.0) - rec.get("eval_cpu_s", 0.0))
         if clock >= budget:
-            self.cfg.trainer.steps = self.step  # this step is the last; its eval follows
+            self.cfg.trainer.steps = step  # this step is the last; its eval follows
             self.cfg.trainer.eval_every = 1
         elif clock >= state["next"]:
             self.cfg.trainer.eval_every = 1
             while state["next"] <= clock:
                 state["next"] += every
-        print(f"  step {self.step}: clock {clock:.1f} s, reward {m.get('reward_mean', float('nan')):.3f}, "
-              f"collect {m.get('time/collect_s', 0):.1f} s", flush=True)
-        return m
 
-    async def timed_evaluate(self, gateway):
-        t, c = time.perf_counter(), cpu_s()
+    record = T.Trainer.record
+
+    def timed_record(self, m, bar):  # the step's line, then its eval's (as they ran)
+        step, clock = m["step"] + 1, state["clock"]
+        rec["steps"].append({"step": step, "clock_s": clock, "learn_s": state["learn_s"],
+                             "cpu_s": state["cpu_s"], "collect_s": m.get("time/collect_s"),
+                             "update_s": m.get("time/update_s"), "train_s": m.get("time/train_s"),
+                             "reward_mean": m.get("reward_mean"), "precision": self.cfg.trainer.precision})
+        print(f"  step {step}: clock {clock:.1f} s, reward {m.get('reward_mean', float('nan')):.3f}, "
+              f"collect {m.get('time/collect_s', 0):.1f} s", flush=True)
+        for line in state["evals"]:
+            print(line, flush=True)
+        state["evals"].clear()
+        record(self, m, bar)
+
+    async def timed_evaluate(self, play):
+        t, c, step = time.perf_counter(), cpu_s(), self.state.step
         tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
-        results = await self.collect(gateway, tasks, f"{self.nonce}-eval{self.step}", 1, 0.0)
+        results = await play.rollouts(tasks, f"{self.nonce}-eval{step}", 1, 0.0, step)
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
         dt = time.perf_counter() - t
         rec["eval_s"] += dt
         rec["eval_cpu_s"] = rec.get("eval_cpu_s", 0.0) + cpu_s() - c
-        point = {"step": self.step, "clock_s": state["clock"] if self.step else 0.0,
-                 "pass1": sum(x >= 1 for x in rewards) / len(tasks), "reward_mean": sum(rewards) / len(tasks),
-                 "scored": len(rewards), "n": len(tasks), "eval_s": dt}
+        point = {"step": step, "clock_s": state["clock"] if step else 0.0,
+                 "pass1": sum(x >= 1 for x in rewards) / len(tasks),
+                 "reward_mean": sum(rewards) / len(tasks), "scored": len(rewards), "n": len(tasks),
+                 "eval_s": dt}
         rec["points"].append(point)
-        print(f"  eval after step {self.step}: pass@1 {point['pass1']:.3f} at {point['clock_s']:.1f} s "
-              f"(eval {dt:.1f} s)", flush=True)
+        state["evals"].append(f"  eval after step {step}: pass@1 {point['pass1']:.3f} at "
+                              f"{point['clock_s']:.1f} s (eval {dt:.1f} s)")
+        if not step:  # (before the first step: no step line to follow)
+            print(state["evals"].pop(), flush=True)
         self.cfg.trainer.eval_every = NEVER
         return point["reward_mean"]
 
     run = T.Trainer.run
 
     async def counted_run(self):  # its start is the clock's (self.started)
-        state["cpu0"] = cpu_s()
+        state["trainer"], state["cpu0"] = self, cpu_s()
         return await run(self)
 
-    T.Trainer.learn, T.Trainer.evaluate, T.Trainer.run = timed_learn, timed_evaluate, counted_run
+    T.collector_for = timed_collector
+    T.Trainer.record, T.Trainer.evaluate, T.Trainer.run = timed_record, timed_evaluate, counted_run
     T.train(cfg, base_dir=base, log=lambda *a: print(*a, flush=True))
     rec["machine_end"] = machine()
     rec["prompt_check"] = check_prompts(state["trainer"], Path(cfg.trainer.run_dir) / "traces.db")
@@ -202,7 +230,7 @@ def check_prompts(trainer, db: Path) -> dict:
     same = 0
     for task, blob in rows:
         ours = np.frombuffer(blob, dtype="<i4").tolist()
-        theirs = trainer.tokenizer.apply_chat_template(
+        theirs = trainer.learner.tokenizer.apply_chat_template(
             trainer.task.messages(json.loads(task)), add_generation_prompt=True, tokenize=True,
             return_dict=True)["input_ids"]
         same += ours == list(theirs)
@@ -244,7 +272,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
     score = env.dataset.score_answer
 
     def reward(completions, i, **_):
-        return [float(score(env.extract(c[-1]["content"]), entries[j])) for c, j in zip(completions, i, strict=True)]
+        return [float(score(env.extract(c[-1]["content"]), entries[j]))
+                for c, j in zip(completions, i, strict=True)]
 
     best = args.side == "trl-best"
     micro = args.trl_micro if best else 8  # 8: TrainingArguments' per_device_train_batch_size
@@ -263,10 +292,12 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
         lr_scheduler_type="constant", shuffle_dataset=False, max_steps=max_steps, logging_steps=1,
         save_strategy="no", report_to="none", disable_tqdm=True, seed=cfg.trainer.seed, **settings)
     rec = {"side": args.side, "machine": machine(), "points": [], "steps": [], "eval_s": 0.0,
-           "trl": trl.__version__, "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+           "trl": trl.__version__, "transformers": transformers.__version__,
+           "torch_threads": torch.get_num_threads(),
            "settings": {"bf16": gcfg.bf16, "gradient_checkpointing": gcfg.gradient_checkpointing,
                         "lr": lr, "loss_type": gcfg.loss_type, "beta": gcfg.beta,
-                        "per_device_train_batch_size": micro, "gradient_accumulation_steps": gcfg.gradient_accumulation_steps,
+                        "per_device_train_batch_size": micro,
+                        "gradient_accumulation_steps": gcfg.gradient_accumulation_steps,
                         "steps_per_generation": gcfg.steps_per_generation,
                         "generation_batch_size": gcfg.generation_batch_size,
                         "prompt_tokens": [len(x) for x in held_ids[:3]]}}
@@ -293,7 +324,8 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
                  "reward_mean": sum(rewards) / len(held), "n": len(held), "eval_s": dt,
                  "sample": texts[:2]}
         rec["points"].append(point)
-        print(f"  eval after step {step}: pass@1 {point['pass1']:.3f} at {clock:.1f} s (eval {dt:.1f} s)", flush=True)
+        print(f"  eval after step {step}: pass@1 {point['pass1']:.3f} at {clock:.1f} s (eval {dt:.1f} s)",
+              flush=True)
 
     class Clock(TrainerCallback):
         t0 = step_t0 = 0.0
@@ -366,7 +398,8 @@ def report(out: Path) -> None:
             what = f"collect {gen:.1f} s, learn (rows + update + sync) {rest:.1f} s"
             prec = steps[-1]["precision"] if steps else "?"
             c = rec["config"]
-            collect = "overlap" if c["trainer"].get("overlap_collect") else c["trainer"]["collect"]  # (older records)
+            # (older records: overlap_collect)
+            collect = "overlap" if c["trainer"].get("overlap_collect") else c["trainer"]["collect"]
             what += (f"; precision {prec}, collect {collect}, "
                      f"lr {c['optim']['lr']}, mini_batches {c['optim']['mini_batches']}")
         else:
@@ -394,7 +427,8 @@ def report(out: Path) -> None:
         target, t_end = pp[-1]["pass1"], pp[-1]["clock_s"]
         t_first = first_reach(pp, target)
         reach = first_reach(tp, target)
-        line = f"\n{tt} vs {peer}: untrained {tp[0]['pass1']:.3f} / {pp[0]['pass1']:.3f}; {peer}'s final pass@1 {target:.3f} at {t_end:.0f} s"
+        line = (f"\n{tt} vs {peer}: untrained {tp[0]['pass1']:.3f} / {pp[0]['pass1']:.3f}; {peer}'s "
+                f"final pass@1 {target:.3f} at {t_end:.0f} s")
         if reach is None:
             line += f"; {tt} never reached it (its best {max(p['pass1'] for p in tp):.3f})"
         else:
@@ -409,7 +443,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(CONFIG), help="the task (and tracetrain's best settings)")
     ap.add_argument("--sides", nargs="*", default=list(SIDES), choices=SIDES)
-    ap.add_argument("--budget-s", type=float, default=900.0, help="training wall seconds per side (evals excluded)")
+    ap.add_argument("--budget-s", type=float, default=900.0,
+                    help="training wall seconds per side (evals excluded)")
     ap.add_argument("--eval-every-s", type=float, default=120.0)
     ap.add_argument("--tt-set", nargs="*", default=[],
                     help="overrides of tracetrain-best alone (e.g. optim.lr=3e-5)")
@@ -422,7 +457,8 @@ def main() -> None:
                     help="trl-best's per_device_train_batch_size (trl-defaults: 8, the default)")
     ap.add_argument("--trl-steps-per-generation", type=int, default=None,
                     help="trl-best: optimizer steps per generation batch (default: one)")
-    ap.add_argument("--trl-max-steps", type=int, default=2000, help="TRL's max_steps (the budget ends it first)")
+    ap.add_argument("--trl-max-steps", type=int, default=2000,
+                    help="TRL's max_steps (the budget ends it first)")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value) for every side")
     ap.add_argument("--out", default=None, help="the results' folder (default runs/bench_env_trl/<time>)")
     ap.add_argument("--report", default=None, help="print the report of a results folder and exit")

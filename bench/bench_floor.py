@@ -4,7 +4,8 @@ phase's arithmetic needs at that rate, and one real tracetrain step's breakdown 
     .venv/bin/python bench/bench_floor.py                # SmolLM2-135M, 4 questions x 8 x 32 tokens
     .venv/bin/python bench/bench_floor.py --json         # the same figures as one JSON object
 
-The step is bench/bench_grpo_smollm2.py's (its config, its Trainer, bench_train_step's `serving`):
+The step is bench/bench_grpo_smollm2.py's (its config, its Trainer, bench_train_step's `serving`
+and `Stepper`: one step of the run loop, collect -> rows -> update -> sync):
 the calculator's prompts, --prompts questions x 8 rollouts x exactly --new-tokens new tokens,
 trainer.precision auto; one warm-up step, then one timed step.
 
@@ -212,7 +213,8 @@ def phase_rates(model, s: Shapes, work: dict, dtype, repeats: int) -> dict[str, 
 
 
 def floor_s(flops: dict[str, int], rate: dict[str, float]) -> float:
-    return (flops["layers"] + flops["attention"]) / (rate["layers"] * 1e9) + flops["head"] / (rate["head"] * 1e9)
+    layers = (flops["layers"] + flops["attention"]) / (rate["layers"] * 1e9)
+    return layers + flops["head"] / (rate["head"] * 1e9)
 
 
 # ------------------------------------------------------------------ the step
@@ -220,17 +222,12 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
     """One warm-up and one timed tracetrain step of bench_grpo_smollm2's shape: its metrics, the
     engine's and the store's seconds over the timed step, the requests it decoded."""
     import torch
-    from bench_grpo_smollm2 import load_task, tracetrain_config
+    from bench_grpo_smollm2 import smollm2_trainer
     from bench_train_step import serving
     from transformers.utils import logging as hf_logging
 
-    from tracetrain.run.precision import resolve_precision
-    from tracetrain.run.trainer import Trainer
-
     hf_logging.disable_progress_bar()
-    task = load_task()
-    trainer = Trainer(tracetrain_config(work / "run", args), task, log=lambda *_: None)
-    trainer.cfg = await resolve_precision(trainer)
+    trainer = await smollm2_trainer(args, work)
     seen: list = []
     clocks = {"store_reads_s": 0.0, "store_commits_s": 0.0}
 
@@ -243,8 +240,9 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
                 clocks[key] += time.perf_counter() - t
         return run
 
-    async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
-        store, inner = trainer.store, engine._run  # (serving's time_decoding: stats["decode_s"])
+    async with serving(trainer) as stepper:
+        engine, store = stepper.engine, stepper.play.services.store
+        inner = engine._run  # (serving's time_decoding: stats["decode_s"])
 
         def capture(reqs, *join):
             out = inner(reqs, *join)  # (the requests that joined are appended to reqs)
@@ -260,11 +258,11 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
             clocks.update(dict.fromkeys(clocks, 0.0))
             before, load = dict(engine.stats), os.getloadavg()[0]
             t = time.perf_counter()
-            m = await trainer.train_step(gateway, engine)
+            m = await stepper.step()
             step_s = time.perf_counter() - t
         stats = {k: v - before.get(k, 0) for k, v in engine.stats.items() if k != "max_batch"}
     return {"metrics": m, "step_s": step_s, "engine": stats, "clocks": clocks, "requests": seen,
-            "model": trainer.model, "precision": trainer.cfg.trainer.precision,
+            "model": trainer.learner.model, "precision": trainer.cfg.trainer.precision,
             "engine_precision": engine.precision,
             "threads": torch.get_num_threads(), "load": [load, os.getloadavg()[0]]}
 
@@ -304,7 +302,8 @@ def run(args: argparse.Namespace) -> dict:
     rates = {name: on_compute(args.threads, phase_rates, model, s, work, dt, args.repeats)
              for name, dt in dtypes.items()}  # (where the model runs: models/compute.py)
     floors = {name: {p: floor_s(work[p]["flops"], r[p]) for p in work} for name, r in rates.items()}
-    used = {"prefill": step["engine_precision"], "decode": step["engine_precision"], "update": "fp32" if step["precision"] == "fp32" else "bf16"}
+    used = {"prefill": step["engine_precision"], "decode": step["engine_precision"],
+            "update": "fp32" if step["precision"] == "fp32" else "bf16"}
     parts = breakdown(step)
     table = []
     for phase, sec in parts.items():
@@ -349,8 +348,8 @@ def report(r: dict) -> None:
     for p, w in r["work"].items():
         rates = "  ".join(f"{x[p]['layers']:11.1f} {x[p]['head']:9.1f}" for x in r["rates_gflops"].values())
         print(f"{p:8s} {w['M']:7d} {w['tokens']:7d} {w['gflop']:7.1f}  {rates}")
-    print(f"(the engine ran {r['engine_loops']} decode loop(s), {r['engine_forward_calls']} forward calls, and "
-          f"forwarded {r['engine_prefill_tokens']} prompt tokens, the floor's tree has "
+    print(f"(the engine ran {r['engine_loops']} decode loop(s), {r['engine_forward_calls']} forward calls, "
+          f"and forwarded {r['engine_prefill_tokens']} prompt tokens, the floor's tree has "
           f"{r['work']['prefill']['tokens']}; the update computed {r['update_tokens_computed']} "
           f"tokens, the floor's tree has {r['work']['update']['tokens']})")
     bf = "bf16" in r["rates_gflops"]

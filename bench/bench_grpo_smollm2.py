@@ -15,8 +15,10 @@ the same prompt ids (checked: both print the prompt lengths they saw).
 
 The sides:
 - tracetrain at its defaults for this task (the calculator's config minus what would change the
-  work: one mini-batch, one PPO epoch): `Trainer.train_step` whole (runner, gateway, local engine
-  with its prefix cache, SQLite, rows, packed update with shared prefixes and chunked logprobs),
+  work: one mini-batch, one PPO epoch): one step of the run loop whole (`Trainer.steps`' collect
+  -> rows -> update -> sync, one step at a time by bench_train_step's `Stepper`: runner, gateway,
+  local engine with its prefix cache, SQLite, rows, packed update with shared prefixes and chunked
+  logprobs),
   trainer.precision auto (bf16-mixed where this CPU runs it faster, else fp32), engine.precision
   --engine-precision (auto: a bf16 copy decodes where a decode step measures faster in it).
 - TRL "defaults": GRPOConfig as a CPU user gets it (bf16 mixed precision and gradient
@@ -29,7 +31,7 @@ The sides:
 
 TRL runs in child processes under the peers interpreter, one step at a time over a pipe, so no two
 sides run at once; a round is one step of each side back to back, the order rotating. One warm-up
-step each first. A step's time: tracetrain from `train_step`'s call to its return, TRL from its
+step each first. A step's time: tracetrain from `Stepper.step`'s call to its return, TRL from its
 `on_step_begin` to `on_step_end` callbacks (generation, reward, loss, backward, clip, optimizer
 step). A step's peak is the process's resident-set peak during the step (VmHWM reset at the step's
 start: tracetrain.run.memory). Printed: min and median step seconds, generation seconds, the
@@ -153,12 +155,26 @@ def tracetrain_config(run_dir: Path, args: argparse.Namespace):
     })
 
 
-async def tracetrain_step(trainer, gateway, engine) -> dict:
+async def smollm2_trainer(args: argparse.Namespace, work: Path):
+    """The Trainer of `tracetrain_config` (its run dir in `work`), trainer.precision auto resolved
+    as Trainer.run resolves it (run/precision.py) before the services start."""
+    from tracetrain.run.precision import resolve_precision
+    from tracetrain.run.trainer import Trainer
+
+    trainer = Trainer(tracetrain_config(work / "run", args), load_task(), log=lambda *_: None)
+    trainer.cfg = await resolve_precision(trainer.cfg, trainer.learner.model, resumed=None,
+                                          dp=trainer.dp, update_thread=trainer.update_thread,
+                                          log=trainer.log)
+    trainer.learner.reconfigure(trainer.cfg)
+    return trainer
+
+
+async def tracetrain_step(stepper) -> dict:
     from tracetrain.run.memory import reset_peak
 
     reset_peak()
     t = time.perf_counter()
-    m = await trainer.train_step(gateway, engine)
+    m = await stepper.step()
     return {"step_s": time.perf_counter() - t, "gen_s": m["time/collect_s"],
             "gen_tokens": int(m["aggregate/tokens/trained"]), "peak_gb": m["memory/peak_rss_gb"],
             "prompt_tokens": int(m["aggregate/tokens/prompt"]),
@@ -169,17 +185,13 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tracetrain.run.precision import resolve_precision
-    from tracetrain.run.trainer import Trainer
-
     hf_logging.disable_progress_bar()
-    task = load_task()
-    trainer = Trainer(tracetrain_config(work / "run", args), task, log=lambda *_: None)
-    trainer.cfg = await resolve_precision(trainer)
+    trainer = await smollm2_trainer(args, work)
+    model = trainer.learner.model
     model_dir = work / "model"  # TRL's copy of the same weights and tokenizer
-    trainer.model.save_pretrained(model_dir)
-    trainer.tokenizer.save_pretrained(model_dir)
-    info = {"params": sum(p.numel() for p in trainer.model.parameters()),
+    model.save_pretrained(model_dir)
+    trainer.learner.tokenizer.save_pretrained(model_dir)
+    info = {"params": sum(p.numel() for p in model.parameters()),
             "precision": trainer.cfg.trainer.precision, "threads": torch.get_num_threads()}
     sides: dict[str, list] = {"tracetrain": []}
     peers: dict[str, TRLPeer] = {}
@@ -192,8 +204,9 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
                                                    extra=extra, name=f"trl-{name}")
         sides[f"TRL {name}"] = []
     try:
-        async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
-            await tracetrain_step(trainer, gateway, engine)  # warm-up
+        async with serving(trainer) as stepper:
+            await tracetrain_step(stepper)  # warm-up
+            engine = stepper.engine
             info["engine_precision"], info["engine_precision_s"] = engine.precision, engine.precision_s
             for name, peer in peers.items():
                 info[name] = await peer.read(900)
@@ -204,7 +217,7 @@ async def run(args: argparse.Namespace, work: Path) -> tuple[dict[str, list], di
                 line, before = [], cpu_times()
                 for name in order:
                     if name == "tracetrain":
-                        x = await tracetrain_step(trainer, gateway, engine)
+                        x = await tracetrain_step(stepper)
                     else:
                         x = await peers[name].step(900)
                     sides[name].append(x)
@@ -248,8 +261,8 @@ def report(sides: dict[str, list], info: dict, args: argparse.Namespace) -> None
         if name != "tracetrain":
             tts = [x["step_s"] for x in tt]
             paired = statistics.median(b / a for a, b in zip(tts, steps, strict=True))
-            ratio = (f" {min(steps) / min(tts):9.2f}x {statistics.median(steps) / statistics.median(tts):6.2f}x"
-                     f" {paired:6.2f}x")
+            med = statistics.median(steps) / statistics.median(tts)
+            ratio = f" {min(steps) / min(tts):9.2f}x {med:6.2f}x {paired:6.2f}x"
         print(f"{name:18s} {min(steps):10.1f} {statistics.median(steps):8.1f} {gen:9.1f} {rest:10.1f} "
               f"{max(x['peak_gb'] for x in rows):11.2f}{ratio}")
     print("goal (issue 46): TRL fp32 / tracetrain >= 4x (the median of the rounds' ratios)")

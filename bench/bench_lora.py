@@ -59,7 +59,8 @@ def main(argv=None) -> None:
             for name, config in VARIANTS.items():
                 out = run(config, Path(d) / f"{name}-{k}", args.steps, args.extra)
                 got[name].append(out)
-                print(f"  round {k} {name:<4}  collect {out['collect_s']:6.2f} s  update {out['update_s']:6.2f} s  "
+                print(f"  round {k} {name:<4}  collect {out['collect_s']:6.2f} s  "
+                      f"update {out['update_s']:6.2f} s  "
                       f"step {out['step_s']:6.2f} s  peak RSS {out['peak_rss_gb']:.2f} GB", flush=True)
     best = {n: {key: min(r[key] for r in rs) for key in rs[0]} for n, rs in got.items()}
     for key in ("collect_s", "update_s", "step_s", "peak_rss_gb"):

@@ -4,8 +4,8 @@
 
 torch's intra-op threads are OpenMP's, and OpenMP keeps a team per OS thread that ran a parallel
 region. tracetrain runs torch in three OS threads (the main thread loads the model, the local
-engine decodes in its own thread, the trainer updates in another: run/trainer.py
-on_update_thread). This bench times one "layer pass" (--layers x: a [32, 576] @ [576, 1536] bf16
+engine decodes in its own thread, the trainer updates in another: run/update_thread.py
+UpdateThread). This bench times one "layer pass" (--layers x: a [32, 576] @ [576, 1536] bf16
 matmul, then a softmax over its float32 result: a decode step's shapes, 2 parallel regions each)
 in a worker thread, in fresh processes:
 

@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--gain", type=float, default=0.15, help="the game reward's gain that counts")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-policies")
-    ap.add_argument("--arms", nargs="+", default=["shared", "two", "whole"], choices=["shared", "two", "whole"])
+    ap.add_argument("--arms", nargs="+", default=["shared", "two", "whole"],
+                    choices=["shared", "two", "whole"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "log.txt"

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"new tokens, medians of {args.rounds} rounds, load {result['load_avg']}")
         print(f"replies that differ between the modes: {diverged} / {n}; largest logprob gap before "
               f"a difference: {gap:.1e}")
-        print("| mode | prefill s | decode call s | prompt tokens forwarded | from the cache | hit rate | forward calls |")
+        print("| mode | prefill s | decode call s | prompt tokens forwarded | from the cache | hit rate "
+              "| forward calls |")
         print("|---|---|---|---|---|---|---|")
         for m, v in result["modes"].items():
             print(f"| {m} | {v['prefill_s']:.3f} | {v['decode_s']:.3f} | {v['prefill_tokens']:.0f} | "

@@ -81,8 +81,10 @@ def main() -> None:
                          ("SFT alone", out / "sft" / "policy"), ("SFT then RL", out / "sft-rl" / "policy")):
         extra = [] if policy is None else ["--policy", str(policy)]
         run(["eval", str(CONFIG), *data, *extra, "--k", "4", "--tasks", "64",
-             "--out", str(out / f"eval-{name.replace(' ', '-')}.jsonl")], out / f"eval-{name.replace(' ', '-')}.log")
-        results[name] = json.loads((out / f"eval-{name.replace(' ', '-')}.log").read_text().strip().splitlines()[-1])
+             "--out", str(out / f"eval-{name.replace(' ', '-')}.jsonl")],
+            out / f"eval-{name.replace(' ', '-')}.log")
+        results[name] = json.loads((out / f"eval-{name.replace(' ', '-')}.log").read_text()
+                                   .strip().splitlines()[-1])
     sft = json.loads((out / "sft" / "sft.json").read_text())
     rl_metrics = [json.loads(x) for x in (out / "sft-rl" / "metrics.jsonl").read_text().splitlines()]
     report = {"rl_alone_steps": args.steps, "rl_alone_min": times["rl"] / 60,
@@ -91,7 +93,8 @@ def main() -> None:
               "sft_rollouts": sft["trained_rollouts"], "sft_losses": sft["epoch_losses"],
               "rl_alone_train_reward_first_last10": [sum(m["reward_mean"] for m in metrics[:10]) / 10,
                                                      sum(m["reward_mean"] for m in metrics[-10:]) / 10],
-              "sft_then_rl_train_reward_first_last": [rl_metrics[0]["reward_mean"], rl_metrics[-1]["reward_mean"]],
+              "sft_then_rl_train_reward_first_last": [rl_metrics[0]["reward_mean"],
+                                                      rl_metrics[-1]["reward_mean"]],
               "eval": results}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -21,13 +21,15 @@ but does not end the row); TRL gets `generation_kwargs={"min_new_tokens": 64}` (
 64 tokens). Both sides print the generated and trained token counts of every step, and the bench
 fails if either is not 8 x 64.
 
-tracetrain's step is `Trainer.train_step`, whole: the runner creates the 8 rollouts on the
-in-process gateway (uvicorn on 127.0.0.1), 8 agents call it with the openai SDK, the local engine
-decodes them as one batch, turns go to SQLite, then aggregate -> advantages -> drain ->
-PPO update -> version bump. TRL's step is the time between its `on_step_begin` and `on_step_end`
-callbacks (generation with transformers `generate`, reward, advantages, loss forward + backward,
-clip, optimizer step); TRL's work between two steps (logging hooks, the next batch from the
-dataloader) is printed apart as "between steps".
+tracetrain's step is one step of the run loop (`Trainer.steps`' collect -> rows -> update ->
+sync, run one at a time by `Stepper` with the trainer's collector, learner and weight sync), on
+the run's services (run/services.py): the runner creates the 8 rollouts on the in-process gateway
+(uvicorn on 127.0.0.1), 8 agents call it with the openai SDK, the local engine decodes them as one
+batch, turns go to SQLite, then aggregate -> advantages -> drain -> PPO update -> version bump.
+TRL's step is the time between its `on_step_begin` and `on_step_end` callbacks (generation with
+transformers `generate`, reward, advantages, loss forward + backward, clip, optimizer step); TRL's
+work between two steps (logging hooks, the next batch from the dataloader) is printed apart as
+"between steps".
 
 TRL runs in a child process with the interpreter of the peers env (bench/.venv-peers, see
 bench/setup_peers.sh), driven one step at a time over a pipe, so the two sides never run at the
@@ -60,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -333,64 +336,100 @@ def time_decoding(engine) -> None:
     engine._run = timed
 
 
+class Stepper:
+    """The embedded trainer's steps one at a time: `step()` runs the next step as `Trainer.steps`
+    does (run/trainer.py) with the trainer's own pieces: its collector of trainer.collect
+    (run/collectors.py: take, taken, synced), its learner's rows and update (run/learner.py) on
+    its update thread, its WeightSync's held update window and version bump (run/weights.py);
+    no eval, checkpoint or metrics line. Returns the step's metrics as the loop logs them.
+    `settle()` waits for what the step left running (collect overlap: the next step's collect)."""
+
+    def __init__(self, trainer, play):
+        from tracetrain.run.collectors import collector_for
+        from tracetrain.run.step import EngineClock
+
+        self.trainer, self.play, self.engine = trainer, play, play.services.engine
+        self.collector = collector_for(play, trainer.sync, trainer.stop, trainer.log)
+        self.collector.start(trainer.state)
+        self.clock, self.collected = EngineClock(trainer.sync.slot, self.engine), None
+
+    async def step(self) -> dict:
+        from tracetrain.run.memory import peak_rss_gb, reset_peak
+        from tracetrain.run.step import engine_metrics, throughput
+
+        tr, st, svc, out = self.trainer, self.trainer.state, self.play.services, self.collector
+        self.collected = got = await out.take(st, self.clock)  # collect
+        await out.taken(st)
+        rows, work = tr.learner.rows(svc.store, got.results, st.version)  # rows
+        m = {"step": st.step, **rows.metrics, **got.metrics, **engine_metrics(got.engine_work)}
+        t = time.perf_counter()
+        if trained := bool(rows.batch.n_rows):  # update
+            run = functools.partial(tr.update_thread.update, tr.learner.update, work,
+                                    measure_gap=got.engine_version == st.version)
+            updates, times = await tr.sync.run_update(svc.gateway, run, st.version + 1)
+            st.version += 1
+            m |= {**times, **tr.learner.update_metrics(updates)}
+        m |= await out.synced(st, updated=trained)  # sync
+        m |= {"model_version": st.version, "memory/peak_rss_gb": peak_rss_gb(),
+              **throughput(len(got.results), rows.batch, got.seconds, time.perf_counter() - t)}
+        reset_peak()
+        st.step += 1
+        return m
+
+    async def settle(self) -> None:
+        pending = getattr(self.collector, "pending", None)
+        if pending is not None:
+            await asyncio.wait([pending])
+
+    async def close(self) -> None:
+        await self.collector.close(self.trainer.state, self.collected)
+
+
 @contextlib.asynccontextmanager
-async def serving(trainer, task, work: Path, *, seed: int):
-    """Trainer.run's set-up without warm start, eval or checkpoints: the store in work/run, a local
-    engine on the engine copy of the weights if the trainer has one (else the policy) that never
-    stops before max_tokens and times its decode loops, the in-process gateway on 127.0.0.1 and
-    the agents' HTTP client kept across steps. Yields (gateway client, engine)."""
-    import secrets
-
-    from tracetrain.agents.runner import GatewayClient, agent_http_client
+async def serving(trainer):
+    """Trainer.run's set-up without warm start, eval or checkpoints: the run's services
+    (run/services.started: the store in the run dir, a local engine on the engine's copy of the
+    weights if the trainer keeps one, else on the policy, the in-process gateway on 127.0.0.1,
+    the agents' HTTP client kept across steps), the engine made to never stop before max_tokens
+    and to time its decode loops. Yields a Stepper on them."""
     from tracetrain.agents.tasks import resolve_agent
-    from tracetrain.engines.local import LocalEngine
-    from tracetrain.gateway.app import create_app
-    from tracetrain.gateway.inprocess import serve_in_loop
+    from tracetrain.gateway.inprocess import admin_key_for
     from tracetrain.models.compute import one_thread_here
-    from tracetrain.store import SQLiteStore
+    from tracetrain.run import services
+    from tracetrain.run.collectors import Play
 
-    trainer.nonce = secrets.token_hex(3)
-    trainer.agent = resolve_agent(task, trainer.cfg.agent)
-    trainer.store = SQLiteStore(work / "run" / "traces.db")
-    weights, _ = trainer.sync.engine_weights(trainer.version)  # the policy, or (overlap) a copy
-    engine = LocalEngine(weights, trainer.tokenizer, max_batch_size=4096, model_version=0, seed=seed,
-                         threads=trainer.threads, precision=trainer.cfg.engine.precision)
-    engine.stop_ids = frozenset()  # no stop: every sample is exactly max_tokens long
-    time_decoding(engine)
-    admin_key = secrets.token_urlsafe(24)
-    app = create_app(trainer.store, {"default": engine}, admin_key=admin_key)
-    trainer.sync.attach(engine, app.state.gateway.slots["default"])  # as Trainer.services
+    cfg, task = trainer.cfg, trainer.task
     try:  # (as Trainer.run: the event loop's thread has no OpenMP team, models/compute.py)
         with one_thread_here():
-            async with serve_in_loop(app) as url, agent_http_client(trainer.cfg.rollout.concurrency) as http:
-                trainer.http_client = http
-                gateway = GatewayClient(url, admin_key)
+            async with services.started(
+                    cfg, trainer.learner, trainer.sync, version=trainer.state.version, task=task,
+                    run_dir=trainer.run_dir, threads=trainer.update_thread.threads,
+                    lockstep=trainer.lockstep, admin_key=admin_key_for(cfg.gateway.host),
+                    log=trainer.log) as svc:
+                svc.engine.stop_ids = frozenset()  # no stop: every sample is max_tokens long
+                time_decoding(svc.engine)
+                play = Play(cfg, task, trainer.data, resolve_agent(task, cfg.agent), trainer.nonce,
+                            trainer.lockstep, svc)
+                stepper = Stepper(trainer, play)
                 try:
-                    yield gateway, engine
+                    yield stepper
                 finally:
-                    await gateway.aclose()
+                    await stepper.close()
     finally:
-        await engine.aclose()
-        trainer.store.close()
+        trainer.update_thread.close()
 
 
-async def tracetrain_step(trainer, gateway, engine, state: dict) -> dict:
-    """One step: `Trainer.train_step`; with --overlap, one steady-state round of the overlapping
-    loop (`Trainer.run_steps`): the engine takes the last update's weights, step k+1's collect
-    runs while step k's update does, and the round ends when both have (so that nothing of ours
-    runs during TRL's step)."""
+async def tracetrain_step(stepper: Stepper) -> dict:
+    """One step: `Stepper.step` (Trainer.steps' collect -> rows -> update -> sync); with
+    --overlap, one steady-state round of the overlapping loop: the step trains the rollouts the
+    last round collected, the engine takes the last update's weights, step k+1's collect runs
+    while step k's update does, and the round ends when both have (so that nothing of ours runs
+    during TRL's step)."""
+    engine = stepper.engine
     before = dict(engine.stats)
     t = time.perf_counter()
-    if trainer.cfg.trainer.collect != "overlap":
-        m = await trainer.train_step(gateway, engine)
-    else:
-        if "next" not in state:  # the first collect, before the rounds overlap
-            state["next"] = await trainer.collect_step(gateway, engine, trainer.step)
-            t = time.perf_counter()
-        await trainer.sync.catch_up(gateway, trainer.version)
-        pending = asyncio.create_task(trainer.collect_step(gateway, engine, trainer.step + 1))
-        m = await trainer.learn(gateway, engine, state["next"])
-        state["next"] = await pending
+    m = await stepper.step()
+    await stepper.settle()
     step_s = time.perf_counter() - t
     n_tok = int(m["aggregate/tokens/trained"])
     return {
@@ -422,9 +461,10 @@ async def run_steps(
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards"
     task = load_one_turn()
     trainer = Trainer(bench_config(work / "run", args), task, log=lambda *_: None)
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    model_dir = tiny.save_tiny(work / "model", trainer.tokenizer, trainer.model)  # TRL's copy
-    prompt_ids = trainer.tokenizer.apply_chat_template(
+    model, tok = trainer.learner.model, trainer.learner.tokenizer
+    n_params = sum(p.numel() for p in model.parameters())
+    model_dir = tiny.save_tiny(work / "model", tok, model)  # TRL's copy
+    prompt_ids = tok.apply_chat_template(
         [{"role": "user", "content": task.PROMPT}], add_generation_prompt=True
     )["input_ids"]
     info = {
@@ -446,9 +486,9 @@ async def run_steps(
 
     tt_rows: list[dict] = []
     try:
-        async with serving(trainer, task, work, seed=args.seed) as (gateway, engine):
-            state: dict = {}
-            await tracetrain_step(trainer, gateway, engine, state)  # warm-up
+        async with serving(trainer) as stepper:
+            engine = stepper.engine
+            await tracetrain_step(stepper)  # warm-up
             if peer is not None:
                 try:
                     ready = await peer.read(600)
@@ -464,7 +504,7 @@ async def run_steps(
                 line, cpu_before = [], cpu_times()
                 for side in order:
                     if side == "tt":
-                        tt_rows.append(await tracetrain_step(trainer, gateway, engine, state))
+                        tt_rows.append(await tracetrain_step(stepper))
                         x = tt_rows[-1]
                         line.append(f"tracetrain {x['step_s']:.3f} s ({x['decode_loops']} decode "
                                     f"loop{'s' * (x['decode_loops'] > 1)})")
@@ -599,7 +639,8 @@ def report(tt: list[dict], trl: list[dict] | str, info: dict, agg: list[dict]) -
         print(f"{name:28s} {lo:10.3f} {med:8.3f} {g:9.3f} {rest:10.3f} {n / g:9.0f} {n / tr:11.0f}")
         return lo, med
 
-    tt_lo, tt_med = line("tracetrain overlapped step" if info["overlap"] else "tracetrain Trainer.train_step", tt)
+    name = "tracetrain overlapped step" if info["overlap"] else "tracetrain Trainer.train_step"
+    tt_lo, tt_med = line(name, tt)
     if isinstance(trl, list) and trl:
         check_work("TRL", trl)
         for r in trl:

@@ -10,8 +10,9 @@ then cached), the same step filtered and sorted, a rollout page, two rollouts si
 and the rollout page of a 32-turn rollout. The 32-turn run is written here with the Store API: 8
 rollouts of 32 turns whose prompts extend the turn before (as the gateway's exact context
 records them: one row each), 40-word replies and observations in the tiny tokenizer, in one
-step, with the demo's config (its row lengths raised to 16,384 so the rollouts are trained). "cold" is a page's first request after the viewer started, "warm" the
-median of --repeats more. Goal: every page under 1 s.
+step, with the demo's config (its row lengths raised to 16,384 so the rollouts are trained). "cold"
+is a page's first request after the viewer started, "warm" the median of --repeats more. Goal: every
+page under 1 s.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def long_run(demo: Path, out: Path, turns: int = 32) -> tuple[Path, str]:
     return out, f"long-s0-t0-n0 ({len(prompt) + len(response)} tokens)"
 
 
-def time_pages(run: Path, pages: list[tuple[str, str]], repeats: int) -> list[tuple[str, str, float, float, int]]:
+def time_pages(run: Path, pages: list[tuple[str, str]],
+               repeats: int) -> list[tuple[str, str, float, float, int]]:
     from tracetrain.gateway.serve import ThreadedServer
     from tracetrain.view.app import create_view_app
 
@@ -131,7 +133,8 @@ def main() -> None:
     db.close()
     mid = last // 2
     pages = [("run page", "/"), (f"step {mid} (cold: explained)", f"/step/{mid}"),
-             (f"step {mid}, failed only, by reward", f"/step/{mid}?state=failed-or-timed-out&sort=reward&order=desc"),
+             (f"step {mid}, failed only, by reward",
+              f"/step/{mid}?state=failed-or-timed-out&sort=reward&order=desc"),
              (f"step {mid + 1} sorted by advantage", f"/step/{mid + 1}?sort=advantage&order=desc"),
              ("rollout (its step explained)", f"/rollout/{ids[0]}"),
              ("rollout of another step (cold)", f"/rollout/{ids[0].replace(f'-s{mid}-', f'-s{mid + 2}-')}"),

@@ -24,7 +24,8 @@ TESTS = Path(__file__).resolve().parent
 
 # Low to high. A module may import modules of its own layer and of the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("tracetrain.types", "tracetrain.registry", "tracetrain.paths"),  # the data model; the names a config can choose; where a named file is
+    # the data model; the names a config can choose; where a named file is
+    ("tracetrain.types", "tracetrain.registry", "tracetrain.paths"),
     ("tracetrain.config",),  # the typed run config
     ("tracetrain.agents",),  # tasks, datasets, the runner (agents call the gateway over HTTP)
     ("tracetrain.envs",),  # environments as task sources (their agents run on the runner)
@@ -325,7 +326,8 @@ README_MAX_LINES = 130  # a one-page README; reference material lives in docs/
 
 def test_the_readme_is_one_page():
     n = len((PACKAGE.parent / "README.md").read_text().splitlines())
-    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move detail to docs/)"
+    assert n <= README_MAX_LINES, (f"README.md has {n} lines "
+                                   f"(at most {README_MAX_LINES}: move detail to docs/)")
 
 
 def test_the_rules_catch_a_planted_long_module(package_copy):

@@ -12,8 +12,8 @@ an expression that is its section, one of
                               parameter annotated with the section's class (`lc: LoraConfig`)
 within the function where the alias is made and the functions nested in it. A top-level key is an
 attribute of `cfg` itself (or of a parameter annotated TrainConfig). Reading a property of a config
-class (`cfg.reproducible`) reads the keys it reads through `self` in tracetrain/config/. The checker is run on a
-made-up key nothing reads, and on planted reads of it, below: it can fail.
+class (`cfg.reproducible`) reads the keys it reads through `self` in tracetrain/config/. The checker
+is run on a made-up key nothing reads, and on planted reads of it, below: it can fail.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def reads(sources: dict[str, str], keys: set[str],
 
 def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[str]]:
     """{(section prefix, attribute): the keys it reads} for the properties and public methods of
-    the config's classes in `text` (tracetrain/config/): `cfg.reproducible` reads what TrainConfig.reproducible
-    reads through `self`, and through the methods it calls on `self`."""
+    the config's classes in `text` (tracetrain/config/): `cfg.reproducible` reads what
+    TrainConfig.reproducible reads through `self`, and through the methods it calls on `self`."""
     _, classes, root = section_classes()
     prefix_of = {**classes, root: ""}
     out: dict[tuple[str, str], set[str]] = {}
@@ -237,11 +237,13 @@ def test_the_checker_misses_a_key_nothing_reads_and_finds_each_form_of_read():
         "alias": "def f(cfg):\n    rc = cfg.rollout\n    return rc.nobody_reads_this",
         "tuple_alias": "def f(cfg):\n    ec, rc = cfg.engine, cfg.rollout\n    return rc.nobody_reads_this",
         "alias_of_alias": "def f(cfg):\n    m = cfg.model\n    lo = m.lora\n    return lo.nobody_either",
-        "closure": "def f(cfg):\n    rc = cfg.rollout\n    def g():\n        return rc.nobody_reads_this\n    return g",
+        "closure": "def f(cfg):\n    rc = cfg.rollout\n    def g():\n        return rc.nobody_reads_this\n"
+                   "    return g",
         "annotated": "def f(rc: RolloutConfig):\n    return rc.nobody_reads_this",
         "annotated_optional": "def f(lc: LoraConfig | None):\n    return lc.nobody_either",
         "getattr": "def f(cfg):\n    return getattr(cfg.rollout, 'nobody_reads_this')",
-        "annotated_assign": "def f(self):\n    rc: RolloutConfig = self.config\n    return rc.nobody_reads_this",
+        "annotated_assign": "def f(self):\n    rc: RolloutConfig = self.config\n"
+                            "    return rc.nobody_reads_this",
         "or": "def f(cfg, r=None):\n    x = r or cfg.rollout\n    return x.nobody_reads_this",
     }
     for name, text in forms.items():

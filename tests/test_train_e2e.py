@@ -35,7 +35,8 @@ def small_config(run_dir: Path, steps: int, **extra):
 
 def ids_of_step(run_dir: Path, step: int) -> list[str]:
     db = sqlite3.connect(run_dir / "traces.db")
-    ids = [r[0] for r in db.execute("SELECT rollout_id FROM rollouts WHERE group_id LIKE ?", (f"%-s{step}-t%",))]
+    ids = [r[0] for r in db.execute("SELECT rollout_id FROM rollouts WHERE group_id LIKE ?",
+                                    (f"%-s{step}-t%",))]
     db.close()
     return ids
 
@@ -83,7 +84,8 @@ def test_train_records_learns_checkpoints_and_resumes(tmp_path, capsys):
 
     # Turns were recorded by the gateway with token ids and the engine's model version.
     db = sqlite3.connect(run / "traces.db")
-    n_turns, versions = db.execute("SELECT count(*), group_concat(DISTINCT model_version) FROM turns").fetchone()
+    n_turns, versions = db.execute(
+        "SELECT count(*), group_concat(DISTINCT model_version) FROM turns").fetchone()
     assert n_turns >= 2 * 3 * 4
     assert set(map(int, versions.split(","))) >= {0, 1}
     db.close()

@@ -3,8 +3,8 @@
 Commands are registered by name in COMMANDS: (add_arguments, run, help); `run(args) -> int` returns
 the exit status. What the user gave wrong (types.UsageError, config.ConfigError among them: a
 config key, a dataset file or row, a task file, a trace file, an option, a path) is reported in
-one line naming it, status 2; an engine that failed mid-run in one line, status 1; any other error is a bug or the
-machine's (a full disk) and keeps its traceback.
+one line naming it, status 2; an engine that failed mid-run in one line, status 1; any other error
+is a bug or the machine's (a full disk) and keeps its traceback.
 
     train   : run the main job from a YAML config (+ key=value overrides)
     inspect : one rollout of a run down the path of the data
@@ -297,7 +297,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 COMMANDS = {
     "train": (add_train_arguments, run_train, "train an agent from a YAML config"),
-    "inspect": (add_inspect_arguments, run_inspect, "show one rollout: turns, rows, breaks, advantage, loss mass"),
+    "inspect": (add_inspect_arguments, run_inspect,
+                "show one rollout: turns, rows, breaks, advantage, loss mass"),
     "eval": (add_eval_arguments, run_eval, "a policy on the run's eval tasks: reward, pass@1, pass@k"),
     "sft": (add_sft_arguments, run_sft, "fine-tune on the exact tokens of chosen rollouts of earlier runs"),
     "view": (add_view_arguments, run_view, "a web page over a run: curves, steps, rollouts to the token"),

@@ -232,7 +232,8 @@ def check_generation(
             )
         if isinstance(lp, array):
             _check_logprob_array(lp, where)
-        elif not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp)) or max(lp) > LOGPROB_TOLERANCE:
+        elif (not set(map(type, lp)) <= {float, int} or not all(map(math.isfinite, lp))
+              or max(lp) > LOGPROB_TOLERANCE):
             for j, v in enumerate(lp):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise TraceError(f"{where}response_logprobs[{j}] is {v!r}; it must be a finite float")

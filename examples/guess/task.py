@@ -83,13 +83,15 @@ async def agent(task: dict, client: dict) -> float:
     return await play(task, client, chat_prompt)
 
 
-def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
+def warm_start_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3,
+                           **_: Any) -> list[list[dict]]:
     """Games of a random guesser that ignores the feedback: they teach the format, not the skill."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         target = rng.randint(1, high)
-        messages = [{"role": "system", "content": SYSTEM.format(high=high)}, {"role": "user", "content": FIRST}]
+        messages = [{"role": "system", "content": SYSTEM.format(high=high)},
+                    {"role": "user", "content": FIRST}]
         for _ in range(max_turns):
             guess = str(rng.randint(1, high))
             messages.append({"role": "assistant", "content": guess})
@@ -117,7 +119,8 @@ async def summarizing_agent(task: dict, client: dict) -> float:
     return await play(task, client, summary_prompt)
 
 
-def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3, **_: Any) -> list[list[dict]]:
+def summarizing_transcripts(n: int, *, seed: int, high: int = 8, max_turns: int = 3,
+                            **_: Any) -> list[list[dict]]:
     """One-call transcripts in the summarising format, from random games (format only)."""
     rng = random.Random(seed)
     out = []

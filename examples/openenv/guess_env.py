@@ -45,7 +45,8 @@ class GuessEnvironment(Environment):
         self._state = State(step_count=0)
         self.secret = 1
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GuessObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None,
+              **kwargs: Any) -> GuessObservation:
         self._state = State(episode_id=episode_id, step_count=0)
         self.secret = random.Random(seed).randint(1, HIGH)
         return GuessObservation(feedback=f"I am thinking of a number from 1 to {HIGH}. Guess it "

@@ -64,7 +64,8 @@ def test_agents_in_two_workers_keep_the_runner_contract(tmp_path):
                     timeout_s=1.0, client_extra={"model": "m"})
                 blocked_wall = time.monotonic() - t
                 after = await run_rollouts_in_workers(client, specs(["good"] * 4, "c"), workers,
-                                                      concurrency=8, timeout_s=8.0, client_extra={"model": "m"})
+                                                      concurrency=8, timeout_s=8.0,
+                                                      client_extra={"model": "m"})
                 return first, blocked, blocked_wall, after
             finally:
                 await client.aclose()

@@ -26,7 +26,8 @@ def write_all(tmp: Path) -> dict[str, Path]:
 
     out = {"jsonl": tmp / "t.jsonl", "parquet": tmp / "t.parquet", "csv": tmp / "t.csv",
            "datasets": tmp / "saved"}
-    out["jsonl"].write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 3 else "") for i, r in enumerate(ROWS)))
+    out["jsonl"].write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 3 else "")
+                                    for i, r in enumerate(ROWS)))
     table = pa.Table.from_pylist(ROWS)
     pq.write_table(table, out["parquet"], row_group_size=7)
     pacsv.write_csv(table, out["csv"])
@@ -66,7 +67,8 @@ def test_bad_files_and_rows_are_named(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 60), k=st.integers(1, 9), seed=st.integers(0, 2**31), fraction=st.sampled_from([0, 0.1, 0.5]))
+@given(n=st.integers(1, 60), k=st.integers(1, 9), seed=st.integers(0, 2**31),
+       fraction=st.sampled_from([0, 0.1, 0.5]))
 def test_each_epoch_deals_every_train_row_once_in_a_seeded_order(n, k, seed, fraction):
     train, held = split(n, fraction=fraction, seed=7)
     assert len(held) == round(fraction * n) and not set(train) & set(held)
@@ -83,7 +85,8 @@ def test_each_epoch_deals_every_train_row_once_in_a_seeded_order(n, k, seed, fra
         assert sorted(dealt[e * len(train):(e + 1) * len(train)]) == sorted(train.tolist())
     # a function of (seed, step) alone: a fresh order (a resumed run) deals the same from any step
     fresh = EpochOrder(train, seed=seed)
-    assert [fresh.at(s, k) for s in reversed(range(steps))] == [order.at(s, k) for s in reversed(range(steps))]
+    assert ([fresh.at(s, k) for s in reversed(range(steps))]
+            == [order.at(s, k) for s in reversed(range(steps))])
 
 
 def test_the_order_depends_on_the_seed_and_shuffle_off_keeps_file_order():
@@ -103,7 +106,8 @@ def test_a_run_takes_its_tasks_from_a_file_and_a_resume_continues_the_order(tmp_
 
     def config(run: Path, steps: int, **extra):
         return build_config({"task_args": {"high": 8, "max_turns": 3}}, [
-            "task=task.py", f"data.train={data}", "data.eval_fraction=0.2", "data.fields=[target,high,max_turns]",
+            "task=task.py", f"data.train={data}", "data.eval_fraction=0.2",
+            "data.fields=[target,high,max_turns]",
             "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
             "warm_start.steps=0", "rollout.tasks_per_step=3", "rollout.n_per_task=2",
             "optim.warmup_steps=0", f"trainer.steps={steps}", f"trainer.run_dir={run}", "trainer.seed=4",

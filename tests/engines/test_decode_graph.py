@@ -114,7 +114,8 @@ def test_compiled_step_gives_eager_tokens_and_logprobs(monkeypatch, tmp_path):
 def _step(graph, batch: int) -> torch.Tensor:
     """The logits of one decode step of `graph` over a prefill of `batch` rows of 3 tokens."""
     vocab = graph.runner.config.vocab_size
-    ids, mask = torch.arange(3 * batch).view(batch, 3) % (vocab - 1) + 1, torch.ones(batch, 3, dtype=torch.int64)
+    ids = torch.arange(3 * batch).view(batch, 3) % (vocab - 1) + 1
+    mask = torch.ones(batch, 3, dtype=torch.int64)
     cache, pos = _prefill(graph.runner, ids, mask)
     y, mask = ids[:, :1], torch.cat([mask, mask.new_ones(batch, 1)], -1)
     return graph(y, mask, (pos + 1)[:, None], reserve(cache, 2))[0]

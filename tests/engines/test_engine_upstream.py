@@ -103,7 +103,8 @@ def test_request_body_is_vllm_shaped():
     body = request_body(
         "m", [1, 2], SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,))
     )
-    assert body["prompt"] == [1, 2] and body["return_tokens_as_token_ids"] is True and "return_token_ids" not in body and body["logprobs"] == 1
+    assert body["prompt"] == [1, 2] and body["return_tokens_as_token_ids"] is True
+    assert "return_token_ids" not in body and body["logprobs"] == 1
     assert (body["max_tokens"], body["temperature"], body["seed"], body["stop_token_ids"]) == (
         5,
         0.5,

@@ -88,7 +88,8 @@ def chat(tok, text: str) -> list[int]:
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt]),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 
@@ -125,7 +126,8 @@ def test_the_hf_dir_is_untied_and_gives_the_same_logits(tmp_path, tok):
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(f.keys())
     assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
-    assert (d / "chat_template.jinja").is_file() or "chat_template" in (d / "tokenizer_config.json").read_text()
+    assert ((d / "chat_template.jinja").is_file()
+            or "chat_template" in (d / "tokenizer_config.json").read_text())
     loaded = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).eval()
     x = torch.tensor([chat(tok, "Guess.")])
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=1e-6)
@@ -699,7 +701,8 @@ def test_collect_overlap_with_vllm_trains_on_rollouts_one_version_old(tmp_path, 
 def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, vllm_python):
     run = tmp_path / "run"
     cfg = build_config({"task_args": {"high": 4, "max_turns": 3, "kill_step": 2, "run_dir": str(run)}}, [
-        f"task={ROOT / 'tests' / 'support' / 'vllm_kill_task.py'}", "warm_start.steps=3", "warm_start.batch_size=8",
+        f"task={ROOT / 'tests' / 'support' / 'vllm_kill_task.py'}", "warm_start.steps=3",
+        "warm_start.batch_size=8",
         "rollout.tasks_per_step=2", "rollout.n_per_task=4", "optim.warmup_steps=0",
         "trainer.steps=4", f"trainer.run_dir={run}", "trainer.checkpoint_every=1",
         "engine.kind=vllm", f"engine.python={vllm_python}", "trainer.precision=fp32"])

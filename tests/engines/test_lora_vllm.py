@@ -101,7 +101,8 @@ def test_a_sleeping_server_is_woken_before_the_adapter_is_loaded(tmp_path, tok):
             try:
                 await engine.sleep(1)
                 await engine.load_weights(pm, 1)
-                return engine.served_model, await engine.generate(chat(tok, "Guess."), SamplingParams(max_tokens=2))
+                return engine.served_model, await engine.generate(chat(tok, "Guess."),
+                                                                  SamplingParams(max_tokens=2))
             finally:
                 await engine.aclose()
 
@@ -316,7 +317,8 @@ def test_two_policies_through_vllm_collect_continuously_within_the_staleness_bou
 
 
 @pytest.mark.slow
-def test_two_policies_through_vllm_with_collect_overlap_resume_from_the_engines_adapters(tmp_path, vllm_python):
+def test_two_policies_through_vllm_with_collect_overlap_resume_from_the_engines_adapters(tmp_path,
+                                                                                         vllm_python):
     """Collect overlap with two policies: the server keeps both adapters one version behind while
     the update runs; the checkpoint keeps the engine's adapters of both policies (not the base),
     and a resumed run continues from them."""

@@ -52,7 +52,8 @@ def config(tmp_path: Path, env: dict, *overrides: str, rows: list[dict] | None =
     if rows is not None:
         (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         data = {"train": str(tmp_path / "train.jsonl")}
-    return build_config({"plugins": [PLUGIN], "engine": ENGINE, "env": {"kind": "openenv", **env}, "data": data}, [
+    return build_config({"plugins": [PLUGIN], "engine": ENGINE, "env": {"kind": "openenv", **env},
+                         "data": data}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         "rollout.tasks_per_step=2", "rollout.n_per_task=2", "rollout.max_tokens=64",
         "rollout.timeout_s=20", "aggregate.max_prompt_length=1024",

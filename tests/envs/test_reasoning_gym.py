@@ -102,7 +102,8 @@ def test_bad_names_and_options_are_errors_naming_the_key(tmp_path):
         load_source(config(tmp_path, {**ARITH, "config": {"no_such_option": 1}})).rows()
     with pytest.raises(ConfigError, match=r"'env\.dataset'.*`dataset`.*`datasets`"):
         config(tmp_path, {"size": 10})
-    with pytest.raises(ConfigError, match=r"data.train / data.eval: env.kind reasoning_gym brings its own rows"):
+    with pytest.raises(ConfigError,
+                       match=r"data.train / data.eval: env.kind reasoning_gym brings its own rows"):
         config(tmp_path, ARITH, data={"train": "x.jsonl"})
     with pytest.raises(ConfigError, match=r"'task': not with env \(kind reasoning_gym"):
         config(tmp_path, ARITH, "task=examples/calculator/task.py")

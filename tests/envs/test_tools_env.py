@@ -47,7 +47,8 @@ def write_rows(tmp_path: Path, rows: list[dict]) -> str:
 
 def config(tmp_path: Path, env: dict, rows: list[dict], *overrides: str):
     return build_config({"plugins": [PLUGIN], "engine": ENGINE,
-                         "env": {"kind": "environment_class", **env}, "data": {"train": write_rows(tmp_path, rows)}}, [
+                         "env": {"kind": "environment_class", **env},
+                         "data": {"train": write_rows(tmp_path, rows)}}, [
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
         f"rollout.tasks_per_step={len(rows)}", "rollout.n_per_task=2", "rollout.max_tokens=64",
         "rollout.timeout_s=20", "aggregate.max_prompt_length=1024",

@@ -66,7 +66,8 @@ def test_cli_train_refuses_a_non_loopback_gateway_without_an_admin_key(tmp_path)
 
     env = {k: v for k, v in os.environ.items() if k != "TRACETRAIN_ADMIN_KEY"}
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "tracetrain", "train", str(ROOT / "examples/guess/config.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "tracetrain", "train",
+                           str(ROOT / "examples/guess/config.yaml"),
                            "gateway.host=0.0.0.0", "gateway.public_url=http://10.213.0.1:{port}",
                            f"trainer.run_dir={run_dir}"],
                           capture_output=True, text=True, timeout=120, env=env)

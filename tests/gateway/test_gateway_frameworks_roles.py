@@ -148,7 +148,8 @@ def test_autogen_two_assistant_agents_as_a_command_agent(gw):
 
     gw.engine.say(hermes_call("calc", {"expr": "6*7"}))
     gw.engine.say("yes")
-    agent = load_agent(f"{python} {Path(__file__).resolve().parents[1] / 'support' / 'autogen_roles_agent.py'}")
+    script = Path(__file__).resolve().parents[1] / "support" / "autogen_roles_agent.py"
+    agent = load_agent(f"{python} {script}")
 
     async def main():
         client = GatewayClient(gw.url, gw.admin_key)

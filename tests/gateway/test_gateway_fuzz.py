@@ -6,8 +6,8 @@ Requests go to a live uvicorn server on loopback with the admin key (it reaches 
 on a rollout's own routes, that rollout's key; path ids are random or real rollouts. Each route
 also gets one explicit valid request (a hypothesis `@example`, always run first): it must succeed,
 so every route is reached past its validation whatever the random draw. FUZZ_EXAMPLES (default
-40) sets the number of random requests per route (`FUZZ_EXAMPLES=400 pytest tests/gateway/test_gateway_fuzz.py`
-for a longer search).
+40) sets the number of random requests per route (`FUZZ_EXAMPLES=400 pytest
+tests/gateway/test_gateway_fuzz.py` for a longer search).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def valid_request(op, rid: str) -> dict:
         "POST /rollouts/{rollout_id}/v1/chat/completions": {"body": chat},
         "POST /rollouts/{rollout_id}/v1/completions": {"body": {"prompt": [5, 6, 7], "max_tokens": 2}},
         "POST /rollouts/{rollout_id}/v1/responses": {"body": {"input": "hi", "max_output_tokens": 2}},
-        "POST /rollouts/{rollout_id}/v1/messages": {"body": {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}},
+        "POST /rollouts/{rollout_id}/v1/messages": {
+            "body": {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}},
         "GET /rollouts/{rollout_id}/v1/models": {},
         "POST /rollouts/{rollout_id}/turn-rewards": {"body": {"reward": 0.5, "name": "fuzz"}},
         **{f"{m} /rollouts/{{rollout_id}}/roles/{{role}}/v1/{route}": {

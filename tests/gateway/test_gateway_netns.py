@@ -1,8 +1,8 @@
 """Agents on another host, across a real network boundary on one machine: two network namespaces
 joined by a veth pair (made and removed here). `tracetrain train` runs in the first, its gateway
-reachable at its veth address (gateway.host / gateway.public_url); the agents are commands run in the second (`ip netns exec`), an
-ordinary openai SDK program each, reaching the gateway by that address only. Per-rollout keys stay
-mandatory there: no key or a wrong key is refused.
+reachable at its veth address (gateway.host / gateway.public_url); the agents are commands run in
+the second (`ip netns exec`), an ordinary openai SDK program each, reaching the gateway by that
+address only. Per-rollout keys stay mandatory there: no key or a wrong key is refused.
 
 Traffic goes only to the veth addresses of the namespaces this test creates."""
 

@@ -255,7 +255,8 @@ def test_mini_batches_do_not_depend_on_packing():
     plain, packed = runs
     assert [r.metrics["n_rollouts"] for r in packed] == [r.metrics["n_rollouts"] for r in plain]
     assert [r.loss for r in packed] == pytest.approx([r.loss for r in plain], rel=1e-5, abs=1e-6)
-    assert sum(r.metrics["tokens_computed"] for r in packed) < sum(r.metrics["tokens_computed"] for r in plain)
+    assert (sum(r.metrics["tokens_computed"] for r in packed)
+            < sum(r.metrics["tokens_computed"] for r in plain))
     # rollout-mean: each rollout weighs 1/R of its update, however many rollouts each update has;
     # the step line averages the product per update (a mean of 1/R times a mean of R is not 1)
     from tracetrain.run.rundir import format_step

@@ -89,7 +89,8 @@ def test_plan_of_a_small_tree():
     assert sorted(g.shape for g in plan.groups) == [(1, 1, 3), (2, 4, 5)]
     assert plan.scores == 40 + 3 < plan.dense_scores == 49
     two, one = sorted(plan.groups, key=lambda g: -g.shape[0])
-    assert two.q_idx.tolist() == [0, 1, 2, 3, 4, 5, 0, 0] and two.k_idx.tolist() == [0, 1, 2, 3, 0, 0, 1, 2, 4, 5]
+    assert two.q_idx.tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    assert two.k_idx.tolist() == [0, 1, 2, 3, 0, 0, 1, 2, 4, 5]
     # x (query 3 of its row) sees a b c x, not the padded key; z (query 1) sees a b c y z
     assert two.mask[0, 0, 3].tolist() == [True, True, True, True, False]
     assert two.mask[1, 0, 1].tolist() == [True] * 5
@@ -137,7 +138,8 @@ def test_shared_prefixes_sparse_equal_dense_and_padded():
     batch = shared_batch(7, [[3, 2, 1], [2, 2], [1, 3]], common=12, question=4)
     args = (batch.attention_mask, batch.position_ids, batch.response_length, batch.response_mask)
     results = {}
-    for name, mode, pack in (("padded", "dense", False), ("dense", "dense", True), ("sparse", "sparse", True)):
+    for name, mode, pack in (("padded", "dense", False), ("dense", "dense", True),
+                             ("sparse", "sparse", True)):
         m = sparse_model(0)
         with attention(mode):
             lp, ent, pk = row_logprobs(m, batch.input_ids, *args, pack=pack, with_entropy=True)

@@ -23,7 +23,8 @@ GROUPS = [[1, 2], [2, 1, 1], [1, 3]]  # rows per rollout, per group: 7 rollouts,
 def own_logprobs(model, batch) -> torch.Tensor:
     """[N, L] the model's logprobs of the batch's response tokens (0 off the mask)."""
     with torch.no_grad():
-        lp = logprobs_and_entropy(model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+        lp = logprobs_and_entropy(model, {"input_ids": batch.input_ids,
+                                          "attention_mask": batch.attention_mask,
                                           "position_ids": batch.position_ids,
                                           "response_mask": batch.response_mask})[0]
     return lp * batch.response_mask
@@ -49,7 +50,8 @@ def test_one_optimizer_step_per_mini_batch_per_epoch(mini_batches, epochs):
     steps = []
     opt.register_step_post_hook(lambda *_: steps.append(1))
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(1))
-    out = ppo_update(model, opt, batch, adv, config(optim={"mini_batches": mini_batches, "ppo_epochs": epochs}))
+    out = ppo_update(model, opt, batch, adv,
+                     config(optim={"mini_batches": mini_batches, "ppo_epochs": epochs}))
     n = min(mini_batches, batch.n_rollouts) * epochs  # a mini-batch holds whole rollouts
     assert len(out) == len(steps) == n
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -59,7 +59,8 @@ def rollouts_of(seed: int, n: int = 4, turns: int = 2) -> list[Rollout]:
         prompt = (torch.randint(3, 200, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)).tolist()
         rollout_turns, context = [], list(prompt)
         for _ in range(turns):
-            response = torch.randint(3, 200, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+            length = int(torch.randint(1, 5, (1,), generator=g))
+            response = torch.randint(3, 200, (length,), generator=g).tolist()
             rollout_turns.append(Turn(list(context), response, [-1.0] * len(response)))
             context += response + torch.randint(3, 200, (2,), generator=g).tolist()
         out.append(Rollout(f"r{k}", f"g{k // 2}", rollout_turns, reward=float(k % 2)))
@@ -135,7 +136,8 @@ def test_an_update_changes_only_the_adapter_and_the_engine_decodes_with_it(tok):
     opt = adamw(lora.trainable(pm), lr=0.05, weight_decay=0.0)
     loss_of(pm, batch_of(tok, rollouts_of(1)), ADV).backward()
     opt.step()
-    engine.update_weights(None, 1)  # the new version, as the trainer's sync says it: the engine's prefix cache is dropped
+    # the new version, as the trainer's sync says it: the engine's prefix cache is dropped
+    engine.update_weights(None, 1)
     assert all(torch.equal(p, base[n]) for n, p in pm.named_parameters() if n in base)
     assert any(not torch.equal(p, adapter[n]) for n, p in pm.named_parameters() if n in adapter)
     after = engine.generate_batch([prompt], params)[0]

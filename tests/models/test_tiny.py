@@ -90,7 +90,8 @@ def test_tool_calls_and_content_parts_render(tok):
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text == (
         "<|im_start|>user\n2+2?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>{"name": "calc", "arguments": {"e": "2+2"}}</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\n<tool_call>{"name": "calc", "arguments": {"e": "2+2"}}</tool_call>'
+        "<|im_end|>\n"
     )
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
     with_tools = tok.apply_chat_template(
@@ -133,7 +134,8 @@ def test_next_turn_prompt_extends_previous_context(tok, reply, observation):
 
 
 def test_build_is_deterministic_across_processes(tok):
-    code = "from tracetrain.models.tiny import train_bpe; print(train_bpe().to_str())"  # no transformers import
+    # no transformers import
+    code = "from tracetrain.models.tiny import train_bpe; print(train_bpe().to_str())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == train_bpe().to_str()
     assert build_tokenizer().backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()

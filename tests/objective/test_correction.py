@@ -1,8 +1,8 @@
-"""Importance corrections (tracetrain/objective/correction.py) and invariant 9 (docs/invariants.md): by hand; a
-rollout's correction is the same however it is cut into rows (and so are L and its gradient);
-rollout-mean's mass is 1 over the kept rollouts; with equal engine and trainer logprobs every
-correction is the identity, the loss bit for bit the uncorrected one; the update's gradient does
-not depend on how the step is cut into micro-batches or packs with corrections on.
+"""Importance corrections (tracetrain/objective/correction.py) and invariant 9 (docs/invariants.md):
+by hand; a rollout's correction is the same however it is cut into rows (and so are L and its
+gradient); rollout-mean's mass is 1 over the kept rollouts; with equal engine and trainer logprobs
+every correction is the identity, the loss bit for bit the uncorrected one; the update's gradient
+does not depend on how the step is cut into micro-batches or packs with corrections on.
 
 Tolerance: v and the per-rollout sums are float64 sums of a few dozen terms in another order
 (cut into rows differently): they agree to ~1e-15 relative; compared at 1e-12. The loss and
@@ -158,7 +158,8 @@ def test_with_equal_logprobs_every_correction_is_the_identity(rollouts, weight, 
         loss.backward()
         runs.append((loss.detach(), lp.grad))
     if c.is_weights is not None:
-        assert torch.equal(c.is_weights[batch.response_mask.bool()], torch.ones(int(batch.response_mask.sum())))
+        assert torch.equal(c.is_weights[batch.response_mask.bool()],
+                           torch.ones(int(batch.response_mask.sum())))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
@@ -174,7 +175,8 @@ def test_a_mixed_version_rollout_is_corrected_with_each_tokens_own_behaviour_log
     assert batch.rollout_logprobs[0][m].tolist() == [-0.5, -0.25, -1.0, -2.0, -0.125]
     pi = torch.zeros_like(batch.rollout_logprobs)
     pi[0, m] = torch.tensor([-0.5, -0.5, -1.0, -1.0, -0.125])
-    c = correct(pi, batch.rollout_logprobs, batch.response_mask, batch.rollout_index, weight="token", cap=10.0)
+    c = correct(pi, batch.rollout_logprobs, batch.response_mask, batch.rollout_index,
+                weight="token", cap=10.0)
     close(c.is_weights[0][m], [1, math.exp(-0.25), 1, math.e, 1])
 
 
@@ -206,7 +208,8 @@ def test_partition_and_split_invariance_of_the_update_with_corrections_on(seed, 
     is 1 over the kept rollouts."""
     batch = shared_batch(seed, groups, common=4, question=2)
     g = torch.Generator().manual_seed(seed)
-    batch.rollout_logprobs = batch.rollout_logprobs - spread * torch.rand(batch.rollout_logprobs.shape, generator=g)
+    batch.rollout_logprobs = (batch.rollout_logprobs
+                              - spread * torch.rand(batch.rollout_logprobs.shape, generator=g))
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed + 1))
     expected, g_expected = corrected_update(batch, adv, correction, **PLAIN)
     assert expected.correction is not None

@@ -85,7 +85,8 @@ def test_first_difference_of_long_sequences_in_any_containers(n, seed, data, kin
         p = data.draw(st.integers(0, len(other) - 1))
         other[p] = (other[p] + 1) % 10
     other = other[: data.draw(st.integers(0, len(other)))] if data.draw(st.booleans()) else other
-    naive = next((i for i, (x, y) in enumerate(zip(base, other, strict=False)) if x != y), min(len(base), len(other)))
+    naive = next((i for i, (x, y) in enumerate(zip(base, other, strict=False)) if x != y),
+                 min(len(base), len(other)))
     a, b = as_kind(base, kinds[0]), as_kind(other, kinds[1])
     assert first_difference(a, b) == naive
     cut = data.draw(st.integers(0, len(base)))

@@ -50,7 +50,8 @@ def step_batches(seed: int = 7):
                 resp = [rng.randint(3, 90) for _ in range(rng.randint(1, 5))]
                 turns.append(Turn(prompt, resp, [-rng.random() - 0.1 for _ in resp]))
                 context = prompt + resp
-            rollouts.append(Rollout(f"s{step}-r{k}", f"s{step}-g{k // 4}", turns, reward=float(rng.random() < 0.5)))
+            rollouts.append(Rollout(f"s{step}-r{k}", f"s{step}-g{k // 4}", turns,
+                                    reward=float(rng.random() < 0.5)))
         batch, _ = aggregate(rollouts, max_prompt_length=64, max_response_length=32)
         g = torch.Generator().manual_seed(step)
         out.append((batch, torch.randn(batch.n_rollouts, generator=g)))
@@ -107,7 +108,8 @@ def train_two_policies(dp: DataParallel) -> tuple[dict, list]:
     torch.set_num_threads(1)
     cfg = policies_config()
     model, whole = policies_model(cfg)
-    refs = {"pa": copy.deepcopy(model).requires_grad_(False), "pc": copy.deepcopy(whole["pc"]).requires_grad_(False)}
+    refs = {"pa": copy.deepcopy(model).requires_grad_(False),
+            "pc": copy.deepcopy(whole["pc"]).requires_grad_(False)}
     refs["pb"] = refs["pa"]
     names = ["pa", "pb", "pc"]
     forwards = wrap_policies(model, ["pa", "pb"], dp, whole)
@@ -274,7 +276,8 @@ def test_torchrun_two_ranks_train_two_policies_like_one_process(tmp_path):
     c1, c2 = (torch.load(run / "checkpoint.pt", weights_only=False) for run in (one, two))
     w1, w2 = {**c1["model"], **c1["whole"]}, {**c2["model"], **c2["whole"]}
     assert sorted(w1) == sorted(w2) == ["checker", "solver"]
-    assert any(v.abs().max() > 0 for k, v in w1["solver"].items() if "lora_B" in k)  # it learned (B starts at 0)
+    # it learned (B starts at 0)
+    assert any(v.abs().max() > 0 for k, v in w1["solver"].items() if "lora_B" in k)
     for name, lr in (("solver", 2e-2), ("checker", 3e-3)):  # AdamW moves a weight by ~lr per update
         for k, v in w1[name].items():
             diff = (w2[name][k] - v).abs()

@@ -28,7 +28,8 @@ def write_steps(run_dir: Path, steps: list[int], keep: int = 10) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(cut=st.floats(0.0, 0.999), flip=st.integers(0, 10**9), mode=st.sampled_from(["truncate", "flip"]))
-def test_a_torn_or_changed_checkpoint_is_found_out_and_the_previous_one_used(tmp_path_factory, cut, flip, mode):
+def test_a_torn_or_changed_checkpoint_is_found_out_and_the_previous_one_used(tmp_path_factory, cut, flip,
+                                                                               mode):
     run = tmp_path_factory.mktemp("run")
     write_steps(run, [1, 2])
     newest = run / "checkpoints" / "step-000002.pt"
@@ -95,7 +96,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(tmp_path, 
     message = str(e.value)
     assert "step-000002.pt" in message and "No space left on device" in message
     assert "the previous checkpoint" in message and "step-000001.pt" in message
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001.pt", "step-000001.pt.sha256"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001.pt",
+                                                                            "step-000001.pt.sha256"]
     assert (tmp_path / "checkpoints" / "step-000001.pt").read_bytes() == before
     assert durable.newest_valid(tmp_path) == (tmp_path / "checkpoints" / "step-000001.pt", [])
 

@@ -60,7 +60,8 @@ def test_a_saved_policy_evaluates_as_its_checkpoint(tmp_path):
     train(cfg, base_dir=guess, log=lambda *_: None)
     task = load_task("task.py", guess)
     out = {}
-    for name, policy in (("policy", run / "policy"), ("checkpoint", run / "checkpoint.pt"), ("untrained", None)):
+    for name, policy in (("policy", run / "policy"), ("checkpoint", run / "checkpoint.pt"),
+                         ("untrained", None)):
         out[name] = asyncio.run(evaluate(cfg, task, None, policy=policy, k=3, temperature=1.0))
     (a, rows_a), (b, rows_b) = out["policy"], out["checkpoint"]
     assert [r["rewards"] for r in rows_a] == [r["rewards"] for r in rows_b]
@@ -76,7 +77,8 @@ def test_failed_tries_are_counted_apart_and_the_command_writes_each_task(tmp_pat
 
     run = make_run(tmp_path / "run", steps=1)
     cfg_path = run / "config.json"  # the run's own config names the task relative to tests/
-    cfg_path.write_text(cfg_path.read_text().replace('"view_task.py"', json.dumps(str(TESTS / "view_task.py"))))
+    cfg_path.write_text(cfg_path.read_text().replace('"view_task.py"',
+                                                     json.dumps(str(TESTS / "view_task.py"))))
     assert main(["eval", str(cfg_path), "--policy", str(run / "checkpoint.pt"), "--k", "2", "--tasks", "4",
                  "--success", "0.5", "--out", str(tmp_path / "eval.jsonl")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

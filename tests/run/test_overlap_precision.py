@@ -109,7 +109,8 @@ def test_a_run_resumed_without_overlap_shares_the_weights_again(tmp_path):
 def test_collect_overlap_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"^config key 'trainer.max_staleness': must be >= 1"):
         build_config({}, ["trainer.collect=overlap"])
-    with pytest.raises(ConfigError, match=r"^config key 'trainer.collect': 'overlap' is for backend 'embedded'"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'trainer.collect': 'overlap' is for backend 'embedded'"):
         build_config({}, ["trainer.collect=overlap", "trainer.max_staleness=1", "backend=verl"])
     with pytest.raises(ConfigError, match="trainer.precision"):
         build_config({}, ["trainer.precision=fp16"])
@@ -122,7 +123,8 @@ def test_collect_overlap_config_errors_name_the_key():
 
 
 def _batch():
-    rollouts = [Rollout(f"r{k}", f"g{k // 4}", [Turn([3, 4, 5 + k, 6, 7, 8], [40 + k, 41, 2 + k], [-1.0, -0.5, -0.2])],
+    rollouts = [Rollout(f"r{k}", f"g{k // 4}",
+                        [Turn([3, 4, 5 + k, 6, 7, 8], [40 + k, 41, 2 + k], [-1.0, -0.5, -0.2])],
                         reward=float(k % 2)) for k in range(8)]
     batch, _ = aggregate(rollouts, max_prompt_length=16, max_response_length=8)
     return batch, torch.tensor([-1.0, 1.0] * 4)
@@ -137,7 +139,8 @@ def test_bf16_mixed_update_is_close_to_fp32_and_keeps_the_loss_weights(attn):
     out = {}
     for precision in ("fp32", "bf16-mixed"):
         m = copy.deepcopy(model)
-        cfg = build_config({}, [f"trainer.precision={precision}", "optim.grad_clip=1e9", "optim.mini_batches=2"])
+        cfg = build_config({}, [f"trainer.precision={precision}", "optim.grad_clip=1e9",
+                                "optim.mini_batches=2"])
         res = ppo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv, cfg)
         grad = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
         out[precision] = (res, grad, [p.dtype for p in m.parameters()])
@@ -147,7 +150,8 @@ def test_bf16_mixed_update_is_close_to_fp32_and_keeps_the_loss_weights(attn):
     cos = torch.nn.functional.cosine_similarity(g16, g32, dim=0)
     assert cos > 0.99, cos  # ... and the update points the same way
     for a, b in zip(r32, r16, strict=True):  # the token weights do not depend on the precision
-        assert a.metrics["weight_mass"] == pytest.approx(1.0) and b.metrics["weight_mass"] == pytest.approx(1.0)
+        assert a.metrics["weight_mass"] == pytest.approx(1.0)
+        assert b.metrics["weight_mass"] == pytest.approx(1.0)
         assert b.metrics["rollout_mass_min"] == pytest.approx(a.metrics["rollout_mass_min"])
         assert b.metrics["rollout_mass_max"] == pytest.approx(a.metrics["rollout_mass_max"])
 

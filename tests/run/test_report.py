@@ -8,7 +8,8 @@ from tracetrain.run.report import moving_average, summary
 
 
 def history(rewards, dt=2.0):
-    return [{"step": k, "reward_mean": r, "time/elapsed_s": 30.0 + dt * (k + 1)} for k, r in enumerate(rewards)]
+    return [{"step": k, "reward_mean": r, "time/elapsed_s": 30.0 + dt * (k + 1)}
+            for k, r in enumerate(rewards)]
 
 
 def test_target_gain_step_is_the_first_window_over_start_plus_gain():

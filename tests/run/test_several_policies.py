@@ -62,8 +62,10 @@ def initial(cfg) -> dict:
     ({"solver": {"roles": ["solver"]}}, ["roles.train=[solver,judge]"], "roles.train"),
     ({"a1": {"roles": ["x"]}, "b1": {"roles": ["x"]}}, [], "policies.b1.roles"),
     ({"solver": {"roles": ["solver"]}}, ["model.lora.r=4"], "model.lora"),
-    ({"solver": {"roles": ["solver"]}}, ["engine.kind=vllm", "engine.base_url=http://127.0.0.1:1"], "policies"),
-    ({"solver": {"roles": ["solver"]}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies"),  # (local)
+    ({"solver": {"roles": ["solver"]}}, ["engine.kind=vllm", "engine.base_url=http://127.0.0.1:1"],
+     "policies"),
+    # (local)
+    ({"solver": {"roles": ["solver"]}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies"),
     ({"solver": {"roles": ["solver"]}}, ["backend=verl"], "policies"),
     ({"ra": {"roles": ["solver"]}}, [], "policies.ra"),  # (part of "lora_": peft's prefix)
     ({"__base__": {"roles": ["solver"]}}, [], "policies.__base__"),
@@ -97,7 +99,8 @@ def test_one_batch_of_several_adapters_decodes_each_row_by_its_own(tmp_path):
     engine = LocalEngine(model, tok, max_context=64, prefix_cache=False)
     prompt = [5, 9, 13, 2, 7, 11, 3]
     who = ["solver", "checker", lora.BASE, "solver", "checker", lora.BASE]
-    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=40 + k, adapter=a) for k, a in enumerate(who)]
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=40 + k, adapter=a)
+              for k, a in enumerate(who)]
     mixed = engine.generate_batch([prompt] * len(who), params)
     alone = [engine.generate_batch([prompt], [p])[0] for p in params]
     for m, a in zip(mixed, alone, strict=True):
@@ -187,7 +190,8 @@ def test_a_resumed_two_policy_run_is_the_uninterrupted_one(tmp_path):
     run(config(cut, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5"))
     for later in (cut / "checkpoints").glob("step-00000[23].pt*"):
         later.unlink()
-    resumed = run(config(cut, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5", "trainer.resume=true"))
+    resumed = run(config(cut, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=5",
+                         "trainer.resume=true"))
     assert durable.newest_valid(cut)[0].name == "step-000003.pt"
     assert without_times(resumed) == without_times(straight)
     wa, wb = adapters(tmp_path / "a"), adapters(cut)
@@ -220,7 +224,8 @@ def test_the_viewer_shows_each_turns_policy_and_explains_each_policys_rows(tmp_p
             turns = {int(x) for x in re.findall(r'class="tok trained[^"]*"[^>]*data-turn="(\d+)"', page)}
             assert turns and {roles[k] for k in turns} == {policy}
         bad = c.get(f"/rollout/{rec.rollout_id}", params={"policy": "judge"})
-        assert bad.status_code == 400 and "policy &#39;judge&#39;: this run&#39;s policies are solver, checker" in bad.text
+        assert bad.status_code == 400
+        assert "policy &#39;judge&#39;: this run&#39;s policies are solver, checker" in bad.text
         step = c.get("/step/2", params={"policy": "checker"})
         assert step.status_code == 200 and "<b>checker</b>" in step.text
 

@@ -172,9 +172,11 @@ def test_sigterm_in_any_phase_saves_the_last_step_and_the_resumed_run_is_the_str
     run(config(path, *extra))  # resumed to the end
     assert [m["step"] for m in lines(path)] == list(range(STEPS))
     assert without_times(lines(path)) == without_times(lines(straight))
-    a, b = checkpoint.load(path / "checkpoint.pt")["model"], checkpoint.load(straight / "checkpoint.pt")["model"]
+    a = checkpoint.load(path / "checkpoint.pt")["model"]
+    b = checkpoint.load(straight / "checkpoint.pt")["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], v) for k, v in Trainer(config(tmp_path / "fresh"), None).learner.model.state_dict().items())
+    fresh = Trainer(config(tmp_path / "fresh"), None).learner.model.state_dict()
+    assert any(not torch.equal(a[k], v) for k, v in fresh.items())
 
 
 def traces(run_dir: Path) -> dict[str, set]:
@@ -230,7 +232,8 @@ def test_sigterm_under_collect_overlap_resumes_to_the_straight_run_bit_for_bit(
     assert_the_straight_overlapped_run(path, straight_overlap)
 
 
-def test_a_killed_overlapped_run_resumed_from_a_step_checkpoint_is_the_straight_run(tmp_path, straight_overlap):
+def test_a_killed_overlapped_run_resumed_from_a_step_checkpoint_is_the_straight_run(tmp_path,
+                                                                                    straight_overlap):
     """SIGKILL after step TRIGGER's checkpoint (the later steps' metrics lines and rollouts left as
     the process left them): the run resumed from it is the uninterrupted one, bit for bit."""
     path = tmp_path / "run"

@@ -36,9 +36,12 @@ def moved(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("policies, extra, key", [
     ({"c1": {"roles": ["x"], "model": {"hidden_size": 32}, "lora": {"r": 2}}}, [], "policies.c1.lora"),
     ({"c1": {"roles": ["x"], "model": {"hidden_size": 32, "lora": {"r": 2}}}}, [], "policies.c1.model.lora"),
-    ({"c1": {"roles": ["x"], "lora": None}}, ["engine.kind=vllm", "engine.python=/usr/bin/python3"], "policies.c1"),
-    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=overlap", "trainer.max_staleness=1"], "policies.c1"),
-    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=continuous", "trainer.max_staleness=1"], "policies.c1"),
+    ({"c1": {"roles": ["x"], "lora": None}}, ["engine.kind=vllm", "engine.python=/usr/bin/python3"],
+     "policies.c1"),
+    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=overlap", "trainer.max_staleness=1"],
+     "policies.c1"),
+    ({"c1": {"roles": ["x"], "lora": None}}, ["trainer.collect=continuous", "trainer.max_staleness=1"],
+     "policies.c1"),
 ])
 def test_what_a_whole_model_policy_cannot_run_with_is_refused_naming_the_key(policies, extra, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
@@ -60,7 +63,8 @@ def test_a_whole_model_policy_trains_its_own_copy_beside_an_adapter(tmp_path):
     trainer = Trainer(cfg, None)
     checkpoint.restore(tmp_path / "run" / "checkpoint.pt", trainer.learner, trainer.sync)
     assert not moved(start, lora.base(trainer.learner.model).state_dict())  # the base: frozen
-    assert not moved(start, trainer.learner.whole_refs["checker"].state_dict())  # its reference: as it started
+    # its reference: as it started
+    assert not moved(start, trainer.learner.whole_refs["checker"].state_dict())
     for m in ms:
         assert m["policy/checker/engine/logprob_gap_max"] < 1e-4
         assert m["policy/solver/engine/logprob_gap_max"] < 1e-4
@@ -180,5 +184,6 @@ def test_sft_and_eval_take_a_whole_model_policy(tmp_path, capsys):
         assert summary["failed"] == 0 and summary["tries"] == 2
     more = build_config({"policies": {**MIXED, "extra": {"roles": ["z"], "lora": None}}},
                         ["task=x.py", *TINY])
-    with pytest.raises(ConfigError, match=r"whole-model policies \['checker'\]; this config's are \['checker', 'extra'\]"):
+    with pytest.raises(ConfigError, match=r"whole-model policies \['checker'\]; "
+                                          r"this config's are \['checker', 'extra'\]"):
         load_eval_whole(more, tmp_path / "run" / "checkpoint.pt")

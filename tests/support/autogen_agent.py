@@ -1,6 +1,7 @@
-"""A command agent on AutoGen's AssistantAgent at its defaults (run by tests/gateway/test_gateway_frameworks.py
-with .venv-autogen's python): two questions in one conversation, each answered by a `calc` tool
-call; the reward (1 when both tool results are right) is posted to the gateway."""
+"""A command agent on AutoGen's AssistantAgent at its defaults (run by
+tests/gateway/test_gateway_frameworks.py with .venv-autogen's python): two questions in one
+conversation, each answered by a `calc` tool call; the reward (1 when both tool results are right)
+is posted to the gateway."""
 
 import asyncio
 import json

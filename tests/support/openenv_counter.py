@@ -2,10 +2,10 @@
 counter to bring to a target, served by `create_app` (the app below, or this file run as a
 server: `python openenv_counter.py` binds 127.0.0.1 at a free port and prints URL=<its url>).
 
-reset(seed, mode): the target is 6 + seed % 5 (more than one step of at most 5 away). step(add): the total grows by `add`; the step's
-reward is -|target - total| / 10, done once the total reaches the target. `mode` makes the
-environment misbehave: "raise" (step raises on the server), "hang" (step blocks until RELEASE is
-set or 20 s pass).
+reset(seed, mode): the target is 6 + seed % 5 (more than one step of at most 5 away). step(add): the
+total grows by `add`; the step's reward is -|target - total| / 10, done once the total reaches the
+target. `mode` makes the environment misbehave: "raise" (step raises on the server), "hang" (step
+blocks until RELEASE is set or 20 s pass).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class CounterEnvironment(Environment):
         self.total, self.target, self.mode = 0, 6 + (seed or 0) % 5, mode
         return CounterObservation(total=0, target=self.target, done=False, reward=None)
 
-    def step(self, action: CounterAction, timeout_s: float | None = None, **kwargs: Any) -> CounterObservation:
+    def step(self, action: CounterAction, timeout_s: float | None = None,
+             **kwargs: Any) -> CounterObservation:
         if self.mode == "raise":
             raise RuntimeError("the counter server broke in step")
         if self.mode == "hang":

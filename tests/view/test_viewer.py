@@ -66,7 +66,8 @@ def test_step_page_lists_the_store_rollouts_and_filters_them(client, run_dir):
     bad = client.get("/step/1", params={"min_reward": "abc"})
     assert bad.status_code == 400 and "min_reward must be a number" in bad.text
     # the form sends its empty boxes: no bound
-    assert table_ids(client.get("/step/1", params={"min_reward": "", "max_reward": ""}).text) == table_ids(page)
+    unbounded = client.get("/step/1", params={"min_reward": "", "max_reward": ""})
+    assert table_ids(unbounded.text) == table_ids(page)
     low = table_ids(client.get("/step/1", params={"max_reward": "0.5"}).text)
     assert set(low) == {r[0] for r in stored if r[2] is not None and r[2] <= 0.5}
     assert client.get("/step/99").status_code == 404
@@ -80,7 +81,8 @@ def test_rollout_page_matches_the_trace_and_inspect(client, run_dir):
         if shown["loss_mass"] is None:
             continue
         # trained tokens: the responses of its turns (trajectory rows, nothing truncated)
-        responses = store_rows(run_dir, "SELECT length(response_ids) / 4 FROM turns WHERE rollout_id = ?", rid)
+        responses = store_rows(run_dir, "SELECT length(response_ids) / 4 FROM turns WHERE rollout_id = ?",
+                               rid)
         weights = [float(w) for w in token_attrs(page, "trained", "data-w")]
         assert len(weights) == sum(n for (n,) in responses)
         # the weights shown sum to the rollout's loss mass, as inspect computes it
@@ -182,7 +184,8 @@ def test_the_command_prints_its_url_when_ready_and_guards_other_hosts(run_dir):
     import httpx
 
     def started(*args: str) -> tuple[subprocess.Popen, str]:
-        proc = subprocess.Popen([sys.executable, "-m", "tracetrain", "view", str(run_dir), "--port", "0", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "tracetrain", "view", str(run_dir),
+                                 "--port", "0", *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = proc.stdout.readline().strip()
         assert line.startswith("tracetrain view: http://"), (line, proc.stderr.read() if proc.poll() else "")

@@ -82,7 +82,8 @@ def test_a_user_finds_a_failed_rollout_and_the_tokens_it_trained(served, tmp_pat
         facts = inspect_rollout(run, broken, out=lambda *_: None)
         page.goto(f"{url}/rollout/{broken}")
         trained = page.locator(".tokens .tok.trained")
-        (responses,) = store_rows(run, "SELECT sum(length(response_ids) / 4) FROM turns WHERE rollout_id = ?", broken)
+        (responses,) = store_rows(
+            run, "SELECT sum(length(response_ids) / 4) FROM turns WHERE rollout_id = ?", broken)
         assert trained.count() == responses[0]
         weights = trained.evaluate_all("ts => ts.map(t => Number(t.dataset.w))")
         assert math.fsum(weights) == pytest.approx(facts["loss_mass"], rel=1e-6)

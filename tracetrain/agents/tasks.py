@@ -40,9 +40,9 @@ def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = Tr
 
 def open_task_data(cfg, base_dir: Path | None = None, source=None):
     """The run's dataset (dataset.TaskData): `data.train`'s rows, or those of the environment
-    `source` (envs.load_source) that brings its own; None when the tasks come from the task module's `tasks`. Paths
-    are relative to the config file, then the working directory. Every row is checked for
-    `data.fields` here, before any training."""
+    `source` (envs.load_source) that brings its own; None when the tasks come from the task module's
+    `tasks`. Paths are relative to the config file, then the working directory. Every row is checked
+    for `data.fields` here, before any training."""
     from tracetrain.agents.dataset import DatasetError, TaskData, open_rows
 
     dc = cfg.data

@@ -229,7 +229,8 @@ def _rows(prefix: str, models: list[type[BaseModel]], tags: dict[type[BaseModel]
         key = f"{prefix}.{name}" if prefix else name
         cells = [_code(key),
                  _code(" | ".join(_unique([t for m in having
-                                           for t in _type_name(m.model_fields[name].annotation).split(" | ")]))),
+                                           for t in _type_name(m.model_fields[name].annotation)
+                                           .split(" | ")]))),
                  "required" if field.is_required() else _code(_yaml_value(_default(field))),
                  ", ".join(_unique([c for m in having for c in _constraints(m.model_fields[name])])),
                  meaning]

@@ -249,7 +249,8 @@ class TrainConfig(_Section):
         if self.backend != "embedded":
             raise ValueError(f"{key}: not with backend {self.backend!r} yet (LoRA runs on the "
                              "embedded backend)")
-        if self.engine.kind == "local" and self.trainer.collect == "continuous" and self.trainer.max_staleness:
+        if (self.engine.kind == "local" and self.trainer.collect == "continuous"
+                and self.trainer.max_staleness):
             raise ValueError(f"{key}: not with trainer.collect 'continuous' (max_staleness >= 1) "
                              "and engine.kind 'local' (the engine's own copy of the policy would copy "
                              "the base weights too); with engine.kind 'vllm' it runs")

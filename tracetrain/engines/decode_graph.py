@@ -194,10 +194,12 @@ class DecodeGraph:
         from torch._dynamo import config, eval_frame
 
         if hasattr(eval_frame, "_get_cache_entries_for_region"):
-            graphs = len(eval_frame._get_cache_entries_for_region(decode_step, self.fn._isolate_recompiles_id))
+            graphs = len(eval_frame._get_cache_entries_for_region(decode_step,
+                                                                   self.fn._isolate_recompiles_id))
             total = eval_frame._get_total_cache_entry_count(decode_step)
         else:  # a torch without isolate_recompiles: one region, every engine's
-            graphs = total = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(decode_step.__code__))
+            graphs = total = len(
+                torch._C._dynamo.eval_frame._debug_get_cache_entry_list(decode_step.__code__))
         limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
         if graphs >= limit:
             return f"torch._dynamo.config.recompile_limit ({limit} graphs, its own)"

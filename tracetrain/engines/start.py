@@ -88,7 +88,8 @@ async def start_vllm(cfg: TrainConfig, weights, tokenizer, *, version, run_dir, 
     if cfg.model.lora is not None:  # the server holds the base, each sync brings the adapter
         transport = LoraTransport(run_dir / "engine-adapter", cfg.model.lora.r)
     if cfg.policies is not None:  # several policies: each its adapter, served by its name
-        transport = LoraTransport(run_dir / "engine-adapter", max(lc.r for lc in cfg.adapter_policies.values()),
+        transport = LoraTransport(run_dir / "engine-adapter",
+                                  max(lc.r for lc in cfg.adapter_policies.values()),
                                   list(cfg.adapter_policies))
     max_len = ec.max_model_len or ac.max_prompt_length + ac.max_response_length
     weights_dir = run_dir / "engine-weights"

@@ -144,9 +144,10 @@ def write_adapter(model: torch.nn.Module, directory: str | Path, adapter: str | 
 
 class LoraTransport:
     """model.lora, or several policies (`names`: an adapter each, served under its policy's name,
-    the base under its own; requests name theirs, SamplingParams.adapter): the server holds the base weights from its launch and applies the adapter
-    itself (--enable-lora, runtime loading allowed by VLLM_ALLOW_RUNTIME_LORA_UPDATING); each push
-    writes only the adapter, as ROOT/vVERSION, and replaces the served one:
+    the base under its own; requests name theirs, SamplingParams.adapter): the server holds the base
+    weights from its launch and applies the adapter itself (--enable-lora, runtime loading allowed
+    by VLLM_ALLOW_RUNTIME_LORA_UPDATING); each push writes only the adapter, as ROOT/vVERSION, and
+    replaces the served one:
 
         POST /v1/unload_lora_adapter {"lora_name": "policy-adapter"}   (when the server has it)
         POST /v1/load_lora_adapter {"lora_name": "policy-adapter", "lora_path": ROOT/vVERSION}
@@ -225,7 +226,8 @@ class VLLMEngine(UpstreamEngine):
             self.server.check_alive()
             raise EngineError(f"vllm {route}: {type(e).__name__}: {e}", 503) from None
         if status != 200:
-            raise EngineError(f"vllm {route} answered HTTP {status}: {raw[:500].decode(errors='replace')}", 502)
+            raise EngineError(f"vllm {route} answered HTTP {status}: "
+                              f"{raw[:500].decode(errors='replace')}", 502)
         try:
             return json.loads(raw) if raw else None
         except ValueError:  # e.g. /v1/load_lora_adapter's "Success: ..."

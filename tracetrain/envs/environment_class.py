@@ -314,7 +314,8 @@ class EnvironmentClassEnv(Environment):
                 raise ValueError(f"reward function {name} returned {out!r}: one reward per "
                                  "completion (a list of 1) expected")
             if out[0] is not None:
-                parts[name if name not in parts else f"{name}_{i}"] = finite(out[0], f"reward function {name}")
+                key = name if name not in parts else f"{name}_{i}"
+                parts[key] = finite(out[0], f"reward function {name}")
         if callable(getattr(instance, "get_reward", None)):
             value = await run_method(thread, instance.get_reward)
             if value is not None:

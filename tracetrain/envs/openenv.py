@@ -162,7 +162,8 @@ class OpenEnvEnv(Environment):
         c: OpenEnvConfig = self.config
         if c.size is None:
             return None
-        return TaskRowsOf(c.size, lambda i: {"seed": c.seed + i}, f"OpenEnv seeds {c.seed}..{c.seed + c.size - 1}")
+        return TaskRowsOf(c.size, lambda i: {"seed": c.seed + i},
+                          f"OpenEnv seeds {c.seed}..{c.seed + c.size - 1}")
 
     def _client_cls(self) -> type:
         need("openenv.core.env_client", f"{KEY}.client")

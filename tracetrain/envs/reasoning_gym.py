@@ -76,8 +76,9 @@ class ReasoningGymEnv(Environment):
     def rows(self) -> TaskRows:
         c: ReasoningGymConfig = self.config
         ds = self.dataset  # row i: entry i (a dict: question, answer, metadata)
-        return TaskRowsOf(len(ds), lambda i: dict(ds[i]), f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
-                                         f"(size {c.size}, seed {c.seed})")
+        return TaskRowsOf(len(ds), lambda i: dict(ds[i]),
+                          f"reasoning-gym {c.dataset or '+'.join(c.datasets)} "
+                          f"(size {c.size}, seed {c.seed})")
 
     @functools.cached_property
     def system_prompt(self) -> str | None:

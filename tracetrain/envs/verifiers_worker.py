@@ -85,7 +85,8 @@ def open_player(env_id: str, args: dict, api: str, max_rows: int | None) -> Clas
         importlib.import_module("verifiers")
     except ImportError as e:
         raise LoadError(f"no verifiers in {sys.executable} (pip install verifiers, or bash "
-                        f"scripts/install-verifiers.sh and python: .venv-verifiers/bin/python): {e}") from None
+                        "scripts/install-verifiers.sh and python: .venv-verifiers/bin/python): "
+                        f"{e}") from None
     api = resolve_api(env_id, api)
     return (Classic if api == "classic" else V1)(env_id, args, max_rows)
 

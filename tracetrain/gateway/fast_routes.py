@@ -8,8 +8,9 @@
          error shape on /v1/messages)
 
 Every agent call takes this path, so it skips the middleware stack and the matching over every
-route (docs/bench-gateway.md has what they cost). The behaviour is that of the FastAPI routes, which stay registered (documented, and used if the app is mounted
-under a prefix): same auth, limits, validation and error bodies.
+route (docs/bench-gateway.md has what they cost). The behaviour is that of the FastAPI routes, which
+stay registered (documented, and used if the app is mounted under a prefix): same auth, limits,
+validation and error bodies.
 """
 
 from __future__ import annotations

@@ -72,7 +72,8 @@ def bind(cfg: GatewayConfig) -> socket.socket:
     try:
         return listen_socket(cfg.host, cfg.port)
     except OSError as e:
-        raise ConfigError(f"config key 'gateway.host': cannot listen on {cfg.host!r} port {cfg.port}: {e}") from None
+        raise ConfigError(f"config key 'gateway.host': cannot listen on {cfg.host!r} "
+                          f"port {cfg.port}: {e}") from None
 
 
 def public_url(cfg: GatewayConfig, port: int) -> str | None:

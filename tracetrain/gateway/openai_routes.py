@@ -6,8 +6,9 @@ One request is one turn:
     -> engine.generate (through the engine's pause gate) -> record the turn (committed)
     -> answer (JSON, or SSE chunks then [DONE]).
 The turn is in the store before the answer is sent, or, streaming (streaming.py), before its last
-event: the text goes out as the engine makes it. The answer text is decoded from the response ids. Extra fields: "tracetrain" {rollout_id, turn_index, model_version} always;
-"prompt_token_ids" and choices[0].token_ids when the request sets return_token_ids.
+event: the text goes out as the engine makes it. The answer text is decoded from the response ids.
+Extra fields: "tracetrain" {rollout_id, turn_index, model_version} always; "prompt_token_ids" and
+choices[0].token_ids when the request sets return_token_ids.
 
 These two routes are the hot path: `chat_turn` and `completion_turn` take the gateway, the path's
 rollout id, the Authorization header and the raw body, and return the answer; fast_routes.py calls them

@@ -3,10 +3,11 @@
 A full render of chat messages uses the engine tokenizer's chat template: the ids are those of
 `apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True)` (computed as
 transformers does it: render to text, then encode without adding special tokens). Under
-`context: exact` most turns are not rendered in full (context.py). With a prompt_cache.PromptEncoder, prompts and
-pieces of prompts seen before are not rendered or encoded again (exact by construction). Nothing the engine
-cannot honour is dropped silently: n > 1, penalties, echo, suffix and best_of > 1 are 400s, and so
-are a forced tool choice and a JSON format where the engine cannot constrain decoding (`decoding`).
+`context: exact` most turns are not rendered in full (context.py). With a
+prompt_cache.PromptEncoder, prompts and pieces of prompts seen before are not rendered or encoded
+again (exact by construction). Nothing the engine cannot honour is dropped silently: n > 1,
+penalties, echo, suffix and best_of > 1 are 400s, and so are a forced tool choice and a JSON format
+where the engine cannot constrain decoding (`decoding`).
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ class Gap:
     def add(self, lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> None:
         d = (lp.detach() - behaviour).abs()[mask.bool()]
         if d.numel():
-            self.sum, self.n, self.max = self.sum + float(d.sum()), self.n + d.numel(), max(self.max, float(d.max()))
+            self.sum, self.n, self.max = (self.sum + float(d.sum()), self.n + d.numel(),
+                                          max(self.max, float(d.max())))
 
     def result(self) -> dict[str, float] | None:
         return {"mean": self.sum / self.n, "max": self.max} if self.n else None

@@ -128,4 +128,5 @@ def resolve_package_dir(directory: str) -> str:
     spec = importlib.util.find_spec(directory) if directory.isidentifier() else None
     if spec is not None and spec.submodule_search_locations:
         return list(spec.submodule_search_locations)[0]
-    raise ConfigError(f"config key 'model.path': {directory!r} is neither a directory nor an installed package")
+    raise ConfigError(f"config key 'model.path': {directory!r} is neither a directory "
+                      "nor an installed package")

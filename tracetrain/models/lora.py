@@ -98,7 +98,8 @@ def policy_parameters(model: torch.nn.Module, name: str) -> list[torch.nn.Parame
             for layer in module.adapter_layer_names:
                 part = getattr(module, layer)
                 if name in part:
-                    out += list(part[name].parameters()) if isinstance(part[name], torch.nn.Module) else [part[name]]
+                    out += (list(part[name].parameters()) if isinstance(part[name], torch.nn.Module)
+                            else [part[name]])
     if not out:
         raise ValueError(f"the model has no adapter {name!r} (it has {adapter_names(model)})")
     return out

@@ -367,7 +367,8 @@ def broadcast_to_tokens(
         raise ValueError(f"values must be 1-D, one per rollout, got shape {tuple(values.shape)}")
     if rollout_index.dim() != 1 or rollout_index.numel() != response_mask.shape[0]:
         raise ValueError(
-            f"rollout_index must have one entry per row ({response_mask.shape[0]}), got {tuple(rollout_index.shape)}"
+            f"rollout_index must have one entry per row ({response_mask.shape[0]}), "
+            f"got {tuple(rollout_index.shape)}"
         )
     if rollout_index.numel() and (
         int(rollout_index.min()) < 0 or int(rollout_index.max()) >= values.numel()

@@ -7,7 +7,9 @@ and gradients over random shapes, masks, rollout cuts and block sizes).
 | here               | plain version in loss.py           | runs where                             |
 |--------------------|------------------------------------|----------------------------------------|
 | `row_token_counts` | `mask.sum(1)`                      | CPU, mask >= COUNTS_MIN elements       |
-| `policy_loss_sums` | `loss.policy_loss_sums` (autograd) | CPU, >= LOSS_MIN tokens, or whenever policy_loss gets chunk_tokens |
+| `policy_loss_sums` | `loss.policy_loss_sums` (autograd) | CPU, >= LOSS_MIN tokens (*)            |
+
+(*) or whenever policy_loss gets chunk_tokens.
 
 On a GPU the plain versions run: there each op is one kernel over the whole tensor, which is
 already fast, and blocks would only add launches. On CPU the plain versions lose because:

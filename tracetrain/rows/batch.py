@@ -29,7 +29,8 @@ class TrainingBatch:
     attention_mask: torch.Tensor  # [rows, P+S] int64
     position_ids: torch.Tensor  # [rows, P+S] int64
     response_mask: torch.Tensor  # [rows, S] bool
-    rollout_logprobs: torch.Tensor | None  # [rows, S] float32, 0 where mask is False; None if any turn lacks them
+    # [rows, S] float32, 0 where mask is False; None if any turn lacks them
+    rollout_logprobs: torch.Tensor | None
     rollout_ids: list[str]  # [rows] the rollout each row belongs to
     group_ids: list[str]  # [rows] the group of that rollout
     turn_index: torch.Tensor  # [rows] int64, the first turn of the row within its rollout

@@ -9,8 +9,9 @@ The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.
 else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
 `k` times (at `temperature` and the config's rollout.top_p) through the same gateway, agents and
 engine as training (`engine.kind`: the local engine, or vLLM launched on the policy's weights or
-pushed to a running server). A try succeeds when its reward is >= `success`. A try that failed or timed out (the agent crashed, not a low
-reward) is counted apart, never as reward 0: pass@k of a task uses its scored tries (n = those).
+pushed to a running server). A try succeeds when its reward is >= `success`. A try that failed or
+timed out (the agent crashed, not a low reward) is counted apart, never as reward 0: pass@k of a
+task uses its scored tries (n = those).
 
 The policy: a `policy/` folder (checkpoint.write_policy: a transformers directory), a
 `checkpoint.pt`, or none (the config's model as loaded: untrained, no warm start). Several

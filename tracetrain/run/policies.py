@@ -141,7 +141,8 @@ def row_metrics(parts: dict[str, Rows]) -> dict[str, Any]:
 
 def update(models: dict[str, torch.nn.Module], parts: dict[str, Rows], optimizers: ByPolicy,
            schedulers: ByPolicy, cfg: TrainConfig, *, refs: Mapping[str, torch.nn.Module | None] = {},  # noqa: B006
-           measure_gap: bool = True, stop=None, dp: DataParallel = DataParallel()) -> dict[str, list[UpdateResult]]:
+           measure_gap: bool = True, stop=None,
+           dp: DataParallel = DataParallel()) -> dict[str, list[UpdateResult]]:
     """Each policy with rows: its update (learn/update.ppo_update) with its adapter active (a
     whole-model policy: its own model), its optimizer, schedule, config and KL reference
     (`refs`); {policy: its updates' results}. `models`: what each policy's forward runs

@@ -236,9 +236,9 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
     dropped, aggregated into rows, and given their advantages.
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
-    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were built), roles/* and
-    turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), advantage/*, entropy/sampled,
-    time/rows_s.
+    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were
+    built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), advantage/*,
+    entropy/sampled, time/rows_s.
 
     entropy/sampled: the mean over the trained tokens of -(the engine's logprob), the sampling
     policy's per-token entropy estimated from its own samples (E_{a~pi} -log pi(a) = H(pi), at

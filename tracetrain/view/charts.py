@@ -74,7 +74,8 @@ def charts(steps: list[dict]) -> list[Chart]:
         sy = (HEIGHT - TOP - BOTTOM) / (y1 - y0)
         series = [
             Series(k, COLORS[n % len(COLORS)],
-                   " ".join(f"{LEFT + (x - x0) * sx:.1f},{HEIGHT - BOTTOM - (y - y0) * sy:.1f}" for x, y in v),
+                   " ".join(f"{LEFT + (x - x0) * sx:.1f},{HEIGHT - BOTTOM - (y - y0) * sy:.1f}"
+                            for x, y in v),
                    v[-1][1])
             for n, (k, v) in enumerate(data.items())
         ]

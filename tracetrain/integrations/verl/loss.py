@@ -32,8 +32,8 @@ How verl 0.9.1 scales a loss, and what we do with each factor:
 
 This scales like verl's own "token-sum" aggregation (a sum over the micro-batch times dp_size),
 so the Megatron engine's extra factors (loss * num_micro_batch for its pipeline schedule) apply to
-it as to "token-sum"; only the FSDP path is tested here (tests/integrations/test_verl_loss.py drives verl's real
-TrainingWorker and FSDP2 engine on CPU).
+it as to "token-sum"; only the FSDP path is tested here (tests/integrations/test_verl_loss.py drives
+verl's real TrainingWorker and FSDP2 engine on CPU).
 
 Two entry points:
 
