@@ -14,7 +14,7 @@ lost or repeated and that it ends where an uninterrupted run ends.
 
     .venv/bin/python bench/chaos.py --mode step --signal kill --kills 20
     .venv/bin/python bench/chaos.py --mode continuous --signal term --kills 20
-    .venv/bin/python bench/chaos.py --kills 3 --steps 6 --warm-steps 5  # the short one (a test runs it)
+    .venv/bin/python bench/chaos.py --kills 2 --steps 6 --warm-steps 5  # the short one (a test runs it)
 
 Prints one JSON object (and writes it to OUT/chaos-<mode>-<signal>.json). The run is the guess
 demo (its task and model, warm-started once into OUT/warm-N/policy) with small steps, so that the

@@ -35,3 +35,20 @@ def clean_registries():
     for name in set(sys.modules) - modules:
         if name.startswith("tracetrain_plugin_"):
             del sys.modules[name]
+
+
+def pytest_configure(config):
+    """What tracetrain converts once (a GGUF checkpoint: models/gguf_cache.py) is cached for this
+    session alone, in a temporary folder its subprocesses share: the first test that loads a
+    checkpoint converts it, as on a fresh machine, and nothing is written to the user's cache."""
+    import os
+    import tempfile
+
+    config._tracetrain_cache = tempfile.mkdtemp(prefix="tracetrain-cache-")
+    os.environ["TRACETRAIN_CACHE"] = config._tracetrain_cache
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(getattr(config, "_tracetrain_cache", ""), ignore_errors=True)

@@ -3,8 +3,9 @@
 Commands are registered by name in COMMANDS: (add_arguments, run, help); `run(args) -> int` returns
 the exit status. What the user gave wrong (types.UsageError, config.ConfigError among them: a
 config key, a dataset file or row, a task file, a trace file, an option, a path) is reported in
-one line naming it, status 2; an engine that failed mid-run in one line, status 1; any other error
-is a bug or the machine's (a full disk) and keeps its traceback.
+one line naming it, status 2; an engine that failed mid-run, or a run whose rollouts all failed
+(types.RunFailed: the step and the first error), in one line, status 1; any other error is a bug
+or the machine's (a full disk) and keeps its traceback.
 
     train   : run the main job from a YAML config (+ key=value overrides)
     inspect : one rollout of a run down the path of the data
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 
 from tracetrain.engines.base import EngineError
-from tracetrain.types import UsageError
+from tracetrain.types import RunFailed, UsageError
 from tracetrain.view.trace_rows import add_demo_arguments, run_demo
 
 
@@ -134,7 +135,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, help="the run's config (YAML): model, task, data, agent")
     p.add_argument("--policy", default=None,
-                   help="a policy/ folder or a checkpoint.pt (default: the config's model, untrained)")
+                   help="a policy/ folder, a checkpoint.pt or a Hugging Face model id "
+                   "(default: the config's model, untrained)")
     p.add_argument("--k", type=whole(1), default=4, help="tries per task (pass@1 and pass@k); default 4")
     p.add_argument("--temperature", type=number(0), default=1.0, help="sampling temperature; default 1")
     p.add_argument("--tasks", type=whole(1), default=None, help="eval tasks (default trainer.eval_tasks)")
@@ -162,7 +164,7 @@ def run_eval(args: argparse.Namespace) -> int:
     task = load_source(cfg, base)
     try:
         summary, rows = asyncio.run(evaluate(
-            cfg, task, open_task_data(cfg, base, task), policy=args.policy, k=args.k,
+            cfg, task, open_task_data(cfg, base, task), policy=policy_arg(args.policy), k=args.k,
             temperature=args.temperature, n_tasks=args.tasks, success=args.success))
     finally:
         if cfg.env is not None:  # what the environment opened in this process (a server)
@@ -182,8 +184,8 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--best-per-group", type=whole(1), default=None, help="the k best rollouts of each group")
     p.add_argument("--max-version", type=whole(0), default=None,
                    help="only rollouts made by policies up to this version (0: the untrained one's)")
-    p.add_argument("--policy", default=None, help="start from this policy/ folder or checkpoint "
-                   "(default: the config's model)")
+    p.add_argument("--policy", default=None, help="start from this policy/ folder, checkpoint or "
+                   "Hugging Face model id (default: the config's model)")
     p.add_argument("--epochs", type=whole(1), default=3)
     p.add_argument("--lr", type=number(0, above=True), default=1e-5)
     p.add_argument("--out", type=Path, required=True,
@@ -203,6 +205,7 @@ def run_sft(args: argparse.Namespace) -> int:
         raise UsageError("choose the rollouts to learn from: --min-reward and/or --best-per-group")
     cfg = load_config(args.config, list(args.overrides))
     writable_dir("--out", args.out)
+    args.policy = policy_arg(args.policy)
     seen, chosen = 0, []
     for run in args.runs:
         if not (run / "traces.db").is_file():
@@ -221,6 +224,16 @@ def run_sft(args: argparse.Namespace) -> int:
     (args.out / "sft.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0
+
+
+def policy_arg(value: str | None) -> str | None:
+    """--policy: a path as given (a policy/ folder, a checkpoint; one that is not there is
+    refused where it is loaded); a Hugging Face model id: its snapshot directory (models/hub.py)."""
+    from tracetrain.models.hub import is_repo_id, resolve_model_dir
+
+    if value is None or Path(value).exists() or not is_repo_id(value):
+        return value
+    return resolve_model_dir(value, None, "--policy")
 
 
 def fine_tune_chosen(cfg, args: argparse.Namespace, unique: list, report: dict) -> dict:
@@ -380,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:  # what the user gave wrong: say what, no traceback
         print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except EngineError as e:  # the engine failed mid-run (a vLLM server that died): what and why
+    except (EngineError, RunFailed) as e:  # the engine failed mid-run (a vLLM server that died), or
+        # every rollout did (run/failures.py): what and why
         print(f"tracetrain {args.command}: error: {e}", file=sys.stderr)
         return 1

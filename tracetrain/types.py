@@ -41,6 +41,12 @@ class UsageError(ValueError):
     The command line reports it in one line with status 2; any other error keeps its traceback."""
 
 
+class RunFailed(RuntimeError):
+    """A run (or an eval) could not go on because its rollouts failed: the message names the
+    step and the first failed rollout's error (run/failures.py). The command line reports it in
+    one line with status 1."""
+
+
 class TraceError(ValueError):
     """Bad input in a trace; the message names the rollout, the turn and the field."""
 

@@ -85,7 +85,7 @@ def test_matmul_rate_and_floor(tiny):
 def test_bench_floor_runs_a_real_step_beside_its_floors(capsys):
     """The whole bench, small (SmolLM2-135M, 1 question x 8 x 4 tokens): every phase of the
     breakdown, the parts adding up to the step, a floor and a ratio for the three matmul phases."""
-    r = bench_floor.main(["--prompts", "1", "--new-tokens", "4", "--warmup", "0", "--repeats", "5", "--json"])
+    r = bench_floor.main(["--prompts", "1", "--new-tokens", "4", "--warmup", "0", "--repeats", "2", "--json"])
     rows = {row["phase"]: row for row in r["table"]}
     assert list(rows) == ["prefill", "decode", "sampling", "engine other", "gateway + agents",
                           "store reads", "rows", "update", "sync", "rest"]

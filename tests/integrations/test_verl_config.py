@@ -5,6 +5,7 @@ verl's validate_config), verl's trainer object before its workers start, and the
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,22 @@ def test_the_example_says_how_to_make_its_model_and_the_command_works(tmp_path):
     built = build_config(cfg)
     assert built.verl.n_gpus_per_node == 8
     build_verl_config(built, built.verl)  # verl's own checks of the example's settings
+
+
+def test_a_hugging_face_id_reaches_verl_as_its_snapshot(tmp_path, monkeypatch):
+    """model.path an id (offline, from the cache): verl's workers load its snapshot directory;
+    an id not in the cache is refused naming the key and the cache."""
+    from hub_cache import commit_of, offline, snapshot
+
+    from tracetrain.integrations.verl.config import verl_settings
+    from tracetrain.models.tiny import build_tokenizer
+
+    folder = snapshot(tmp_path, "tiny-org/verl-tiny", commit_of("verl"))
+    tiny_causal_lm(seed=0).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    offline(monkeypatch, tmp_path)
+    settings = verl_settings(tracetrain_config("tiny-org/verl-tiny"))
+    assert settings["actor_rollout_ref.model.path"] == str(folder.resolve())
+    cache = re.escape(str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=r"'model\.path': 'tiny-org/elsewhere'.*" + cache):
+        verl_settings(tracetrain_config("tiny-org/elsewhere"))

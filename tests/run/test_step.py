@@ -19,8 +19,10 @@ from tracetrain.agents.tasks import load_task, resolve_agent
 from tracetrain.gateway.app import create_app
 from tracetrain.gateway.inprocess import serve_in_loop
 from tracetrain.integrations.verl.trainer import VerlRun
+from tracetrain.run.failures import FailedSteps
 from tracetrain.run.step import build_rows, rollout_specs
 from tracetrain.store import SQLiteStore
+from tracetrain.types import RunFailed
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess"
 
@@ -47,7 +49,7 @@ def verl_run(tmp_path: Path, engine: FakeEngine, data=None) -> VerlRun:
     run.trainer = SimpleNamespace(checkpoint_manager=RecordingCheckpointManager())
     run.agent = resolve_agent(run.task, cfg.agent)
     run.store = SQLiteStore(tmp_path / "traces.db")
-    run.updates = []
+    run.failures, run.log, run.updates = FailedSteps(cfg.trainer.max_failed_steps), print, []
 
     def update(batch, adv):
         run.updates.append((batch, adv))
@@ -101,6 +103,27 @@ def test_verls_step_is_the_shared_step(tmp_path):
             assert m["aggregate/n_rows"] == batch.n_rows
     finally:
         run.store.close()
+
+
+def test_verls_step_stops_the_run_before_training_when_every_rollout_failed(tmp_path, capsys):
+    """run/failures.py on the verl backend: step 0's agents all raise; the step says so and
+    raises RunFailed with the first error; the actor is given nothing."""
+    engine = FakeEngine()
+    run = verl_run(tmp_path, engine)
+
+    async def tool_down(task, client):
+        raise ConnectionError("the tool server is down")
+
+    run.agent = tool_down
+    n = run.cfg.rollout.tasks_per_step * run.cfg.rollout.n_per_task
+    try:
+        with pytest.raises(RunFailed, match=rf"^every rollout of step 0 failed \({n} failed\): "
+                                            r"ConnectionError: the tool server is down$"):
+            two_steps(run, engine)
+    finally:
+        run.store.close()
+    assert run.updates == [] and run.step == 0
+    assert f"step    0 | fail {n}+0 | stopped: every rollout of step 0 failed" in capsys.readouterr().out
 
 
 def test_rollout_specs_deal_groups_to_engines_and_omit_the_engine_without_them():

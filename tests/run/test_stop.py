@@ -385,7 +385,7 @@ def test_the_short_chaos_run_loses_and_repeats_nothing(tmp_path):
     the end the uninterrupted run's (step mode: the same metrics and weights, bit for bit)."""
     for mode, sig in (("step", "kill"), ("continuous", "term")):
         done = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "--mode", mode,
-                               "--signal", sig, "--kills", "3", "--steps", "6", "--warm-steps", "5",
+                               "--signal", sig, "--kills", "2", "--steps", "6", "--warm-steps", "5",
                                "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         r = json.loads(done.stdout)

@@ -34,16 +34,22 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """Where the policy comes from: a tiny model built from a config, a local path, or a GGUF file."""
+    """Where the policy comes from: a tiny model built from a config, a transformers model (a local
+    directory or a Hugging Face id), or a GGUF file."""
 
     kind: Literal["tiny", "pretrained", "gguf"] = "tiny"
     """`tiny`: a small Llama built offline from the sizes below, with tracetrain's byte-level
-    tokenizer; `pretrained`: a transformers directory at `path`; `gguf`: `gguf_file` in `path`,
+    tokenizer; `pretrained`: the transformers model at `path`; `gguf`: `gguf_file` in `path`,
     loaded dequantized as a plain trainable transformers model. Backend `verl` needs
     `pretrained`."""
     path: str | None = None
-    """The pretrained model's directory, or the directory holding the GGUF file; required for
-    kinds `pretrained` and `gguf`."""
+    """The pretrained model's directory, or the directory holding the GGUF file (kind `gguf`: also
+    an installed package that ships it); or a Hugging Face model id ("org/name"), its snapshot
+    downloaded to the Hugging Face cache, or read from it when HF_HUB_OFFLINE=1 (a directory of
+    that name comes first). Required for kinds `pretrained` and `gguf`."""
+    revision: str | None = None
+    """The Hub revision (a branch, tag or commit hash) when `path` is a Hugging Face model id;
+    null: main."""
     gguf_file: str | None = None
     """The GGUF file's name in `path`; required for kind `gguf`."""
     hidden_size: int = Field(128, gt=0)

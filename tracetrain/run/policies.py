@@ -66,7 +66,7 @@ def whole_models(cfg: TrainConfig, model: torch.nn.Module, tokenizer) -> dict[st
         if mc is None:
             out[name] = copy.deepcopy(model).eval()
             continue
-        own, own_tokenizer = load_policy(mc, seed=cfg.trainer.seed)
+        own, own_tokenizer = load_policy(mc, seed=cfg.trainer.seed, key=f"policies.{name}.model")
         if own_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ConfigError(f"config key 'policies.{name}.model': its tokenizer is not the run's "
                               "model's (every call is tokenized by the run's tokenizer)")

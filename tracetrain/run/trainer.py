@@ -15,7 +15,8 @@ The policy module is shared by the engine and the optimizer unless the engine ke
 (run/weights.py): collect overlap, continuous collection ahead of a local engine, a vLLM server
 (engines/vllm.py; under LoRA the push is the adapter alone). Before the steps: resume or warm
 start, trainer.precision "auto", the services (run/services.py); a signal stops the run at the
-next stop point and saves its last completed step (run/stop.py).
+next stop point and saves its last completed step (run/stop.py); so does a step whose every
+rollout failed, before it trains, and the run then raises RunFailed (run/failures.py).
 """
 
 from __future__ import annotations
@@ -43,22 +44,33 @@ from tracetrain.models.compute import one_thread_here
 from tracetrain.run import checkpoint, services
 from tracetrain.run.collectors import Play, StepCollector, collector_for
 from tracetrain.run.evaluate import eval_samples, eval_tasks
+from tracetrain.run.failures import FailedSteps, failed_step_line, first_error
 from tracetrain.run.learner import load_learner
 from tracetrain.run.memory import peak_rss_gb, reset_peak
 from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, rewrite_metrics
 from tracetrain.run.state import RunState
-from tracetrain.run.step import EngineClock, check_top_p, end_unfinished, engine_metrics, throughput
+from tracetrain.run.step import (
+    Collected,
+    EngineClock,
+    check_top_p,
+    end_unfinished,
+    engine_metrics,
+    throughput,
+)
 from tracetrain.run.stop import Stop, Stopped
 from tracetrain.run.trackers import NO_TRACKERS, open_trackers
 from tracetrain.run.update_thread import UpdateThread
 from tracetrain.run.weights import WeightSync
+from tracetrain.types import RunFailed
 
 STOPPED = "stopped"  # what rank 0 sends the other ranks instead of a step's rows when it stopped
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
-    """Run the whole job; writes metrics.jsonl, checkpoint.pt, curve.png and summary.json."""
+    """Run the whole job; writes metrics.jsonl, checkpoint.pt, curve.png and summary.json.
+    RunFailed when the run stopped because its rollouts failed (run/failures.py), after
+    summary.json (its `stopped`: why) is written."""
     from tracetrain.learn import distributed
     from tracetrain.run.report import plot_curves, summary
 
@@ -85,6 +97,10 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     out = summary(history, target_gain=cfg.trainer.target_gain,
                   cancelled_at_end=trainer.cancelled_at_end)
     out["wall_s"] = time.perf_counter() - t
+    if trainer.failed is not None:  # (the step that stopped the run is in no history: counted here)
+        out["stopped"] = trainer.failed
+        out["failed_rollouts"] += trainer.failures.stop_counts.get("failed", 0)
+        out["timed_out_rollouts"] += trainer.failures.stop_counts.get("timed_out", 0)
     task_file = getattr(task, "__file__", None) if cfg.task.endswith(".py") else None
     name = Path(task_file).resolve().parent.name if task_file else cfg.task
     out["curve"] = str(plot_curves(history, trainer.run_dir / "curve.png",
@@ -92,6 +108,8 @@ def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
     (trainer.run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     log("summary: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in out.items()))
+    if trainer.failed is not None:
+        raise RunFailed(trainer.failed)
     return out
 
 
@@ -132,6 +150,9 @@ class Trainer:
         self.checkpointed = time.monotonic()  # when the last checkpoint was written
         self.stop = Stop(cfg.trainer.stop_grace_s, self.log)  # SIGTERM / SIGINT (run/stop.py)
         self.cancelled_at_end = 0  # rollouts still running when the collection ended
+        self.failures = FailedSteps(cfg.trainer.max_failed_steps)  # (run/failures.py)
+        self.failed: str | None = None  # why the run stopped, when its rollouts failed
+        self.saved_step = 0  # the step of the last checkpoint written (or resumed from)
 
     async def run(self) -> list[dict]:
         """Resume or warm-start, then every step with the services up; a checkpoint at the end
@@ -191,12 +212,15 @@ class Trainer:
                 with (contextlib.suppress(Stopped),  # (a stop saves the last completed step too)
                       open_trackers(cfg, self.run_dir, self.log) as self.trackers):
                     await self.steps(play, bar)
+            except RunFailed as e:  # (fail_fast) the failed step is not saved
+                self.failed = str(e)
             finally:
                 bar.close()
             if self.dp.enabled and self.state.step < cfg.trainer.steps:  # stopped: the others too
                 await self.update_thread.run(0, from_main, STOPPED, self.dp)
             # before the services stop: a slow server's end must not cost it
-            self.save_checkpoint(self.state, final=True)
+            if self.failed is None or self.state.step > self.saved_step:  # the last completed step
+                self.save_checkpoint(self.state, final=True)
             self.stop.saved = True
 
     async def steps(self, play: Play, bar) -> None:
@@ -211,7 +235,7 @@ class Trainer:
         clock, collected = EngineClock(sync.slot, svc.engine), None
         try:
             while st.step < cfg.trainer.steps:
-                collected = await stop.until(collector.take(st, clock))  # collect
+                collected = self.fail_fast(await stop.until(collector.take(st, clock)), bar)  # collect
                 await collector.taken(st)
                 sync.check_engine()  # (a vLLM server that died stops the run here)
                 rows, work = learner.rows(svc.store, collected.results, st.version)  # rows
@@ -255,6 +279,17 @@ class Trainer:
             await collector.close(st, collected)
             self.cancelled_at_end = await end_unfinished(svc.store, self.nonce, self.log)
 
+    def fail_fast(self, collected: Collected, bar) -> Collected:
+        """`collected`, unless its step stops the run (failures.FailedSteps): then its step line
+        and RunFailed (EngineError when the engine's server died); the step is neither trained nor
+        kept for a resumed run."""
+        reason = self.failures.see(collected.step, collected.results)
+        if reason is None:
+            return collected
+        self.sync.check_engine()  # a vLLM server that died: its EngineError names the cause
+        bar.write(failed_step_line(collected.step, collected.results, reason))
+        raise RunFailed(reason)
+
     async def before_steps(self, play: Play, collector: StepCollector) -> float | None:
         """What a killed process left running failed; the eval a signal stopped run again; the
         initial eval (returned), then the collector started."""
@@ -277,6 +312,9 @@ class Trainer:
         samples = eval_samples(play.services.store, self.learner.tokenizer, tasks, results)
         self.trackers.samples(step - 1, samples)
         rewards = [r.reward for r in results if r.state == "succeeded" and r.reward is not None]
+        if results and all(r.state != "succeeded" for r in results):
+            self.log(f"eval pass before step {step}: every one of its {len(results)} rollouts failed "
+                     f"(eval/reward_mean nan): {first_error(results)}")
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
     async def eval_after_update(self, play: Play, collector: StepCollector) -> float:
@@ -330,7 +368,7 @@ class Trainer:
         run_dir/policy too."""
         saved = checkpoint.state(state, self.learner, self.sync, copied=not final)
         self.checkpoints.write(saved, wait=final)
-        self.checkpointed = time.monotonic()
+        self.checkpointed, self.saved_step = time.monotonic(), state.step
         if final:
             self.learner.write_policy(self.run_dir / "policy")
 
@@ -338,5 +376,5 @@ class Trainer:
         """The newest checkpoint that verifies, restored (checkpoint.resume); False if none."""
         resumed = checkpoint.resume(self.run_dir, self.learner, self.sync, self.log)
         if resumed is not None:
-            self.state = resumed
+            self.state, self.saved_step = resumed, resumed.step
         return resumed is not None

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.config import ConfigError, VerlConfig
+from tracetrain.models.hub import resolve_model_dir
 from tracetrain.registry import KL_ESTIMATORS
 
 LOSS_MODULE = (
@@ -34,14 +35,10 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
     if m.kind != "pretrained" or not m.path:
         raise ConfigError(
             "config key 'model.kind': backend verl needs 'pretrained' with model.path, a Hugging "
-            "Face model directory that verl's workers and rollout servers load "
+            "Face model (a directory or an id) that verl's workers and rollout servers load "
             f"(got kind {m.kind!r}); tracetrain.models.tiny.save_tiny writes one for the tiny model"
         )
-    if not Path(m.path).is_dir():
-        raise ConfigError(
-            f"config key 'model.path': {m.path!r} is not a directory (backend verl loads a Hugging "
-            "Face model directory; tracetrain.models.tiny.save_tiny writes one for the tiny model)"
-        )
+    model_dir = resolve_model_dir(m.path, m.revision, "model.path")  # an id: its snapshot
     if oc.decay not in ("constant", "cosine"):
         raise ConfigError(
             f"config key 'optim.decay': verl has no {oc.decay!r} schedule; use constant or cosine"
@@ -91,7 +88,7 @@ def verl_settings(cfg: Any, v: VerlConfig | None = None) -> dict[str, Any]:
         "algorithm.rollout_correction.bypass_mode": False,  # rollout_is_weights carry token weights
         "algorithm.rollout_correction.rollout_is": None,
         "actor_rollout_ref.model.path": str(
-            Path(m.path).expanduser().resolve()
+            Path(model_dir).expanduser().resolve()
         ),  # Ray workers' cwd
         "actor_rollout_ref.model.external_lib": LOSS_MODULE,
         "actor_rollout_ref.model.enable_gradient_checkpointing": v.gradient_checkpointing,

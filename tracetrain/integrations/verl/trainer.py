@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.integrations.verl.config import VerlConfig, build_verl_config
+from tracetrain.run.failures import FailedSteps, failed_step_line
+from tracetrain.types import RunFailed
 
 
 def update_actor(
@@ -137,6 +139,8 @@ class VerlRun:
         self.dp_size = self.trainer._get_dp_size(self.trainer.actor_rollout_wg, "actor")
         self.addresses = list(self.trainer.llm_server_manager.server_addresses)
         self.step = 0
+        self.failures = FailedSteps(cfg.trainer.max_failed_steps)  # (run/failures.py)
+        self.failed: str | None = None  # why the run stopped, when its rollouts failed
 
     def engines(self) -> dict[str, Any]:
         from tracetrain.engines.upstream import UpstreamEngine
@@ -174,6 +178,9 @@ class VerlRun:
             await gateway.drain(name)  # holds new requests, waits for those in flight
         await asyncio.to_thread(cm.sleep_replicas)  # free the servers' GPU memory for training
         t_collect = time.perf_counter() - t0
+        if reason := self.failures.see(self.step, results):  # not trained, nor checkpointed
+            self.log(failed_step_line(self.step, results, reason))
+            raise RunFailed(reason)
 
         batch, adv, row_metrics = build_rows(self.store, results, cfg, self.tokenizer, self.step)
         m: dict[str, Any] = {"step": self.step, **row_metrics}
@@ -255,7 +262,11 @@ class VerlRun:
                 gateway = GatewayClient(url, admin_key)
                 try:
                     while self.step < cfg.trainer.steps:
-                        m = await self.train_step(gateway, engines, http)
+                        try:
+                            m = await self.train_step(gateway, engines, http)
+                        except RunFailed as e:
+                            self.failed = str(e)
+                            break
                         history.append(m)
                         with (self.run_dir / "metrics.jsonl").open("a") as f:
                             f.write(json.dumps(m) + "\n")
@@ -277,6 +288,8 @@ def train_verl(
     cfg: Any, *, base_dir: Path | None = None, log=print, verl: VerlConfig | None = None
 ) -> dict:
     """Run the whole job on verl + Ray; writes metrics.jsonl, verl_config.yaml, summary.json.
+    RunFailed when the run stopped because its rollouts failed (run/failures.py), after
+    summary.json (its `stopped`: why) is written.
 
     `verl` defaults to `cfg.verl` (the config's `verl:` section) or VerlConfig()."""
     import ray
@@ -303,12 +316,19 @@ def train_verl(
         ray.init(address=v.ray_address, runtime_env=get_ppo_ray_runtime_env(conf))
     t = time.perf_counter()
     try:
-        history = asyncio.run(VerlRun(cfg, conf, task, data=data, log=log).run())
+        run = VerlRun(cfg, conf, task, data=data, log=log)
+        history = asyncio.run(run.run())
     finally:
         if cfg.env is not None:  # what the environment opened in this process (a server)
             task.close()
     out = summary(history)
     out["wall_s"] = time.perf_counter() - t
+    if run.failed is not None:  # (the step that stopped the run is in no history: counted here)
+        out["stopped"] = run.failed
+        out["failed_rollouts"] += run.failures.stop_counts.get("failed", 0)
+        out["timed_out_rollouts"] += run.failures.stop_counts.get("timed_out", 0)
     (run_dir / "summary.json").write_text(json.dumps(out, indent=2))
     log("summary: " + ", ".join(f"{k} {val}" for k, val in out.items()))
+    if run.failed is not None:
+        raise RunFailed(run.failed)
     return out
