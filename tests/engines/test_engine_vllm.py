@@ -37,6 +37,10 @@ from tracetrain.run.trainer import train
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "guess"
 TOL = 1e-4
+# vLLM's engine core in its server's process (vLLM's own VLLM_ENABLE_V1_MULTIPROCESSING=0): one
+# process fewer to start per server. The demo's and the SIGTERM test's servers keep vLLM's defaults.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS_KEY = "engine.env=" + json.dumps(IN_PROCESS)
 
 
 @pytest.fixture(scope="session")
@@ -688,7 +692,8 @@ def test_the_demo_trains_through_vllm_and_its_policy_dir_is_servable(tmp_path, v
 def test_collect_overlap_with_vllm_trains_on_rollouts_one_version_old(tmp_path, vllm_python):
     run = tmp_path / "run"
     train(vllm_config(run, 3, [f"engine.python={vllm_python}", "trainer.collect=overlap",
-                               "trainer.max_staleness=1"]), base_dir=EXAMPLE, log=lambda *_: None)
+                               "trainer.max_staleness=1", IN_PROCESS_KEY]),
+          base_dir=EXAMPLE, log=lambda *_: None)
     rows = metrics(run)
     assert [m["rollout_model_version"] for m in rows] == [0, 0, 1]
     assert turn_versions_by_step(run) == {0: {0}, 1: {0}, 2: {1}}
@@ -705,7 +710,7 @@ def test_a_server_that_dies_mid_step_fails_the_step_and_stops_the_run(tmp_path, 
         "warm_start.batch_size=8",
         "rollout.tasks_per_step=2", "rollout.n_per_task=4", "optim.warmup_steps=0",
         "trainer.steps=4", f"trainer.run_dir={run}", "trainer.checkpoint_every=1",
-        "engine.kind=vllm", f"engine.python={vllm_python}", "trainer.precision=fp32"])
+        "engine.kind=vllm", f"engine.python={vllm_python}", "trainer.precision=fp32", IN_PROCESS_KEY])
     with pytest.raises(EngineError) as e:
         train(cfg, log=lambda *_: None)
     assert "vLLM server exited" in str(e.value) and str(run / "vllm.log") in str(e.value)

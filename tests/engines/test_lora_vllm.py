@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from test_engine_vllm import (
     EXAMPLE,
+    IN_PROCESS,
+    IN_PROCESS_KEY,
     TOL,
     chat,
     greedy,
@@ -127,7 +129,7 @@ def lora_served(tmp_path_factory, vllm_python, tok):
     d = write_hf_dir(lora.base(pm), tok, root / "base")
     transport = LoraTransport(root / "adapters", 8)
     server = VLLMServer.launch(vllm_python, d, root / "vllm.log", args=transport.server_args,
-                               env=transport.env, max_model_len=512, dtype="float32")
+                               env={**transport.env, **IN_PROCESS}, max_model_len=512, dtype="float32")
     try:
         yield server, pm, root
     finally:
@@ -218,7 +220,7 @@ def base_and_adapter_checks(run, cfg, loads: int) -> None:
 @pytest.mark.slow
 def test_a_lora_run_through_vllm_trains_only_the_adapter_and_vllm_matches_the_trainer(tmp_path, vllm_python):
     run = tmp_path / "run"
-    cfg = vllm_config(run, 2, [f"engine.python={vllm_python}", *LORA_KEYS])
+    cfg = vllm_config(run, 2, [f"engine.python={vllm_python}", *LORA_KEYS, IN_PROCESS_KEY])
     train(cfg, base_dir=EXAMPLE, log=lambda *_: None)
     rows = metrics(run)
     assert [m["model_version"] for m in rows] == [1, 2]
@@ -236,7 +238,7 @@ def test_collect_overlap_with_lora_and_vllm_trains_one_version_old_and_resumes(t
     """The server keeps its own adapter while the update runs; a checkpoint keeps the engine's
     adapter (not a second copy of the base) and a resumed run continues from it."""
     run = tmp_path / "run"
-    overlap = [f"engine.python={vllm_python}", *LORA_KEYS, "trainer.collect=overlap",
+    overlap = [f"engine.python={vllm_python}", *LORA_KEYS, IN_PROCESS_KEY, "trainer.collect=overlap",
                "trainer.max_staleness=1"]
     cfg = vllm_config(run, 2, overlap)
     train(cfg, base_dir=EXAMPLE, log=lambda *_: None)
@@ -259,7 +261,7 @@ def two_policy_config(run, vllm_python, *extra: str):
         "task=two_roles_task.py", "rollout.tasks_per_step=2", "rollout.n_per_task=3",
         "rollout.max_tokens=5", "optim.lr=5e-2", "optim.warmup_steps=0", "trainer.steps=3",
         "trainer.eval_every=0", "rollout.agent_workers=0", f"trainer.run_dir={run}",
-        "engine.kind=vllm", f"engine.python={vllm_python}", *extra])
+        "engine.kind=vllm", f"engine.python={vllm_python}", IN_PROCESS_KEY, *extra])
 
 
 SUPPORT = test_engine_vllm.ROOT / "tests" / "support"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_engine_vllm import TOL
+from test_engine_vllm import IN_PROCESS_KEY, TOL
 from test_engine_vllm import vllm_python as vllm_python  # the fixture: the vLLM interpreter
 from view_run import TESTS, make_run
 
@@ -108,7 +108,8 @@ def test_eval_on_vllm_plays_the_policy_as_the_local_engine_does(tmp_path, vllm_p
     local, rows_local = asyncio.run(evaluate(cfg, task, None, policy=run / "policy", k=2,
                                              temperature=0.0, store_dir=tmp_path / "local"))
     on_vllm = build_config(json.loads((run / "config.json").read_text()),
-                           ["engine.kind=vllm", f"engine.python={vllm_python}", "rollout.timeout_s=120"])
+                           ["engine.kind=vllm", f"engine.python={vllm_python}", "rollout.timeout_s=120",
+                            IN_PROCESS_KEY])
     kept = tmp_path / "kept"
     kept.mkdir()
     summary, rows = asyncio.run(evaluate(on_vllm, task, None, policy=run / "policy", k=2,

@@ -26,11 +26,12 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the adapter's input while training (0: the update's forward pass equals the
     engine's)."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                 "down_proj"], min_length=1)
-    """Names of the linear layers that get an adapter (default: attention and MLP projections of
-    Llama-family models, SmolLM2 and the tiny model included)."""
+    target_modules: list[str] | None = Field(None, min_length=1)
+    """Names of the layers that get an adapter, as peft matches them (a module whose name is one,
+    or ends in "." + one); each must match a module of the model. null: every linear projection
+    of the model's decoder blocks, as its architecture names them (tracetrain/models/lora.py:
+    q/k/v/o_proj and gate/up/down_proj of Llama-family models, phi3's fused qkv_proj and
+    gate_up_proj, ...); MoE experts and routers are left alone unless named."""
 
 
 class ModelConfig(_Section):

@@ -11,7 +11,12 @@
         step:    batch.logits = forward(ids, batch.cache)          one token per row
 
 `prefill` runs each prompt prefix once and keeps their KV across batches in a radix tree (per
-model version and adapter, at most `prefix_cache_bytes`, least recently used out). `sample` draws
+model version and adapter, at most `prefix_cache_bytes`, least recently used out). The model's
+layers are checked when the decoder is made (engines/layers.py): full-attention and sliding-window
+layers keep every token's KV (a sliding layer's mask windows it); a model with conv layers (lfm2)
+prefills each prompt whole, without the tree, and says so once in the log; a model of any other
+layer kind, or whose forward pass does not keep its state in that cache, is refused then, naming
+its model_type. `sample` draws
 each row's token with its request's temperature and top_p from a uniform seeded by (the request's
 seed, the token's index), and keeps the token's logprob under the full temperature-scaled
 distribution, log_softmax(l / T), before top-p: the quantity the trainer recomputes. A stop id is
@@ -29,6 +34,7 @@ of several adapters (peft's `adapter_names`: the base weights' matmuls shared).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +42,7 @@ from typing import Any
 
 import torch
 
-from tracetrain.engines import decode_graph
+from tracetrain.engines import decode_graph, layers
 from tracetrain.engines.base import OnTokens, SamplingParams, stop_string_in
 from tracetrain.engines.batch import Batch
 from tracetrain.engines.local_options import LocalOptions
@@ -46,6 +52,8 @@ from tracetrain.engines.prefill import Prefill
 from tracetrain.engines.sampling import sample_tokens, uniform
 from tracetrain.models import lora
 from tracetrain.models.compute import on_compute
+
+log = logging.getLogger("tracetrain.engine")
 
 # joiners(room): up to `room` requests that join the decoding batch now
 Joiners = Callable[[int], "list[Request]"]
@@ -85,6 +93,7 @@ class Decoder:
     def __init__(self, model: Any, tokenizer: Any, options: LocalOptions):
         self.model = model if options.device is None else model.to(options.device)
         self.device = next(self.model.parameters()).device
+        self.layer_kinds = layers.layer_kinds(self.model)  # (a kind it cannot serve: refused)
         self.tokenizer, self.max_batch_size = tokenizer, options.max_batch_size
         limit = getattr(model.config, "max_position_embeddings", None)
         if options.max_context is None and limit is None:
@@ -106,6 +115,7 @@ class Decoder:
         # the module the forward passes run: the model, or its bf16 copy ("auto" times both)
         self.precision, self.runner, self.precision_s = on_compute(
             self.threads, engine_precision, self.model, options.precision)
+        layers.check_serves(self.runner, self.layer_kinds, self.device)  # (or refused now)
         names = lora.adapter_names(self.model)  # several policies: adapters requests may name
         self.adapters = (*names, lora.BASE) if names else ()
         self._lock = threading.Lock()  # held while the model decodes or its weights change
@@ -114,8 +124,12 @@ class Decoder:
         self.graph, self.graph_note = decode_graph.build(self.runner, options.compile, self.stats)
         self._step = self.graph or self._forward  # a decode step's forward pass
         budget = options.prefix_cache_bytes if options.prefix_cache else 0
+        self.plain = layers.why_plain(self.model, self.layer_kinds)  # why no prefix cache
+        if self.plain and options.prefix_cache:
+            log.warning("local engine %r: %s", options.name, self.plain)
         self._prefill = Prefill(self._forward, pad_id=self.pad_id, device=self.device,
-                                budget=budget, stats=self.stats)
+                                budget=budget, stats=self.stats, kinds=self.layer_kinds,
+                                plain=self.plain is not None)
 
     @torch.inference_mode()
     def decode(self, requests: list[Request], version: int, joiners: Joiners | None = None,

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from tracetrain.engines.layers import CONV, FULL, ConvLayer, empty_cache, is_kv
+
 
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """`t` with `n` zeros before its entries along `dim` (-1 or -2)."""
@@ -33,13 +35,26 @@ def join_rows(cache: DynamicCache, mask: torch.Tensor, new_cache: DynamicCache,
               new_mask: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """(cache [B + N, K, M, d] per layer, mask [B + N, M]): `cache` and `mask` ([B, L]) with the
     rows of `new_cache` and `new_mask` ([N, L']) after them, M = max(L, L') (module docstring).
-    Both caches' layers are full attention (DynamicLayer: prefill.py refuses other kinds)."""
+    A conv layer's state (engines/layers.py) has no columns: its rows are joined as they are."""
     L, Ln = mask.shape[-1], new_mask.shape[-1]
     M = max(L, Ln)
     layers = [
         tuple(torch.cat([_pad_left(a, M - L, -2), _pad_left(b, M - Ln, -2)])
               for a, b in ((la.keys, lb.keys), (la.values, lb.values)))
+        if is_kv(la) else ConvLayer.joined(la, lb)
         for la, lb in zip(cache.layers, new_cache.layers, strict=True)
     ]
-    return DynamicCache(layers), torch.cat([_pad_left(mask, M - L, -1),
-                                            _pad_left(new_mask, M - Ln, -1)])
+    return _cache(layers), torch.cat([_pad_left(mask, M - L, -1), _pad_left(new_mask, M - Ln, -1)])
+
+
+def _cache(layers: list) -> DynamicCache:
+    """A cache of attention layers' (keys, values) and conv layers (as they are)."""
+    if all(isinstance(x, tuple) for x in layers):
+        return DynamicCache(layers)
+    cache = empty_cache([CONV if isinstance(x, ConvLayer) else FULL for x in layers])
+    for i, x in enumerate(layers):
+        if isinstance(x, tuple):
+            cache.layers[i].update(*x)
+        else:
+            cache.layers[i] = x
+    return cache

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tracetrain.engines.layers import is_kv
+
 GROW = 64  # a full store grows by max(GROW, a quarter of its tokens)
 
 
@@ -106,11 +108,12 @@ class ReservedLayer(DynamicLayer):
 
 
 def reserve(cache: DynamicCache, need: int) -> DynamicCache:
-    """`cache` (full-attention layers, each [B, K, L, d]) with each layer moved into a
-    ReservedLayer of L + min(need, grown(L) - L) columns: `need` the most tokens a row may still
-    write (a longer decode grows its stores). The same keys and values; `cache` is changed in
-    place and returned."""
+    """`cache` (attention layers, each [B, K, L, d]; conv layers, engines/layers.py, stay as they
+    are) with each attention layer moved into a ReservedLayer of L + min(need, grown(L) - L)
+    columns: `need` the most tokens a row may still write (a longer decode grows its stores). The
+    same keys and values; `cache` is changed in place and returned."""
     L = cache.get_seq_length()
     room = max(0, min(need, grown(L) - L))
-    cache.layers = [ReservedLayer(layer.keys, layer.values, room) for layer in cache.layers]
+    cache.layers = [ReservedLayer(layer.keys, layer.values, room) if is_kv(layer) else layer
+                    for layer in cache.layers]
     return cache

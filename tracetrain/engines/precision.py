@@ -27,7 +27,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from tracetrain.engines.attention import ATTENTION
+from tracetrain.engines.attention import ATTENTION, MODEL_ATTENTION
+from tracetrain.engines.layers import CONV, empty_cache, layer_kinds
 
 ENGINE_PRECISIONS = ("fp32", "bf16", "auto")
 
@@ -47,6 +48,8 @@ def _for_engine(runner: torch.nn.Module) -> torch.nn.Module:
     for which torch's matmul expands the [h, V] weight to [B, h, V] and copies it (its cost:
     docs/benchmarks.md, "Engine precision, requests that join a batch, the lm head's copy")."""
     inner = runner.get_base_model() if hasattr(runner, "get_base_model") else runner
+    if inner.config._attn_implementation != ATTENTION:  # (what the model itself runs)
+        setattr(inner.config, MODEL_ATTENTION, inner.config._attn_implementation)
     inner.set_attn_implementation(ATTENTION)
     inner.get_output_embeddings().register_forward_pre_hook(dense_input)
     return runner
@@ -81,15 +84,19 @@ def pick(seconds: dict[str, float], margin: float) -> str:
 
 def _random_cache(model: torch.nn.Module, batch: int, context: int, dtype: torch.dtype,
                   generator: torch.Generator) -> DynamicCache:
-    """A KV cache of `batch` rows x `context` tokens of random keys and values, per layer
+    """A KV cache of `batch` rows x `context` tokens of random keys and values, per attention layer
     [batch, kv heads, context, head dim] (a decode step's time does not depend on their values)."""
     c = model.config
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = (batch, kv_heads, context, head_dim)
     device = next(model.parameters()).device
-    return DynamicCache([tuple(torch.randn(shape, generator=generator).to(device, dtype)
-                               for _ in "kv") for _ in range(c.num_hidden_layers)])
+    kinds = layer_kinds(model)
+    cache = empty_cache(kinds)  # (a conv layer: no state yet, its step computes one)
+    for layer, kind in zip(cache.layers, kinds, strict=True):
+        if kind != CONV:
+            layer.update(*(torch.randn(shape, generator=generator).to(device, dtype) for _ in "kv"))
+    return cache
 
 
 @torch.inference_mode()

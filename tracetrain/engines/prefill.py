@@ -25,7 +25,11 @@ each batch's shared prefixes still computed once). `stats` (the engine's) counts
 tokens ("prompt_tokens"), the tokens forwarded ("prefill_tokens": padding included, a shared
 prefix once) and those whose KV came from an earlier batch ("prefix_cache_tokens", per row): a
 step's hit rate is prefix_cache_tokens / prompt_tokens.
-Supports caches of full-attention layers (DynamicLayer); a sliding-window model is refused.
+
+The layers' KV are full attention's, every token's (a sliding-window layer's too: its mask
+windows by position, engines/attention.py; engines/layers.py). A model with conv layers
+(engines/layers.py: their state is not a slice of the prefix's tokens) is prefilled `plain`: each
+distinct prompt whole, one forward pass, no tree.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tracetrain.engines.layers import FULL, empty_cache
 from tracetrain.engines.prefix_cache import KV, Node, PrefixCache
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # prefix KV kept between batches (SmolLM2-135M: ~23k tokens)
@@ -49,9 +54,9 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, "list[str] | 
 
 def _layers(cache: Any) -> list:
     layers = cache.layers
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        raise ValueError("the local engine's prefix cache supports full-attention layers only "
-                         "(DynamicLayer); this model's cache has sliding-window layers")
+    if any(type(layer) is not DynamicLayer for layer in layers):  # (engines/layers.py's kinds)
+        raise ValueError("the local engine's prefix cache keeps attention layers' KV only "
+                         f"(DynamicLayer); this cache has {sorted({type(x).__name__ for x in layers})}")
     return layers
 
 
@@ -83,12 +88,15 @@ def _left_padded(kvs: list[KV | None]) -> tuple[DynamicCache | None, list[int]]:
 
 class Prefill:
     """Prefill over a radix tree of prefixes (module docstring). `budget`: bytes of prefix KV kept
-    between batches (0: none)."""
+    between batches (0: none); `kinds`: the model's layer kinds (engines/layers.py; None: full
+    attention); `plain`: each distinct prompt whole, without the tree."""
 
     def __init__(self, forward: Forward, *, pad_id: int, device: torch.device, budget: int,
-                 stats: MutableMapping[str, Any]):
+                 stats: MutableMapping[str, Any], kinds: list[str] | None = None,
+                 plain: bool = False):
         self.forward, self.pad_id, self.device, self.stats = forward, pad_id, device, stats
-        self.tree = PrefixCache(budget)
+        self.tree = PrefixCache(0 if plain else budget)
+        self.kinds, self.plain = kinds, plain
 
     def clear(self) -> None:
         """Forget the kept prefixes (their KV came from weights that changed)."""
@@ -97,6 +105,8 @@ class Prefill:
     def __call__(self, prompts: list[list[int]], version: int, adapters: list[str] | None = None):
         """(next-token logits [B, V], cache, attention mask [B, C+1], position of the next token
         [B]) for `prompts`, row b decoded by adapter `adapters[b]` (None: the model as it is)."""
+        if self.plain:
+            return self._whole(prompts, adapters)
         try:
             return self._prefill(prompts, version, adapters)
         except BaseException:
@@ -155,6 +165,22 @@ class Prefill:
         self.stats["prefix_cache_tokens"] += sum(hits)
         return logits, cache, mask, position[:, -1] + 1
 
+    def _whole(self, prompts: list[list[int]], adapters: list[str] | None):
+        """`plain`: one forward pass of the distinct prompts, whole (a group's rows share it)."""
+        names = [None] * len(prompts) if adapters is None else adapters
+        distinct: dict[tuple, int] = {}  # (adapter, prompt) -> its row
+        row_of = [distinct.setdefault((a, tuple(p)), len(distinct))
+                  for a, p in zip(names, prompts, strict=True)]
+        inputs = [list(p) for _, p in distinct]
+        logits, cache, mask, position = self._forward_rows(
+            [None] * len(inputs), inputs, None if adapters is None else [a for a, _ in distinct])
+        if len(inputs) < len(prompts):
+            idx = torch.tensor(row_of, device=self.device)
+            cache.batch_select_indices(idx)
+            logits, mask, position = logits[idx], mask[idx], position[idx]
+        self.stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        return logits, cache, mask, position[:, -1] + 1
+
     def _forward_rows(self, pasts: list[KV | None], inputs: list[list[int]], adapters):
         """One forward pass of rows [pad | pasts[r]] [pad | inputs[r]]: (logits [N, V], cache
         [N, K, P + S, D] per layer, mask [N, P + S], positions [N, S])."""
@@ -171,8 +197,11 @@ class Prefill:
             position[r, S - len(x) :] = torch.arange(n, n + len(x))
             position[r, : S - len(x)] = n
         ids, mask, position = ids.to(dev), mask.to(dev), position.to(dev)
+        if cache is None and self.kinds is not None and set(self.kinds) != {FULL}:
+            cache = empty_cache(self.kinds)  # (not transformers' own: a sliding layer's or conv's)
         logits, cache = self.forward(ids, mask, position, cache, adapters)
-        _layers(cache)
+        if not self.plain:
+            _layers(cache)
         self.stats["prefill_tokens"] += N * S
         return logits, cache, mask, position
 

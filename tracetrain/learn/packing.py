@@ -21,7 +21,13 @@ The logprob of response column t of row i is read at the node of the row's token
     entropy[i, t] = logsumexp(z) - sum_v softmax(z)_v z_v
 
 computed `chunk` positions at a time under activation checkpointing: the logits held at once are
-[chunk, V], never [rows, S, V]; the backward recomputes one chunk's logits at a time.
+[chunk, V], never [rows, S, V]; the backward recomputes one chunk's logits at a time. A model whose
+forward pass changes lm_head's logits (a final soft-cap, a logit scale: `scales_logits`) is called
+whole instead, its logits kept at the needed positions only.
+
+Only models whose every layer is full attention are packed (`packable`): a sliding-window layer's
+mask is made from the columns of one sequence, and a conv layer mixes a sequence's neighbouring
+tokens, across the rows of a pack; their rows are computed padded.
 
 Attention over a pack: under SDPA it runs row by row (sparse_pack.py): each row's new nodes
 attend over its own path, sum_i q_i * L_i scores instead of N^2 (without sharing, each row's own
@@ -132,16 +138,37 @@ def base_lm(model: torch.nn.Module) -> torch.nn.Module:
     return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
 
 
+def scales_logits(model: torch.nn.Module) -> str | None:
+    """The config field by which the model's forward pass changes lm_head's logits (gemma2's
+    final_logit_softcapping, granite's logits_scaling, ...), or None."""
+    cfg = getattr(base_lm(model), "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, attr, None) not in (None, 1, 1.0):
+            return attr
+    return None
+
+
+def packable(model: torch.nn.Module) -> bool:
+    """Whether rows of the model may be packed: every layer full attention. A sliding-window
+    layer's window (its mask is made from the columns of a sequence) and a conv layer (it mixes
+    neighbouring tokens of the sequence, across a pack's rows) need the padded rows."""
+    cfg = getattr(base_lm(model), "config", None)
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is not None:
+        return set(kinds) <= {"full_attention"}
+    return getattr(cfg, "sliding_window", None) is None and not getattr(
+        cfg, "attention_chunk_size", None)
+
+
 def split_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(decoder, lm_head) of a transformers causal LM (also under peft's PeftModel): the decoder
     maps ids to the final normed hidden states, lm_head those to logits. ValueError when the model
     does not split that way or scales its logits (softcapping, logit_scale), which the chunked
     head would miss."""
     lm = base_lm(model)
-    cfg = getattr(lm, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(cfg, attr, None) not in (None, 1, 1.0):
-            raise ValueError(f"the model scales its logits ({attr}); packed logprobs need a plain lm_head")
+    if attr := scales_logits(model):
+        raise ValueError(f"the model scales its logits ({attr}); packed logprobs need a plain lm_head")
     get_decoder = getattr(lm, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -255,7 +282,9 @@ def row_logprobs(
 def _forward(model, ids, mask, pos, pred, target, *, width, pack, extra, chunk, temperature,
              with_entropy):
     """(logprob, entropy) of `target` at the positions `pred` of one forward (row_logprobs)."""
-    if hasattr(model, "module"):  # DDP: the whole model is called, for DDP to see the forward
+    # DDP: the whole model is called, for DDP to see the forward; a model that scales its logits:
+    # for its forward to scale them
+    if hasattr(model, "module") or scales_logits(model):
         if not pack:
             keep = torch.unique(pred % width)  # the columns any row needs
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep)

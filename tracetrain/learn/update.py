@@ -22,7 +22,7 @@ import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.learn.distributed import DataParallel, sum_over_ranks
-from tracetrain.learn.packing import default_pack_tokens, row_costs, row_logprobs
+from tracetrain.learn.packing import default_pack_tokens, packable, row_costs, row_logprobs
 from tracetrain.objective.correction import correct
 from tracetrain.objective.loss import policy_loss
 from tracetrain.objective.minibatch import plan_step
@@ -98,12 +98,14 @@ class StepRows:
 
 class Forward:
     """Logprobs (and entropy) of a micro-batch's rows under a model: packed into one sequence per
-    micro-batch (optim.pack_rows; shared prompts computed once with optim.share_prefixes), or
-    padded from the first column that is not left padding in every row."""
+    micro-batch (optim.pack_rows, for a model whose layers are all full attention: packing.packable;
+    shared prompts computed once with optim.share_prefixes), or padded from the first column that
+    is not left padding in every row."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
         oc = cfg.optim
-        self.pack, self.share = oc.pack_rows, oc.pack_rows and oc.share_prefixes
+        self.pack = oc.pack_rows and packable(model)  # (sliding windows, conv layers: padded)
+        self.share = self.pack and oc.share_prefixes
         self.chunk, self.temperature = oc.logprob_chunk, cfg.rollout.temperature
         self.precision = cfg.trainer.precision
         # a micro-batch is one pack: its budget in computed tokens, capped (dense mask, N^2)

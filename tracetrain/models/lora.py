@@ -3,7 +3,11 @@ adapter trains, is checkpointed and is synced.
 
     W' = W + (alpha / r) · B A        A: r × d_in (random), B: d_out × r (zero at the start: W' = W)
 
-for each linear layer named in `model.lora.target_modules`. The local engine decodes with the
+for each layer named in `model.lora.target_modules`, by default every linear projection of the
+model's decoder blocks, as its architecture names them (`default_targets`: the attention's and the
+MLP's, q/k/v/o_proj and gate/up/down_proj of a Llama, phi3's fused qkv_proj and gate_up_proj,
+lfm2's conv in_proj/out_proj and w1/w2/w3, ...); a MoE's experts and router are left alone
+unless named (transformers' fused experts are not linear modules). The local engine decodes with the
 same module (base + adapter, nothing copied); `merged(model)` is the plain model with W' in place
 of W, for `run_dir/policy` and for anything that does not know peft. A vLLM engine serves
 `base(model)` and takes the adapter alone after each update (engines/vllm.py, LoraTransport).
@@ -19,20 +23,70 @@ import torch
 
 from tracetrain.config import ConfigError, LoraConfig
 
+# path parts of modules a default adapter leaves alone: a MoE's experts and router, the heads
+_NOT_DEFAULT = frozenset({"experts", "router", "gate", "shared_expert_gate", "lm_head", "score"})
+
+
+def _linear(module: torch.nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D  # (GPT-2's linear layers)
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def default_targets(model: torch.nn.Module) -> list[str]:
+    """The names (last part, in the model's order) of its linear layers outside the output head,
+    a MoE's experts and its router: the decoder blocks' projections (module docstring)."""
+    head = model.get_output_embeddings()
+    names: list[str] = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if module is not head and _linear(module) and not _NOT_DEFAULT.intersection(parts):
+            if parts[-1] not in names:
+                names.append(parts[-1])
+    return names
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)  # (peft's rule for a list of names)
+
+
+def peft_config(model: torch.nn.Module, lc: LoraConfig, key: str):
+    """peft's LoraConfig for `lc` on `model`: the named targets, each checked to match a module,
+    or `default_targets` (modules of the same name under experts or a router excluded);
+    ConfigError naming `key` (the config key of `lc.target_modules`) otherwise."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    names = [n for n, _ in model.named_modules()]
+    exclude: list[str] = []
+    if lc.target_modules is None:
+        targets = default_targets(model)
+        if not targets:
+            raise ConfigError(f"config key '{key}': the model ({type(model).__name__}) has no "
+                              "linear projections to adapt by default; name its target modules")
+        exclude = [n for n in names if _NOT_DEFAULT.intersection(n.split(".")[:-1])
+                   and any(_matches(n, t) for t in targets)]
+    else:
+        targets = list(lc.target_modules)
+        for t in targets:
+            if not any(_matches(n, t) for n in names):
+                raise ConfigError(f"config key '{key}': {t!r} matches no module of the model "
+                                  f"(its linear layers: {default_targets(model)})")
+    return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                          target_modules=targets, exclude_modules=exclude or None,
+                          task_type="CAUSAL_LM")
+
 
 def wrap(model: torch.nn.Module, lc: LoraConfig) -> torch.nn.Module:
-    """`model` with a fresh adapter on `lc.target_modules`; its base parameters frozen; in eval
-    mode, as everything that decodes or scores with it expects (peft leaves the adapter's modules
-    in training mode: the adapter's dropout would act on the first rollouts; the update, the warm
-    start and SFT set training mode around their own passes)."""
-    from peft import LoraConfig as PeftLoraConfig
+    """`model` with a fresh adapter on `lc.target_modules` (`peft_config`); its base parameters
+    frozen; in eval mode, as everything that decodes or scores with it expects (peft leaves the
+    adapter's modules in training mode: the adapter's dropout would act on the first rollouts;
+    the update, the warm start and SFT set training mode around their own passes)."""
     from peft import get_peft_model
 
-    config = PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                            target_modules=list(lc.target_modules), task_type="CAUSAL_LM")
+    config = peft_config(model, lc, "model.lora.target_modules")
     try:
         return get_peft_model(model, config).eval()
-    except ValueError as e:  # e.g. a target module the model does not have
+    except ValueError as e:  # e.g. a target module of a kind peft cannot adapt
         raise ConfigError(f"config key 'model.lora.target_modules': {e}") from None
 
 
@@ -41,18 +95,17 @@ def wrap_policies(model: torch.nn.Module, adapters: dict[str, LoraConfig]) -> to
     order given; the base frozen; in eval mode (as `wrap`). A forward pass runs the active adapter
     (`model.set_adapter(name)`, which also makes its parameters alone require a gradient), or one
     per row with `adapter_names=[...]` (peft; BASE for a row without one)."""
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    for k, (name, lc) in enumerate(adapters.items()):
-        config = PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                target_modules=list(lc.target_modules), task_type="CAUSAL_LM")
+    configs = {name: peft_config(model, lc, f"policies.{name}.lora.target_modules")
+               for name, lc in adapters.items()}  # (on the plain model: peft changes it)
+    for k, (name, config) in enumerate(configs.items()):
         try:
             if k == 0:
                 model = get_peft_model(model, config, adapter_name=name)
             else:
                 model.add_adapter(name, config)
-        except ValueError as e:  # e.g. a target module the model does not have
+        except ValueError as e:  # e.g. a target module of a kind peft cannot adapt
             raise ConfigError(f"config key 'policies.{name}.lora.target_modules': {e}") from None
     model.set_adapter(next(iter(adapters)))
     return model.eval()
