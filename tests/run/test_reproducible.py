@@ -1,8 +1,9 @@
 """A seed reproduces a run (trainer.reproducible, on by default for the demo): two runs of the demo
 config give the same metrics line for every step (every number but the measured times and
 memory), the same token ids and logprobs in traces.db and the same final weights, bit for bit,
-also when the agents' calls reach the engine in another order (random delays); another seed
-gives another run. Each run is `tracetrain train` in its own process, as a user runs it."""
+also when the agents' calls reach the engine in another order (random delays) and the two runs
+share the machine's cores; another seed gives another run. Each run is `tracetrain train` in its
+own process, as a user runs it."""
 
 from __future__ import annotations
 
@@ -28,12 +29,20 @@ STEPS = 4
 SHORT = [f"trainer.steps={STEPS}", "trainer.eval_every=2", "warm_start.steps=40"]
 
 
-def train(run_dir: Path, *overrides: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tracetrain", "train", str(DEMO), *SHORT,
-                           f"trainer.run_dir={run_dir}", *overrides],
-                          cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "random"},
-                          capture_output=True, text=True, timeout=DEADLINE_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def start(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    """`tracetrain train` started on the demo; its output to a file beside the run directory."""
+    out = run_dir.with_suffix(".log")
+    with out.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tracetrain", "train", str(DEMO), *SHORT,
+                                 f"trainer.run_dir={run_dir}", *overrides],
+                                cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "random"},
+                                stdout=f, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def finish(*started: tuple[subprocess.Popen, Path]) -> None:
+    for proc, out in started:
+        assert proc.wait(timeout=DEADLINE_S) == 0, out.read_text()[-4000:]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -58,9 +67,9 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_a_seed_reproduces_the_demo_run_whatever_the_order_of_calls(tmp_path):
     first, shuffled, other = tmp_path / "first", tmp_path / "shuffled", tmp_path / "other"
-    train(first)
-    train(shuffled, f"task={SHUFFLED}")
-    train(other, "trainer.seed=1", "trainer.steps=1")
+    # side by side: the two compared runs share the cores, each its timing disturbed by the other
+    finish(start(first), start(shuffled, f"task={SHUFFLED}"))
+    finish(start(other, "trainer.seed=1", "trainer.steps=1"))
 
     a, b = metrics(first), metrics(shuffled)
     assert [m["step"] for m in a] == list(range(STEPS))
