@@ -149,3 +149,23 @@ def test_failed_steps_in_a_row_and_the_first_error():
     assert first_error(rollouts("succeeded", "timed_out", "failed")) == "ValueError: boom2"
     assert error_line("x" * 600).endswith("...") and len(error_line("x" * 600)) == 500
     assert error_line(None) == error_line("  \n") == "(no error recorded)"
+
+
+def test_a_model_the_engine_cannot_serve_stops_the_run_before_any_rollout(tmp_path):
+    """A recurrent model (rwkv: its forward keeps no KV cache) named by a run: `tracetrain train`
+    says so in one line naming the key and the model_type, status 2, before any rollout."""
+    import transformers as tf
+
+    from tracetrain.models.tiny import build_tokenizer
+
+    tok, folder, run = build_tokenizer(), tmp_path / "rwkv", tmp_path / "run"
+    tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                     attention_hidden_size=32, intermediate_size=64)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    done = subprocess.run([sys.executable, "-m", "tracetrain", "train", str(DEMO), *SHORT,
+                           "model.kind=pretrained", f"model.path={folder}", f"trainer.run_dir={run}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "tracetrain train: error: config key 'model': the local engine cannot serve model_type 'rwkv'")
+    assert "Traceback" not in done.stderr and metrics(run) == []

@@ -30,19 +30,24 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
 FULL, SLIDING, CONV = "full_attention", "sliding_attention", "conv"
+
+
+class Unservable(ValueError):
+    """The local engine cannot serve this model; the message names its model_type and why."""
+
 KINDS = (FULL, SLIDING, CONV)
 
 
 def layer_kinds(model: Any) -> list[str]:
-    """Each decoder layer's kind (module docstring); ValueError naming the model_type for a kind
+    """Each decoder layer's kind (module docstring); Unservable naming the model_type for a kind
     the local engine does not serve."""
     config = model.config.get_text_config(decoder=True)
     kind = getattr(model.config, "model_type", None)
     if getattr(config, "num_kv_shared_layers", None):
-        raise ValueError(f"the local engine cannot serve model_type {kind!r}: its layers share "
+        raise Unservable(f"the local engine cannot serve model_type {kind!r}: its layers share "
                          "another layer's keys and values (num_kv_shared_layers)")
     if getattr(config, "attention_chunk_size", None):
-        raise ValueError(f"the local engine cannot serve model_type {kind!r}: chunked attention "
+        raise Unservable(f"the local engine cannot serve model_type {kind!r}: chunked attention "
                          "(attention_chunk_size)")
     kinds = getattr(config, "layer_types", None)
     if kinds is None:
@@ -50,7 +55,7 @@ def layer_kinds(model: Any) -> list[str]:
                  ] * config.num_hidden_layers
     other = sorted({k for k in kinds if k not in KINDS})
     if other:
-        raise ValueError(f"the local engine cannot serve model_type {kind!r}: layers of kind "
+        raise Unservable(f"the local engine cannot serve model_type {kind!r}: layers of kind "
                          f"{', '.join(map(repr, other))} (it serves {', '.join(KINDS)})")
     return list(kinds)
 
@@ -112,7 +117,7 @@ def is_kv(layer: Any) -> bool:
 
 @torch.inference_mode()
 def check_serves(runner: torch.nn.Module, kinds: list[str], device: torch.device) -> None:
-    """A prefill of two tokens and a decode step of one over `empty_cache(kinds)`; ValueError
+    """A prefill of two tokens and a decode step of one over `empty_cache(kinds)`; Unservable
     naming the model_type where that fails or leaves the cache other than the kinds say (an
     attention layer without the three tokens' keys, a conv layer without a state)."""
     kind = getattr(runner.config, "model_type", None)
@@ -125,11 +130,11 @@ def check_serves(runner: torch.nn.Module, kinds: list[str], device: torch.device
                          position_ids=torch.tensor(positions, device=device),
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
     except Exception as e:
-        raise ValueError(f"the local engine cannot serve model_type {kind!r}: a forward pass over "
+        raise Unservable(f"the local engine cannot serve model_type {kind!r}: a forward pass over "
                          f"its cache fails ({type(e).__name__}: {e})") from e
     if getattr(out, "past_key_values", None) is not cache or not all(
             layer.keys.shape[-2] == 3 if is_kv(layer) else layer.is_conv_states_initialized
             for layer in cache.layers):
-        raise ValueError(f"the local engine cannot serve model_type {kind!r}: its forward pass "
+        raise Unservable(f"the local engine cannot serve model_type {kind!r}: its forward pass "
                          "does not keep its state in the cache it is given as the layers' kinds "
                          f"({sorted(set(kinds))}) say")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tracetrain import registry
-from tracetrain.config import TrainConfig
+from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.models import lora
 
 StartEngine = Callable[..., Awaitable[Any]]
@@ -29,7 +29,6 @@ def preflight(cfg: TrainConfig) -> None:
     """What the configured engine cannot do here, refused before any work (a ConfigError naming
     the key): an engine.python that does not run vLLM; sync nccl and sleep_level on a machine
     without CUDA GPUs."""
-    from tracetrain.config import ConfigError
 
     ec = cfg.engine
     if getattr(ec, "python", None) is not None:  # (a key of kind vllm and a plugin's)
@@ -57,15 +56,19 @@ async def start_local(cfg: TrainConfig, weights, tokenizer, *, version, run_dir,
                       lockstep=None):
     """In this process, decoding with the module itself (shared with the optimizer unless the
     trainer gives it a copy)."""
+    from tracetrain.engines.layers import Unservable
     from tracetrain.engines.local import LocalEngine
     from tracetrain.engines.local_options import LocalOptions
 
     ec = cfg.engine
-    engine = LocalEngine(weights, tokenizer, LocalOptions(
-        max_batch_size=4096, model_version=version, seed=cfg.trainer.seed, threads=threads,
-        batch_window_ms=ec.batch_window_ms, lockstep=lockstep,
-        prefix_cache_bytes=ec.prefix_cache_mb << 20, prefix_cache=ec.prefix_cache_mb > 0,
-        precision=ec.precision, compile=ec.compile))
+    try:
+        engine = LocalEngine(weights, tokenizer, LocalOptions(
+            max_batch_size=4096, model_version=version, seed=cfg.trainer.seed, threads=threads,
+            batch_window_ms=ec.batch_window_ms, lockstep=lockstep,
+            prefix_cache_bytes=ec.prefix_cache_mb << 20, prefix_cache=ec.prefix_cache_mb > 0,
+            precision=ec.precision, compile=ec.compile))
+    except Unservable as e:  # before any rollout: the run cannot work
+        raise ConfigError(f"config key 'model': {e} (engine.kind 'vllm' may serve it)") from None
     log(f"engine decode step: {engine.graph_note}")
     if engine.precision_s is not None:
         log(f"engine.precision auto: {engine.precision} (a decode step, best of 3: " + ", ".join(
