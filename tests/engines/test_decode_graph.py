@@ -25,7 +25,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from tracetrain.engines import decode_graph
+from tracetrain.engines import decode_graph, decode_llama
 from tracetrain.engines.base import SamplingParams
 from tracetrain.engines.kv_cache import reserve
 from tracetrain.engines.local import LocalEngine
@@ -177,10 +177,6 @@ def _hooked() -> LlamaForCausalLM:
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                 "rope_theta": 10000.0})), "RoPE type 'linear'"),
-    (lambda: Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=0)),
-     "sliding-window"),
     (lambda: LlamaForCausalLM(LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, hidden_act="gelu")), "activation 'gelu'"),
@@ -225,7 +221,7 @@ def test_where_torch_compile_fails_the_step_runs_eagerly(monkeypatch):
     assert reason == "torch.compile failed: RuntimeError: no C++ compiler found"
     monkeypatch.setattr(decode_graph, "inductor_builds", lambda: reason)
     engine = LocalEngine(LLAMA, TOK, compile=True)
-    assert not engine.graph.compiled and engine.graph.fn is decode_graph.decode_step
+    assert not engine.graph.compiled and engine.graph.fn is decode_llama.decode_step
     assert engine.graph_note == f"one eager function ({reason})"
     params = SamplingParams(max_tokens=8, seed=3)
     plain = LocalEngine(LLAMA, TOK)

@@ -83,8 +83,8 @@ class _LocalKeys(_EngineKeys):
     correction.weight corrects for it); `auto`, bf16 where a decode step measures at least 10 %
     faster in it, else fp32."""
     compile: bool = False
-    """A decode step of a Llama-family model (llama, qwen2) runs as one function of tensors
-    (engines/decode_graph.py: eagerly, transformers' logits bit for bit without its per-layer
+    """A decode step of llama, qwen2, qwen3, mistral and gemma3_text models runs as one function of
+    tensors (engines/decode_graph.py: eagerly, transformers' logits bit for bit without its per-layer
     overhead); `true` compiles it with torch.compile (inductor's CPU backend, gcc), eager where
     that fails: a faster step, for a compile at the first batch (short once inductor's disk cache
     has it), and logprobs that differ from eager's by rounding (figures: docs/benchmarks.md, "A

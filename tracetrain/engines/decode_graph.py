@@ -1,27 +1,30 @@
 """A decode step as one function of tensors, compiled into one graph where torch can compile here.
 
-For a Llama-family model (transformers' llama and qwen2: RMSNorm, default RoPE, grouped-query
-attention, SwiGLU; biases where the model has them), one decode step of B rows, one token each,
-over the engine's reserved KV stores (engines/kv_cache.py: per layer keys and values [B, K, C, d],
-C columns, the step's token written at column `col`):
+One decode step of B rows, one token each, over the engine's reserved KV stores
+(engines/kv_cache.py: per layer keys and values [B, K, C, d], C columns, the step's token written
+at column `col`), as one function of tensors per family:
 
-    x = E[ids]                                                         [B, h]
-    per layer:  a = RMSNorm(x);  q = rope(a Wq + bq);  k = rope(a Wk + bk);  v = a Wv + bv
-                keys[:, :, col] = k;  values[:, :, col] = v
-                x = x + attend(q, keys, values, mask) Wo + bo          (engines/attention.py)
-                a = RMSNorm(x);  x = x + (silu(a Wg + bg) * (a Wu + bu)) Wd + bd
-    logits = RMSNorm(x) W_head + b_head                                [B, V] float32
+    llama, qwen2, qwen3, mistral    engines/decode_llama.py (RMSNorm, RoPE, grouped-query
+                                    attention, SwiGLU; qwen3's q/k norms)
+    gemma3_text                     engines/decode_gemma3.py (Gemma's norms, four a layer, q/k
+                                    norms, gelu-tanh MLP, a RoPE base per layer kind, soft-capped
+                                    logits)
+
+    step(weights, keys, values, ids [B], positions [B], col [1], mask [B, C], window_mask [B, C])
+        -> logits [B, V] float32;  keys[l][:, :, col], values[l][:, :, col] written in place
 
 in the order and dtypes of transformers' modules, so that run eagerly it gives their logits (the
-same kernels on the same shapes). `mask` [B, C] is additive: 0 on the columns a row attends to,
-the dtype's lowest value elsewhere (padding, and the columns past the step's token), as
-transformers' eager masks. Compiled (torch.compile, inductor's CPU backend: C++ that gcc builds
-here), one graph runs the step: no Python between ops, the elementwise ops between the matmuls
-fused; it rounds differently (inductor keeps float32 between fused bf16 ops), so compiled and
-eager agree to the dtype's rounding, not bit for bit. Where inductor cannot build (no C++
-compiler), the step runs eagerly. Other models (another architecture, LoRA adapters, a sliding
-window, scaled RoPE, attention dropout, a forward hook: what transformers would run and this
-function would not) decode through transformers' forward: `unsupported` says why.
+same kernels on the same shapes). The masks are additive (engines/decode_ops.py masks): 0 on the
+columns a row attends to, the dtype's lowest value elsewhere (padding, the columns past the step's
+token, and for a sliding-window layer, window_mask, the tokens `sliding_window` positions or more
+before the step's), as the engine's eager masks (engines/attention.py). Compiled (torch.compile,
+inductor's CPU backend: C++ that gcc builds here), one graph runs the step: no Python between ops,
+the elementwise ops between the matmuls fused; it rounds differently (inductor keeps float32
+between fused bf16 ops), so compiled and eager agree to the dtype's rounding, not bit for bit.
+Where inductor cannot build (no C++ compiler), the step runs eagerly. Other models (another
+architecture, LoRA adapters, scaled RoPE, another activation, attention dropout, gemma3's
+attention soft-capping or bidirectional attention, a forward hook: what transformers would run and
+these functions would not) decode through transformers' forward: `unsupported` says why.
 
 dynamo keeps its compiled graphs on the function's code object, and after
 torch._dynamo.config.recompile_limit graphs (8 by default) a new shape or model runs eagerly. Each
@@ -42,8 +45,10 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from tracetrain.engines import decode_gemma3, decode_llama
+from tracetrain.engines.decode_ops import masks
+from tracetrain.engines.layers import SLIDING, layer_kinds
 from tracetrain.engines.precision import dense_input
 
 log = logging.getLogger("tracetrain.engine")
@@ -51,25 +56,22 @@ log = logging.getLogger("tracetrain.engine")
 BACKEND = "inductor"  # torch.compile's backend for the step (a test may choose a cheaper one)
 _LIMIT_HIT = "Dynamo recompile limit exceeded"  # (the start of dynamo's message when it falls back)
 _ISOLATES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+# model_type -> the module of its family's step (unsupported, weights, decode_step)
+STEPS = {kind: family for family in (decode_llama, decode_gemma3) for kind in family.MODEL_TYPES}
 
 
 def unsupported(runner: torch.nn.Module) -> str | None:
-    """Why `runner`'s decode step cannot be `decode_step` (None: it can)."""
+    """Why `runner`'s decode step cannot be its family's one function (None: it can)."""
     if hasattr(runner, "get_base_model"):
         return "LoRA adapters (peft)"
     kind = getattr(runner.config, "model_type", None)
-    if kind not in ("llama", "qwen2"):
-        return f"model_type {kind!r} (llama and qwen2 are)"
-    if getattr(runner.config, "hidden_act", None) != "silu":
-        return f"activation {runner.config.hidden_act!r} (silu is)"
-    rope = runner.model.rotary_emb
-    if rope.rope_type != "default" or rope.attention_scaling != 1.0:
-        return f"RoPE type {rope.rope_type!r} (default is)"
+    if kind not in STEPS:
+        return f"model_type {kind!r} ({', '.join(STEPS)} are)"
+    why = STEPS[kind].unsupported(runner)
+    if why is not None:
+        return why
     if getattr(runner.config, "attention_dropout", 0.0):
         return f"attention dropout {runner.config.attention_dropout}"
-    for layer in runner.model.layers:
-        if getattr(layer.self_attn, "sliding_window", None) is not None:
-            return "a sliding-window layer"
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return "a global forward hook"
     for name, module in runner.named_modules():  # (a hook changes what transformers computes)
@@ -77,66 +79,6 @@ def unsupported(runner: torch.nn.Module) -> str | None:
         if pre or module._forward_hooks:
             return f"a forward hook on {name or 'the model'}"
     return None
-
-
-def _linear(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
-
-
-def weights(runner: torch.nn.Module) -> dict[str, Any]:
-    """`runner`'s tensors that `decode_step` reads (the module's own: an update in place shows)."""
-    m = runner.model
-    layers = []
-    for layer in m.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        layers.append((layer.input_layernorm.weight, *_linear(attn.q_proj), *_linear(attn.k_proj),
-                       *_linear(attn.v_proj), *_linear(attn.o_proj),
-                       layer.post_attention_layernorm.weight, *_linear(mlp.gate_proj),
-                       *_linear(mlp.up_proj), *_linear(mlp.down_proj)))
-    first = m.layers[0].self_attn
-    return {"embed": m.embed_tokens.weight, "norm": m.norm.weight, "head": _linear(runner.lm_head),
-            "inv_freq": m.rotary_emb.inv_freq, "layers": layers, "eps": m.norm.variance_epsilon,
-            "heads": runner.config.num_attention_heads, "head_dim": first.head_dim,
-            "scaling": first.scaling}
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / sqrt(mean(x^2) + eps), the mean in float32 (transformers' LlamaRMSNorm)."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x cos + rotate_half(x) sin, rotate_half(x) = (-x[d/2:], x[:d/2]); x [B, heads, d]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
-def decode_step(w: dict[str, Any], keys: list[torch.Tensor], values: list[torch.Tensor],
-                ids: torch.Tensor, positions: torch.Tensor, col: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-    """Logits [B, V] float32 of the next token (module docstring): ids [B] and positions [B]
-    int64, col [1] int64 (the column each row's k and v are written to, in place), mask [B, C]
-    additive in the model's dtype, keys and values one [B, K, C, d] per layer."""
-    B, H, d, eps = ids.shape[0], w["heads"], w["head_dim"], w["eps"]
-    x = F.embedding(ids, w["embed"])
-    freqs = positions[:, None].float() * w["inv_freq"][None, :].float()
-    angles = torch.cat((freqs, freqs), -1)
-    cos, sin = angles.cos().to(x.dtype)[:, None, :], angles.sin().to(x.dtype)[:, None, :]
-    for (n1, wq, bq, wk, bk, wv, bv, wo, bo, n2, wg, bg, wu, bu, wd, bd), kc, vc in zip(
-            w["layers"], keys, values, strict=True):
-        a = _rms_norm(x, n1, eps)
-        q = _rope(F.linear(a, wq, bq).view(B, H, d), cos, sin)
-        K = kc.shape[1]
-        kc.index_copy_(2, col, _rope(F.linear(a, wk, bk).view(B, K, 1, d), cos[:, None], sin[:, None]))
-        vc.index_copy_(2, col, F.linear(a, wv, bv).view(B, K, 1, d))
-        scores = torch.matmul(q.view(B, K, H // K, d), kc.transpose(2, 3)) * w["scaling"]
-        scores = scores + mask[:, None, None, :]
-        attn = torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(x.dtype), vc)
-        x = x + F.linear(attn.reshape(B, H * d), wo, bo)
-        a = _rms_norm(x, n2, eps)
-        x = x + F.linear(F.silu(F.linear(a, wg, bg)) * F.linear(a, wu, bu), wd, bd)
-    return F.linear(_rms_norm(x, w["norm"], eps), *w["head"]).float()
 
 
 @functools.cache
@@ -172,7 +114,8 @@ def _limit_hits() -> int:
 
 
 class DecodeGraph:
-    """The decode step of a supported runner (`unsupported` is None) over a cache of
+    """The decode step of a supported runner (`unsupported` is None: its family's `step`, given
+    the full mask and, with sliding layers, the window mask) over a cache of
     kv_cache.ReservedLayer layers, called as the decoder's _forward is for a decode step; compiled
     when `compile` and inductor builds here (`compiled`), else eager (`reason` says why).
     Compiled, its graphs are its own (module docstring); `fallback` is None until dynamo runs a
@@ -182,24 +125,28 @@ class DecodeGraph:
                  stats: MutableMapping[str, Any] | None = None):
         self.runner, self.stats = runner, stats
         self.dtype = runner.model.embed_tokens.weight.dtype
+        self.family = STEPS[runner.config.model_type]
+        self.step = self.family.decode_step  # (each family's its own code object: its own graphs)
+        # the sliding layers' window (None: no sliding layer, no window mask)
+        self.window = runner.config.sliding_window if SLIDING in layer_kinds(runner) else None
         self.reason = inductor_builds() if compile else "compile false"
         self.compiled = self.reason is None
         self.fallback: str | None = None
         own = {"isolate_recompiles": True} if _ISOLATES else {}  # (torch 2.13 has it)
-        self.fn = (torch.compile(decode_step, dynamic=True, backend=BACKEND, **own)
-                   if self.compiled else decode_step)
+        self.fn = (torch.compile(self.step, dynamic=True, backend=BACKEND, **own)
+                   if self.compiled else self.step)
 
     def _full(self) -> str | None:
         """Which of dynamo's limits this step's region of its cache has reached (None: neither)."""
         from torch._dynamo import config, eval_frame
 
         if hasattr(eval_frame, "_get_cache_entries_for_region"):
-            graphs = len(eval_frame._get_cache_entries_for_region(decode_step,
+            graphs = len(eval_frame._get_cache_entries_for_region(self.step,
                                                                    self.fn._isolate_recompiles_id))
-            total = eval_frame._get_total_cache_entry_count(decode_step)
+            total = eval_frame._get_total_cache_entry_count(self.step)
         else:  # a torch without isolate_recompiles: one region, every engine's
             graphs = total = len(
-                torch._C._dynamo.eval_frame._debug_get_cache_entry_list(decode_step.__code__))
+                torch._C._dynamo.eval_frame._debug_get_cache_entry_list(self.step.__code__))
         limit = getattr(config, "recompile_limit", None) or config.cache_size_limit
         if graphs >= limit:
             return f"torch._dynamo.config.recompile_limit ({limit} graphs, its own)"
@@ -234,12 +181,10 @@ class DecodeGraph:
             layer.make_room(1)
         keys, values = zip(*(layer.stores for layer in layers), strict=True)
         L, C = layers[0].length, keys[0].shape[-2]
-        mask = torch.full((ids.shape[0], C), torch.finfo(self.dtype).min, dtype=self.dtype,
-                          device=ids.device)
-        mask[:, : L + 1].masked_fill_(attention_mask.bool(), 0.0)
+        mask, window_mask = masks(attention_mask, C, self.dtype, self.window)
         col = torch.tensor([L], device=ids.device)
-        logits = self._step(weights(self.runner), list(keys), list(values), ids,
-                            position_ids[:, 0], col, mask)
+        logits = self._step(self.family.weights(self.runner), list(keys), list(values), ids,
+                            position_ids[:, 0], col, mask, window_mask)
         for layer in layers:
             layer.advance(1)
         return logits, cache

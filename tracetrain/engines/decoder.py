@@ -16,15 +16,16 @@ layers are checked when the decoder is made (engines/layers.py): full-attention 
 layers keep every token's KV (a sliding layer's mask windows it); a model with conv layers (lfm2)
 prefills each prompt whole, without the tree, and says so once in the log; a model of any other
 layer kind, or whose forward pass does not keep its state in that cache, is refused then, naming
-its model_type. `sample` draws
-each row's token with its request's temperature and top_p from a uniform seeded by (the request's
-seed, the token's index), and keeps the token's logprob under the full temperature-scaled
+its model_type.
+
+`sample` draws each row's token with its request's temperature and top_p from a uniform seeded by
+(the request's seed, the token's index), and keeps the token's logprob under the full temperature-scaled
 distribution, log_softmax(l / T), before top-p: the quantity the trainer recomputes. A stop id is
 the tokenizer's eos, the model's generation_config eos or one of the request's stop_token_ids; it
 stays in the response (finish "stop"), as does the token that completes one of the request's stop
 strings ("stop"); at max_tokens the finish is "length". `step` writes each step's keys and values
-in place (engines/kv_cache.py): for a Llama-family model one function of tensors, compiled with
-`compile` (engines/decode_graph.py), else transformers' forward.
+in place (engines/kv_cache.py): for llama, qwen2, qwen3, mistral and gemma3_text one function of
+tensors, compiled with `compile` (engines/decode_graph.py), else transformers' forward.
 
 The forward passes run `runner`: a copy of the model's modules around its own weights (fp32), or
 a bf16 copy that `update_weights` refreshes (engines/precision.py). With several policies (config
