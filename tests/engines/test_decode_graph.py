@@ -122,7 +122,7 @@ def _step(graph, batch: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def test_each_engine_has_its_own_recompile_limit(monkeypatch, caplog):
+def test_each_engine_has_its_own_recompile_limit(monkeypatch, caplog, request):
     """dynamo keeps compiled graphs per code object, and past torch._dynamo.config.recompile_limit
     a new guard runs eagerly: engines of three models (another number of layers: another graph)
     each compile their own step although the limit is 1; one engine past its own limit (batch 1
@@ -137,7 +137,10 @@ def test_each_engine_has_its_own_recompile_limit(monkeypatch, caplog):
 
     monkeypatch.setattr(decode_graph, "inductor_builds", lambda: None)
     monkeypatch.setattr(decode_graph, "BACKEND", backend)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    # (torch's own patch: monkeypatch's undo leaves a torch config key deleted, and later compiles fail)
+    limit = torch._dynamo.config.patch(recompile_limit=1)
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
     caplog.set_level(logging.WARNING, logger="tracetrain.engine")
     engines = []
     for layers in (1, 2, 3):
