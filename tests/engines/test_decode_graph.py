@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from decode_checks import compare, prefill
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_local import LOGPROB_ATOL
@@ -47,12 +48,6 @@ def _qwen2() -> Qwen2ForCausalLM:
 QWEN2 = _qwen2()
 
 
-def _prefill(runner, ids, mask):
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = runner(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    return out.past_key_values, positions[:, -1]
-
-
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from(["llama", "qwen2"]), st.lists(st.integers(1, 9), min_size=1, max_size=4),
        st.integers(1, 5), st.integers(0, 3), st.integers(0, 2**31))
@@ -62,23 +57,7 @@ def test_eager_step_gives_transformers_logits_and_kv(kind, lengths, steps, room,
     runner = shared_copy(model)  # (the engine's fp32 runner: grouped decode attention)
     graph = decode_graph.DecodeGraph(runner, compile=False)
     assert not graph.compiled
-    g = torch.Generator().manual_seed(seed)
-    vocab, B, L = model.config.vocab_size, len(lengths), max(lengths)
-    ids = torch.randint(1, vocab, (B, L), generator=g)
-    mask = torch.zeros(B, L, dtype=torch.int64)
-    for b, n in enumerate(lengths):  # left padding
-        mask[b, L - n :] = 1
-    (theirs, pos), (ours, _) = _prefill(runner, ids, mask), _prefill(runner, ids, mask)
-    theirs, ours = reserve(theirs, room), reserve(ours, room)  # (room < steps: the stores grow)
-    for _ in range(steps):
-        y = torch.randint(1, vocab, (B, 1), generator=g)
-        mask, pos = torch.cat([mask, mask.new_ones(B, 1)], -1), pos + 1
-        want = runner(input_ids=y, attention_mask=mask, position_ids=pos[:, None],
-                      past_key_values=theirs, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        got, _ = graph(y, mask, pos[:, None], ours)
-        assert torch.equal(got, want)
-        for a, b in zip(ours.layers, theirs.layers, strict=True):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    compare(graph, lengths, steps, room, seed)
 
 
 def _prompts():
@@ -116,7 +95,7 @@ def _step(graph, batch: int) -> torch.Tensor:
     vocab = graph.runner.config.vocab_size
     ids = torch.arange(3 * batch).view(batch, 3) % (vocab - 1) + 1
     mask = torch.ones(batch, 3, dtype=torch.int64)
-    cache, pos = _prefill(graph.runner, ids, mask)
+    cache, pos = prefill(graph.runner, ids, mask)
     y, mask = ids[:, :1], torch.cat([mask, mask.new_ones(batch, 1)], -1)
     return graph(y, mask, (pos + 1)[:, None], reserve(cache, 2))[0]
 

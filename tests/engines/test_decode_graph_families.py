@@ -15,6 +15,7 @@ import functools
 import pytest
 import torch
 import transformers as tf
+from decode_checks import compare
 from families import FAMILIES, TOK, family_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,8 +23,6 @@ from test_engine_local import LOGPROB_ATOL
 
 from tracetrain.engines import decode_gemma3, decode_graph, decode_llama
 from tracetrain.engines.base import SamplingParams
-from tracetrain.engines.kv_cache import reserve
-from tracetrain.engines.layers import empty_cache, layer_kinds
 from tracetrain.engines.local import LocalEngine
 from tracetrain.engines.precision import bf16_copy, shared_copy
 
@@ -66,43 +65,6 @@ def _runner(name: str, precision: str) -> torch.nn.Module:
     return (shared_copy if precision == "fp32" else bf16_copy)(_model(name))
 
 
-def _prefill(runner, ids, mask):
-    """transformers' forward over the prompts into the engine's cache (every token of a sliding
-    layer kept: engines/layers.py)."""
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = runner(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                 past_key_values=empty_cache(layer_kinds(runner)))
-    return out.past_key_values, positions[:, -1]
-
-
-@torch.inference_mode()
-def _compare(graph, lengths, steps, room, seed) -> list[torch.Tensor]:
-    """Decode `steps` random tokens after left-padded random prompts of `lengths`, by transformers'
-    forward and by `graph` over copies of one prefill: the same logits and KV, bit for bit, at
-    every step (asserted); each step's logits."""
-    runner = graph.runner
-    g = torch.Generator().manual_seed(seed)
-    vocab, B, L = runner.config.vocab_size, len(lengths), max(lengths)
-    ids = torch.randint(1, vocab, (B, L), generator=g)
-    mask = torch.zeros(B, L, dtype=torch.int64)
-    for b, n in enumerate(lengths):  # left padding
-        mask[b, L - n :] = 1
-    (theirs, pos), (ours, _) = _prefill(runner, ids, mask), _prefill(runner, ids, mask)
-    theirs, ours = reserve(theirs, room), reserve(ours, room)  # (room < steps: the stores grow)
-    out = []
-    for _ in range(steps):
-        y = torch.randint(1, vocab, (B, 1), generator=g)
-        mask, pos = torch.cat([mask, mask.new_ones(B, 1)], -1), pos + 1
-        want = runner(input_ids=y, attention_mask=mask, position_ids=pos[:, None],
-                      past_key_values=theirs, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        got, _ = graph(y, mask, pos[:, None], ours)
-        assert torch.equal(got, want)
-        for a, b in zip(ours.layers, theirs.layers, strict=True):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        out.append(got)
-    return out
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from(["fp32", "bf16"]), st.lists(st.integers(1, 9), min_size=1, max_size=4),
@@ -113,7 +75,7 @@ def test_eager_step_gives_transformers_logits_and_kv(name, precision, lengths, s
     assert not graph.compiled and decode_graph.unsupported(runner) is None
     assert graph.step is (decode_gemma3 if name.startswith("gemma3") else decode_llama).decode_step
     assert graph.window == (None if name in ("qwen3", "mistral") else WINDOW)
-    _compare(graph, lengths, steps, room, seed)
+    compare(graph, lengths, steps, room, seed)
 
 
 @pytest.mark.parametrize("name", ["mistral_sliding", "gemma3_text", "qwen3_sliding"])
@@ -123,7 +85,7 @@ def test_the_windows_slide(name):
     graph = decode_graph.DecodeGraph(_runner(name, "fp32"), compile=False)
     graph.window = 1000
     with pytest.raises(AssertionError):
-        _compare(graph, [9, 2], 2, 1, 0)
+        compare(graph, [9, 2], 2, 1, 0)
 
 
 # --------------------------------------------------------------------------- the engine through it

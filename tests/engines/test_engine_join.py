@@ -3,11 +3,10 @@ each gets the tokens and logprobs it gets alone."""
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from joining import with_late_requests
 from test_engine_local import LOGPROB_ATOL, teacher_forced_logprobs
 from transformers import DynamicCache
 
@@ -52,29 +51,6 @@ def test_join_rows_right_aligns_both_and_masks_the_padding(B, L, N, Ln):
         assert not layer.keys[:B, :, : M - L].any() and not layer.keys[B:, :, : M - Ln].any()
 
 
-def _run_with_late_requests(eng, first, late, join_after):
-    """`first` (prompt, params) starts alone; each of `late` is sent when the first's stream has
-    `join_after[k]` tokens. Returns (first's generation, the late ones' generations)."""
-
-    async def go():
-        loop = asyncio.get_running_loop()
-        seen, sent = [0], {}
-
-        def on_tokens(ids):
-            seen[0] += len(ids)
-            for k, ((p, sp), after) in enumerate(zip(late, join_after, strict=True)):
-                if after == seen[0]:
-                    sent[k] = loop.create_task(eng.generate(p, sp))
-
-        try:
-            head = await eng.generate(*first, on_tokens=on_tokens)
-            return head, await asyncio.gather(*(sent[k] for k in range(len(late))))
-        finally:
-            await eng.aclose()
-
-    return asyncio.run(go())
-
-
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(1, 8),
                           st.sampled_from([1.0, 0.9]), st.integers(0, 2**31)),
@@ -85,7 +61,7 @@ def test_a_request_that_joins_gets_the_tokens_it_gets_alone(late_specs):
     join_after = [j for _, j, _, _, _ in late_specs]
     first = (PROMPTS[0], SamplingParams(max_tokens=120, seed=5))
     eng = LocalEngine(MODEL, TOK, batch_window_ms=1.0)
-    head, gens = _run_with_late_requests(eng, first, late, join_after)
+    head, gens = with_late_requests(eng, first, late, join_after)
     assert eng.stats["joined"] == len(late) and eng.stats["batches"] == 1
     assert len(head.response_ids) == 120
     alone = LocalEngine(MODEL, TOK)
@@ -102,7 +78,7 @@ def test_a_request_that_joins_gets_the_tokens_it_gets_alone(late_specs):
 def test_joining_respects_max_batch_size_and_the_rest_wait_for_the_next_batch():
     late = [(PROMPTS[k % 3] + [9], SamplingParams(max_tokens=4, seed=k)) for k in range(3)]
     eng = LocalEngine(MODEL, TOK, batch_window_ms=1.0, max_batch_size=2)
-    head, gens = _run_with_late_requests(eng, (PROMPTS[1], SamplingParams(max_tokens=120, seed=1)),
+    head, gens = with_late_requests(eng, (PROMPTS[1], SamplingParams(max_tokens=120, seed=1)),
                                          late, [2, 2, 2])
     assert eng.stats["joined"] >= 1 and eng.stats["max_batch"] == 2
     assert eng.stats["requests"] == 4 and eng.stats["batches"] == 4 - eng.stats["joined"]

@@ -23,7 +23,6 @@ the two continuations part and are not compared.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 import torch
 import transformers as tf
 from families import FAMILIES, TOK, WINDOW, family_model
+from joining import with_late_requests
 
 from tracetrain.config import ConfigError, LoraConfig, build_config
 from tracetrain.engines.attention import engine_mask
@@ -130,27 +130,6 @@ def test_tokens_and_logprobs_are_transformers_own_with_and_without_the_prefix_ca
     assert cached == 0 if kind == "lfm2" else cached > len(PROMPTS[0])
 
 
-def _with_late_requests(eng, first, late, after):
-    """`first` starts alone; late[k] is sent when the first's stream has after[k] tokens."""
-
-    async def go():
-        loop, seen, sent = asyncio.get_running_loop(), [0], {}
-
-        def on_tokens(ids):
-            seen[0] += len(ids)
-            for k, a in enumerate(after):
-                if a == seen[0]:
-                    sent[k] = loop.create_task(eng.generate(*late[k]))
-
-        try:
-            head = await eng.generate(*first, on_tokens=on_tokens)
-            return head, await asyncio.gather(*(sent[k] for k in range(len(late))))
-        finally:
-            await eng.aclose()
-
-    return asyncio.run(go())
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_request_that_joins_a_running_batch_gets_transformers_own_tokens(models, kind):
     model = model_of(models, kind)
@@ -158,7 +137,7 @@ def test_a_request_that_joins_a_running_batch_gets_transformers_own_tokens(model
     late = [(PROMPTS[0] + [7], SamplingParams(max_tokens=6, seed=1)),
             (PROMPTS[3], SamplingParams(max_tokens=8, seed=2))]
     eng = LocalEngine(model, TOK, batch_window_ms=1.0)
-    head, gens = _with_late_requests(eng, first, late, [2, 5])
+    head, gens = with_late_requests(eng, first, late, [2, 5])
     assert eng.stats["joined"] == 2 and eng.stats["batches"] == 1
     alone = LocalEngine(model, TOK, prefix_cache=False)
     for (prompt, params), gen in zip([first, *late], [head, *gens], strict=True):

@@ -12,16 +12,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-from pathlib import Path
 
 import httpx
-
-_spec = importlib.util.spec_from_file_location(
-    "guess_demo_task", Path(__file__).resolve().parents[2] / "examples" / "guess" / "task.py")
-guess = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(guess)
+from guess_demo import guess
 
 tasks = guess.tasks
 warm_start_transcripts = guess.warm_start_transcripts
