@@ -42,11 +42,22 @@ def converted_dir(path: Path, converter_source: Path) -> Path:
     return cache_root() / "gguf" / f"{path.stem}-{key}"
 
 
+def _complete(target: Path) -> bool:
+    """Whether a converted directory is in place (a rename puts it there whole)."""
+    return (target / "config.json").is_file()
+
+
+def cached(path: Path, converter_source: Path) -> Path | None:
+    """The converted directory of GGUF file `path` where an earlier load made it, else None."""
+    target = converted_dir(path, converter_source)
+    return target if _complete(target) else None
+
+
 def converted(path: Path, converter_source: Path, convert: Callable[[], tuple]) -> Path | None:
     """The converted directory of GGUF file `path`, made with `convert() -> (fp32 model,
     tokenizer)` when it is not in the cache yet; None when the cache cannot be written."""
     target = converted_dir(path, converter_source)
-    if (target / "config.json").is_file():
+    if _complete(target):
         return target
     model, tokenizer = convert()
     try:

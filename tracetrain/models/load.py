@@ -69,12 +69,12 @@ def load_tokenizer(mc: ModelConfig):
         return tiny.build_tokenizer()
     if mc.kind == "pretrained":
         return AutoTokenizer.from_pretrained(model_dir(mc))
-    from tracetrain.models.gguf_cache import converted_dir
+    from tracetrain.models.gguf_cache import cached
 
     path = Path(model_dir(mc)) / mc.gguf_file
-    cached = converted_dir(path, Path(__file__)) if path.is_file() else None
-    if cached is not None and (cached / "config.json").is_file():  # converted by an earlier load
-        return AutoTokenizer.from_pretrained(cached)
+    done = cached(path, Path(__file__)) if path.is_file() else None
+    if done is not None:  # converted by an earlier load
+        return AutoTokenizer.from_pretrained(done)
     return gguf_tokenizer(str(path.parent), mc.gguf_file)
 
 
