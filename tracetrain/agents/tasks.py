@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,14 @@ def load_task(spec: str, base_dir: Path | None = None, *, needs_tasks: bool = Tr
     """A task module: a path to a .py file (relative to the config file, then the cwd) or a module
     name. It defines `tasks(n, seed=..., **task_args)` and `agent(task, client)`, and optionally
     `warm_start_transcripts(n, seed=..., **task_args)`. `needs_tasks` false (a run whose tasks
-    come from `data.train`): `tasks` may be missing."""
+    come from `data.train`): `tasks` may be missing. A file's folder goes on `sys.path` first, as
+    `python task.py` puts it: the module imports the modules beside it."""
     if spec.endswith(".py"):
         path = near_config(spec, base_dir, Path.is_file)
         if path is None:
             raise ConfigError(f"config key 'task': {not_found(spec, base_dir)}")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
         mod_spec = importlib.util.spec_from_file_location(f"tracetrain_task_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
