@@ -241,16 +241,16 @@ def run_turns(gw, client, messages, replies, edit=None, tools=None):
 
 def test_first_request_work_is_done_when_the_gateway_starts(tmp_path):
     """The prompt encoder's split check, the template's closing probes (with and without tools)
-    and the tool parser are built at startup; the first requests use them as they are."""
+    and the tool format are built at startup; the first requests use them as they are."""
     with live_gateway(tmp_path, ScriptedEngine()) as gw:
         slot = gw.app.gateway.slots["default"]
-        prompts, exact, parser = slot._prompts, slot._exact, slot._parser
-        assert prompts is not None and exact is not None and parser is not None
+        prompts, exact, tools = slot._prompts, slot._exact, slot._tools
+        assert prompts is not None and exact is not None and tools is not None
         assert len(exact._closings) == 2 and all(exact._closings.values())
         (r,) = gw.create(1)
         client = OpenAI(base_url=r["base_url"], api_key=r["api_key"], max_retries=0)
         run_turns(gw, client, [{"role": "user", "content": "hi"}], ["one", "two"], tools=CALC_TOOLS)
-        assert (slot._prompts, slot._exact, slot._parser) == (prompts, exact, parser)
+        assert (slot._prompts, slot._exact, slot._tools) == (prompts, exact, tools)
         assert len(exact._closings) == 2
 
 

@@ -26,7 +26,8 @@ class GatewayConfig(_Section):
     from $TRACETRAIN_ADMIN_KEY; agents always need their rollout's own key. `context`: how chat
     prompts are built, `exact` (the earlier turn's ids + the new messages) or `template` (the chat
     template's full render); docs/gateway.md. `tool_parser`: the format of the model's tool calls
-    (auto: detected from the chat template)."""
+    (auto: detected from the chat template), and whether tools are written into the prompt of a
+    template that drops them."""
 
     host: str = Field("127.0.0.1", min_length=1)
     """The address the gateway binds: loopback, an interface address, or a wildcard (0.0.0.0, ::;
@@ -39,8 +40,12 @@ class GatewayConfig(_Section):
     context: Literal["exact", "template"] = "exact"
     """How chat prompts are built: `exact` (the earlier turn's ids + the new messages) or
     `template` (the chat template's full render); docs/gateway.md."""
-    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
-    """The format of the model's tool calls; `auto`: detected from the chat template."""
+    tool_parser: Literal["auto", "hermes", "llama3_json", "mistral", "off"] = "auto"
+    """The format of the model's tool calls. `auto`: detected from the chat template; where the
+    template drops tools (SmolLM2's), the gateway writes them into the system message in the
+    Hermes format and reads calls as hermes (docs/gateway.md). `hermes`: the same, calls read as
+    hermes. `llama3_json`, `mistral`: that format, never the tool block. `off`: as auto, never the
+    tool block."""
     forced_tool_choice: Literal["refuse", "as_auto"] = "refuse"
     """A request's tool_choice that forces a call (`required`, a named tool) where it cannot be
     enforced (the local engine, SGLang, the mistral tool parser; a vLLM engine constrains decoding

@@ -80,7 +80,9 @@ class Gateway:
             raise TypeError(
                 f"engine {name!r} lacks {', '.join(missing)} (see tracetrain.engines.base.Engine)"
             )
-        self.slots[name] = EngineSlot(name, engine, pause_wait_s=self.pause_wait_s, spec=spec)
+        self.slots[name] = EngineSlot(
+            name, engine, pause_wait_s=self.pause_wait_s, spec=spec, tool_parser=self.tool_parser
+        )
         if spec is not None:
             self.owned.append(engine)
         return self.slots[name]
@@ -90,7 +92,7 @@ class Gateway:
         left to fail on its requests, with their error."""
         for slot in self.slots.values():
             try:
-                slot.warm(self.tool_parser)
+                slot.warm()
             except Exception as e:
                 log.warning("engine %r not warmed: %s: %s", slot.name, type(e).__name__, e)
 
@@ -157,7 +159,9 @@ def create_app(
     close_engines: also close the given engines at shutdown (the app then owns them).
     context: "exact" (a turn's prompt continues the ids of the turn it follows) or "template" (the
     chat template's full render every time); gateway/context.py. tool_parser: the format of the
-    model's tool calls, "auto" (detected from the chat template) or a name in tool_calls.PARSERS.
+    model's tool calls, "auto" (detected from the chat template), "off" (auto, and never the tool
+    block) or a name in tool_calls.PARSERS; a template that drops tools gets them written into the
+    messages (slots.ToolFormat).
     forced_tool_choice: what a tool_choice that forces a call gets where it cannot be enforced
     (an engine that cannot constrain decoding, a tool parser without a constraint; see
     render.decoding): "refuse" (400) or "as_auto" (generated as auto; smolagents'
@@ -170,8 +174,10 @@ def create_app(
         or max_body_bytes < 1
     ):
         raise ValueError(f"max_body_bytes must be a positive int, got {max_body_bytes!r}")
-    if tool_parser != "auto" and tool_parser not in PARSERS:
-        raise ValueError(f"tool_parser must be auto or one of {', '.join(PARSERS)}, got {tool_parser!r}")
+    if tool_parser not in ("auto", "off") and tool_parser not in PARSERS:
+        raise ValueError(
+            f"tool_parser must be auto, off or one of {', '.join(PARSERS)}, got {tool_parser!r}"
+        )
     if forced_tool_choice not in ("refuse", "as_auto"):
         raise ValueError(f"forced_tool_choice must be refuse or as_auto, got {forced_tool_choice!r}")
     if context not in CONTEXT_POLICIES:

@@ -20,6 +20,7 @@ from tracetrain.gateway.errors import ApiError
 from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.schemas.openai import ChatCompletionIn, CompletionIn, _Sampling
 from tracetrain.gateway.tool_calls import Parser
+from tracetrain.models.tool_prompt import chat_text
 
 
 def answer_text(tokenizer: Any, ids: list[int], keep: tuple[str, ...] = ()) -> str:
@@ -35,13 +36,18 @@ def answer_text(tokenizer: Any, ids: list[int], keep: tuple[str, ...] = ()) -> s
 
 
 def template_text(
-    tokenizer: Any, messages: list[dict], tools: list | None, generation_prompt: bool
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None,
+    generation_prompt: bool,
+    inject: bool = False,
 ) -> str:
-    """The chat template's text for (messages, tools), as apply_chat_template(tokenize=False)."""
-    kwargs = {"tools": tools} if tools else {}
+    """The chat template's text for (messages, tools), as apply_chat_template(tokenize=False); with
+    `inject` (a template that drops tools), with the tool block in the messages
+    (models/tool_prompt.py)."""
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+        return chat_text(
+            tokenizer, messages, tools, generation_prompt=generation_prompt, inject=inject
         )
     except Exception as e:  # a template raising on the messages is the client's input at fault
         raise ApiError(
@@ -50,12 +56,17 @@ def template_text(
 
 
 def full_prompt_ids(
-    tokenizer: Any, messages: list[dict], tools: list | None, prompts: PromptEncoder | None = None
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None,
+    prompts: PromptEncoder | None = None,
+    inject: bool = False,
 ) -> list[int]:
-    """The ids of the template's full render of (messages, tools), with the generation prompt."""
+    """The ids of the template's full render of (messages, tools), with the generation prompt
+    (`inject`: template_text's)."""
 
     def render() -> str:
-        return template_text(tokenizer, messages, tools, True)
+        return template_text(tokenizer, messages, tools, True, inject)
 
     if prompts is not None:
         return prompts.chat_ids(messages, tools, render)

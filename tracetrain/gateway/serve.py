@@ -193,8 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tool-parser",
         default="auto",
-        help="format of the model's tool calls: auto (from the chat template), hermes, "
-        "llama3_json, mistral (gateway/tool_calls.py)",
+        help="format of the model's tool calls: auto (from the chat template; a template that "
+        "drops tools gets them in the system message, as hermes), hermes, llama3_json, mistral, "
+        "off (auto without the tool block); gateway/tool_calls.py",
     )
     p.add_argument(
         "--forced-tool-choice",
@@ -214,8 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"{MIN_ADMIN_KEY_CHARS} characters")
     from tracetrain.gateway.tool_calls import PARSERS
 
-    if args.tool_parser != "auto" and args.tool_parser not in PARSERS:
-        p.error(f"--tool-parser {args.tool_parser!r} is unknown; known: auto, {', '.join(PARSERS)}")
+    if args.tool_parser not in ("auto", "off") and args.tool_parser not in PARSERS:
+        p.error(f"--tool-parser {args.tool_parser!r} is unknown; known: auto, off, "
+                f"{', '.join(PARSERS)}")
     if args.engine == "upstream":
         missing = [f for f in ("upstream_url", "model", "tokenizer") if not getattr(args, f)]
         if missing:

@@ -262,7 +262,7 @@ async def chat_answer(
     tok = slot.engine.tokenizer
 
     def full() -> list[int]:
-        return render.full_prompt_ids(tok, messages, tools, slot.prompts)
+        return render.full_prompt_ids(tok, messages, tools, slot.prompts, slot.tools.inject)
 
     if gw.context == "exact":
         first = await gw.calls.first(rollout, role)
@@ -277,7 +277,7 @@ async def chat_answer(
         tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured
     )
     how = (built.context, built.reason, built.reused_tokens)
-    parser = slot.tool_parser(gw.tool_parser)
+    parser = slot.tools.parser
     parse = bool(tools) and decoding.parse_calls
     on_tokens = None
     if deltas is not None:
@@ -310,7 +310,7 @@ def decoding_for(
     """render.decoding for a request to this slot's engine, with the gateway's tool parser and
     forced_tool_choice (every chat-shaped API calls it before generating)."""
     return render.decoding(
-        slot.engine, slot.tool_parser(gw.tool_parser), tools, choice, fmt, fmt_field,
+        slot.engine, slot.tools.parser, tools, choice, fmt, fmt_field,
         gw.forced_tool_choice,
     )
 
