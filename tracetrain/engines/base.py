@@ -49,6 +49,9 @@ class SamplingParams:
     # Several policies (config `policies`): the LoRA adapter that decodes, a policy's name or
     # "__base__" (the base model alone), for engines that serve adapters; None: the engine's model.
     adapter: str | None = None
+    # The chat request's (messages, tools) as the client sent them, for an engine that answers the
+    # conversation rather than the prompt ids (`answers_chat = True`: engines/expert.py); None else.
+    conversation: tuple[list[dict], list | None] | None = None
 
 
 # vLLM's structured_outputs constraints (StructuredOutputsParams); an object holds exactly one.

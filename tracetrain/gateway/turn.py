@@ -276,6 +276,8 @@ async def chat_answer(
     params = render.sampling_params(
         tok, slot.engine, sampling, len(prompt_ids), max_tokens, decoding.structured
     )
+    if getattr(slot.engine, "answers_chat", False):  # an expert answers the messages themselves
+        params = replace(params, conversation=(messages, tools))
     how = (built.context, built.reason, built.reused_tokens)
     parser = slot.tools.parser
     parse = bool(tools) and decoding.parse_calls
