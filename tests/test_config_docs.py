@@ -76,7 +76,7 @@ def walk(model: type[BaseModel] | list[type[BaseModel]], prefix: str = ""):
 
 # Optional sections that must be given a choice (env: which standard, and its source): their
 # keys' defaults are checked one by one below, not as a section built at its defaults.
-A_CHOICE = {"env"}
+A_CHOICE = {"env", "warm_start.expert"}
 
 
 def optional_sections(rows: dict[str, dict[str, str]]) -> set[str]:

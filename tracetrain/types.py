@@ -191,6 +191,32 @@ def check_role(role: object, where: str = "") -> str:
     return role
 
 
+# The name under which an agent reports its rollout's tool errors in the rollout's `metrics`
+# event: calls its harness answered with an error (a tool that raised, a tool that does not exist).
+TOOL_ERRORS = "tool_errors"
+
+
+@dataclass(frozen=True)
+class ToolStats:
+    """What one turn's answer did with the tools it was offered (the gateway counts it when tools
+    were offered and calls parsed: gateway/tool_calls.py `tool_stats`).
+
+    calls           tool calls parsed out of the answer
+    parse_failures  calls the answer began that did not parse (the parser's `opened` - calls, >= 0)
+    unknown         parsed calls whose name is none of the offered tools' names
+    """
+
+    calls: int = 0
+    parse_failures: int = 0
+    unknown: int = 0
+
+    def check(self, where: str = "") -> None:
+        for name in ("calls", "parse_failures", "unknown"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise TraceError(f"{where}tools.{name} is {v!r}; it must be an int >= 0")
+
+
 @dataclass
 class Turn:
     """One model call: the prompt ids the policy saw, the response ids it produced.
@@ -198,8 +224,10 @@ class Turn:
     `response_logprobs[j]` is the sampling log-probability of `response_ids[j]`; None when the
     engine did not return them. `model_version` is the policy version that produced the response.
     `role` names the agent of the program that made the call (DEFAULT_ROLE when it named none);
-    `reward` is the sum of the rewards given to this turn while the rollout ran (None: none).
-    Ids are lists or integer `array.array`s, logprobs lists or 'f'/'d' arrays (module docstring).
+    `reward` is the sum of the rewards given to this turn while the rollout ran (None: none);
+    `tools`: what its answer did with the tools offered (None: none were offered, or calls were
+    not parsed). Ids are lists or integer `array.array`s, logprobs lists or 'f'/'d' arrays
+    (module docstring).
     """
 
     prompt_ids: list[int] | array
@@ -208,6 +236,7 @@ class Turn:
     model_version: int | None = None
     role: str = DEFAULT_ROLE
     reward: float | None = None
+    tools: ToolStats | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -219,6 +248,11 @@ class Turn:
         check_role(self.role, where)
         if self.reward is not None:
             _check_finite(self.reward, "reward", where)
+        if self.tools is not None:
+            if not isinstance(self.tools, ToolStats):
+                raise TraceError(f"{where}tools must be a ToolStats or None, got "
+                                 f"{type(self.tools).__name__}")
+            self.tools.check(where)
 
 
 def check_generation(

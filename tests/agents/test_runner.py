@@ -280,16 +280,19 @@ async def two_roles(task, client):
         r.raise_for_status()
     await ai.chat.completions.create(model="checker", messages=msgs, max_tokens=8)
     given = {0: float("nan")} if task.get("nan") else task["turn_rewards"]
-    return {"reward": 1.0, "turn_rewards": given}
+    metrics = {"metrics": task["metrics"]} if "metrics" in task else {}
+    return {"reward": 1.0, "turn_rewards": given, **metrics}
 
 
 def test_a_two_role_agent_returns_rewards_along_the_way(tmp_path):
     specs = [
-        {"rollout_id": "ok", "task": {"post": True, "turn_rewards": {1: -1.0}}},
+        {"rollout_id": "ok",
+         "task": {"post": True, "turn_rewards": {1: -1.0}, "metrics": {"tool_errors": 2}}},
         {"rollout_id": "named", "task": {"turn_rewards": [{"turn": 0, "reward": 2.0, "name": "x"}]}},
         {"rollout_id": "no-turn", "task": {"turn_rewards": {5: 1.0}}},
         {"rollout_id": "not-int", "task": {"turn_rewards": {"0": 1.0}}},
         {"rollout_id": "nan", "task": {"nan": True}},  # (a task's JSON cannot hold NaN)
+        {"rollout_id": "bad-metrics", "task": {"turn_rewards": {}, "metrics": {"tool_errors": "two"}}},
     ]
     with live_gateway(tmp_path) as gw:
 
@@ -305,9 +308,11 @@ def test_a_two_role_agent_returns_rewards_along_the_way(tmp_path):
         turns = gw.store.get_turns("ok")
         assert [(t.role, t.reward) for t in turns] == [("solver", 0.5), ("checker", -1.0)]
         assert turns[0].rewards[0].name == "parsed"
+        # its returned metrics: the rollout's `metrics` event (the step's env/* and tools/errors)
+        assert [e.payload for e in gw.store.list_events("ok", kind="metrics")] == [{"tool_errors": 2}]
         named = gw.store.get_turns("named")
         assert [(r.name, r.reward) for r in named[0].rewards] == [("x", 2.0)]
         for rid, why in (("no-turn", "no turn 5"), ("not-int", "not a turn index"),
-                         ("nan", "turn reward")):
+                         ("nan", "turn reward"), ("bad-metrics", "metrics must be {name: number}")):
             assert res[rid].state == "failed" and why in res[rid].error, (rid, res[rid].error)
             assert res[rid].reward is None

@@ -102,6 +102,8 @@ def check_trained(tmp_path: Path, first_seed: int) -> None:
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["aggregate/breaks/total"] for m in steps] == [0, 0]
     assert any(m["grad_norm"] > 0 for m in steps)
+    # the agent's returned metrics reach the step: every call was a valid `step` (tools/*)
+    assert [(m["tools/errors"], m["tools/unknown"], m["env/tool_errors"]) for m in steps] == [(0, 0, 0)] * 2
     assert {r.task["seed"] for r, _ in rollouts} <= set(range(first_seed, first_seed + 6))
 
 
@@ -121,7 +123,8 @@ def test_seed_rows_the_step_tool_and_a_rollout_through_the_gateway(tmp_path):
             client = {"base_url": r["base_url"], "api_key": r["api_key"], "model": "policy",
                       "max_tokens": 64}
             out = asyncio.run(env.agent({"seed": 12}, client))
-            assert out == {"reward": pytest.approx(-0.6 + 0.0), "turn_rewards": {1: -0.6, 2: 0.0}}
+            assert out == {"reward": pytest.approx(-0.6 + 0.0), "turn_rewards": {1: -0.6, 2: 0.0},
+                           "metrics": {"tool_errors": 1}}  # the refused call
             turns = gw.store.get_turns(r["rollout_id"])
             assert len(turns) == 3 and [t.context for t in turns[1:]] == ["exact", "exact"]
             last = gw.engine.tokenizer.decode(turns[-1].prompt_ids)

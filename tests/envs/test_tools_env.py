@@ -108,7 +108,8 @@ def test_a_rollout_plays_the_convention_through_the_gateway(tmp_path):
         assert reward == pytest.approx(-0.3 + 0.1)  # |5 - 2| / 10 off, and a tool was called
         assert closed_list[closed:] == [2]
         (event,) = gw.store.list_events(r["rollout_id"], kind="metrics")  # each source's term
-        assert event.payload == pytest.approx({"closeness": -0.3, "called": 0.1})
+        # and the tool errors: add(m=1) raised, nope is no tool (add(n=2) answered)
+        assert event.payload == pytest.approx({"closeness": -0.3, "called": 0.1, "tool_errors": 2})
         turns = gw.store.get_turns(r["rollout_id"])
         assert [t.context for t in turns] == ["rendered", "exact", "exact"]
         last = gw.engine.tokenizer.decode(turns[-1].prompt_ids)
@@ -152,6 +153,10 @@ def test_trains_with_tool_calls_exact_across_turns(tmp_path):
     steps = metrics(tmp_path / "run")
     for m in steps:  # the reward function's mean over the step's rollouts (its only source)
         assert m["env/closeness"] == pytest.approx(m["reward_mean"])
+        # every rollout called `add` twice, each call parsed and answered (tools/*: rows/tool_metrics.py)
+        assert {k: v for k, v in m.items() if k.startswith("tools/")} == {
+            "tools/calls_per_rollout": 2.0, "tools/rollouts_with_call": 1.0,
+            "tools/parse_failures": 0, "tools/unknown": 0, "tools/errors": 0}
     assert [m["aggregate/breaks/total"] for m in steps] == [0, 0]
     assert [m["aggregate/n_rollouts"] for m in steps] == [4, 4]
     assert any(m["grad_norm"] > 0 for m in steps)  # a real update from the rewards' spread
@@ -180,3 +185,21 @@ def test_an_environment_that_raises_hangs_or_scores_nan_fails_its_rollout_only(t
         assert r.state.value == "timed_out" and "did not finish within 3.0 s" in r.error
     for r in by_mode["nan"]:
         assert r.state.value == "failed" and "reward function closeness returned nan" in r.error
+
+
+def test_eval_reports_the_tool_use_of_its_tries(tmp_path):
+    """`tracetrain eval`'s summary holds the tries' tools/* (run/step.py tools_metrics): each try
+    calls `add` twice, every call parsed and answered."""
+    from tracetrain.agents.tasks import open_task_data
+    from tracetrain.run.evaluate import evaluate
+
+    rows = [{"prompt": "Count.", "target": t} for t in (3, 4, 5, 6)]
+    cfg = config(tmp_path, {"factory": f"{ENVS}:Counter", "reward_funcs": [f"{ENVS}:closeness"]}, rows,
+                 "data.eval_fraction=0.5")
+    env = load_source(cfg)
+    summary, _ = asyncio.run(evaluate(cfg, env, open_task_data(cfg, None, env), k=2, n_tasks=2,
+                                      log=lambda *_: None))
+    assert summary["tries"] == 4 and summary["failed"] == 0
+    assert {k: v for k, v in summary.items() if k.startswith("tools/")} == {
+        "tools/calls_per_rollout": 2.0, "tools/rollouts_with_call": 1.0,
+        "tools/parse_failures": 0, "tools/unknown": 0, "tools/errors": 0}

@@ -172,3 +172,24 @@ def test_env_metrics_average_each_name_over_the_rollouts_that_reported_it():
         SimpleNamespace(payload=p) for p in events[rid] if kind == "metrics"])
     assert env_metrics(store, ["r1", "r2", "r3"]) == {"env/acc": 0.5, "env/fmt": 0.5}
     assert env_metrics(store, ["r3"]) == {}
+
+
+def test_tools_metrics_count_the_tool_errors_reported_by_rollouts_offered_tools():
+    """a reports tool_errors 1 then 2 (its last counts), b reports none, c was never offered tools
+    (its 7 is left out): tools/errors = 2; a made 2 calls, b none (1 unparsed)."""
+    from tracetrain.run.step import env_metrics, rollout_reports, tools_metrics
+    from tracetrain.types import Rollout, ToolStats, Turn
+
+    events = {"a": [{"tool_errors": 1, "acc": 1.0}, {"tool_errors": 2}], "b": [],
+              "c": [{"tool_errors": 7}]}
+    store = SimpleNamespace(list_events=lambda rid, kind=None: [
+        SimpleNamespace(payload=p) for p in events[rid] if kind == "metrics"])
+    rollouts = [Rollout("a", "g", [Turn([1], [2], tools=ToolStats(2, 0, 0))]),
+                Rollout("b", "g", [Turn([1], [2], tools=ToolStats(0, 1, 0))]),
+                Rollout("c", "g", [Turn([1], [2])])]
+    assert tools_metrics(store, rollouts) == {
+        "tools/calls_per_rollout": 1.0, "tools/rollouts_with_call": 0.5,
+        "tools/parse_failures": 1, "tools/unknown": 0, "tools/errors": 2}
+    reports = rollout_reports(store, ["a", "b", "c"])
+    assert reports == {"a": {"tool_errors": 2.0, "acc": 1.0}, "b": {}, "c": {"tool_errors": 7.0}}
+    assert env_metrics(store, [], reports) == {"env/acc": 1.0, "env/tool_errors": 4.5}

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracetrain.store import (
+    MIGRATIONS,
     SCHEMA_VERSION,
     IllegalTransition,
     NewRollout,
@@ -30,7 +31,7 @@ from tracetrain.store import (
     floats_to_blob,
     ids_to_blob,
 )
-from tracetrain.types import LEGAL_TRANSITIONS, Rollout, RolloutState
+from tracetrain.types import LEGAL_TRANSITIONS, Rollout, RolloutState, ToolStats, TraceError, Turn
 
 _ids = itertools.count()
 
@@ -381,9 +382,46 @@ def test_a_version_2_file_is_migrated_and_its_turns_read_as_before(tmp_path):
         assert [(t.role, t.reward) for t in s.get_turns("old")] == [("policy", None)] * 2
         # and from before the messages were kept (schema 5): none
         assert [t.messages for t in s.get_turns("old")] == [None, None]
+        # nor tool stats (schema 6)
+        assert [t.tools for t in s.get_turns("old")] == [None, None]
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     conn.close()
+
+
+def test_tool_stats_round_trip_to_the_trainers_turns_and_an_older_file_reads_none(tmp_path):
+    """A turn's tool stats are three columns (NULL: no tools offered), read back on TurnRecord
+    and on the Turns the trainer loads; a read-only store of a schema-5 file reads None."""
+    path = tmp_path / "tools.db"
+    with SQLiteStore(path) as s:
+        run(s.create_rollouts([new("t", group_id="G")]))
+        run(s.add_turn("t", NewTurn([1], [2], None, 0, "stop", tools=ToolStats(3, 1, 2))))
+        run(s.add_turn("t", NewTurn([1, 2, 5], [6], None, 0, "stop")))
+        run(s.set_state("t", "succeeded"))
+        assert [t.tools for t in s.get_turns("t")] == [ToolStats(3, 1, 2), None]
+        (r,) = s.load_rollouts(group_id="G")
+        assert [t.tools for t in r.turns] == [ToolStats(3, 1, 2), None]
+    with sqlite3.connect(path) as conn:
+        row = conn.execute("SELECT tool_calls, tool_parse_failures, tool_unknown FROM turns"
+                           " ORDER BY idx").fetchall()
+    assert row == [(3, 1, 2), (None, None, None)]
+
+    old = tmp_path / "v5.db"
+    conn = sqlite3.connect(old, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    for v, script in enumerate(MIGRATIONS[:5]):
+        conn.executescript(f"BEGIN; {script}; PRAGMA user_version = {v + 1}; COMMIT;")
+    conn.execute("INSERT INTO rollouts (rollout_id, group_id, task, state, key_salt, key_hash,"
+                 " created_at, updated_at, n_turns) VALUES ('o', 'g', 'null', 'running', x'00',"
+                 " x'01', 0, 0, 1)")
+    conn.execute("INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, created_at, messages)"
+                 " VALUES ('o', 0, ?, ?, 0, '[]')", (ids_to_blob([5]), ids_to_blob([6])))
+    conn.close()
+    with SQLiteStore(old, read_only=True) as s:
+        (t,) = s.get_turns("o")
+        assert (t.messages, t.tools) == ("[]", None)
+    with pytest.raises(TraceError, match="tools.calls is -1"):
+        Rollout("x", "g", [Turn([1], [2], tools=ToolStats(-1, 0, 0))])
 
 
 def test_bad_arguments_are_refused(tmp_path):

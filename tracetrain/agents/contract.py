@@ -11,7 +11,8 @@ role as its calls' `model`, or calls that role's base URL, `{rollout_url}/roles/
 
 What becomes of the rollout (runner.call_agent):
     returns a finite float or None      succeeded (None: a reward given through the gateway, or none)
-    returns an AgentReturn              succeeded; its turn rewards are given first
+    returns an AgentReturn              succeeded; its turn rewards are given, its metrics
+                                        posted as the rollout's `metrics` event, first
     raises                              failed, with the traceback kept
     runs past rollout.timeout_s         timed_out (a command: its process group killed)
 A failed or timed-out rollout never gets reward 0. A coroutine agent must await its I/O: one that
@@ -41,10 +42,13 @@ class AgentClient(TypedDict, total=False):
 
 class AgentReturn(TypedDict, total=False):
     """A reward with rewards along the way: turn index -> reward (or a list of {turn, reward,
-    name}); the gateway checks the turns exist and the numbers are finite."""
+    name}); the gateway checks the turns exist and the numbers are finite. `metrics`: numbers by
+    name, the rollout's `metrics` event (the step's env/<name>; `tool_errors`, types.TOOL_ERRORS:
+    the calls its harness answered with an error, also the step's tools/errors)."""
 
     reward: float | None
     turn_rewards: dict[int, float] | list[dict]
+    metrics: dict[str, float]
 
 
 class Agent(Protocol):

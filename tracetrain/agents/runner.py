@@ -277,12 +277,23 @@ async def post_to_rollout(client: dict, path: str, bodies: list[dict]) -> None:
             await http.aclose()
 
 
+def returned_metrics(value: Any) -> list[dict]:
+    """The metrics an agent returned ({name: number}, e.g. types.TOOL_ERRORS) as the body of its
+    rollout's `metrics` event (none for {}); ValueError unless a dict of numbers by name."""
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in value.items()):
+        raise ValueError(f"metrics must be {{name: number}}, got {value!r}"[:300])
+    return [{"kind": "metrics", "payload": value}] if value else []
+
+
 async def call_agent(agent: AgentFn, task: Any, client: dict,
                      timeout_s: float) -> tuple[str, float | None, str | None]:
     """Run one agent under its timeout -> (state, reward, error): succeeded with its returned
     reward (a finite float, or None), timed_out, or failed with the traceback kept. An agent may
-    return {"reward": ..., "turn_rewards": ...} (see `returned_turn_rewards`): its turn rewards
-    are then given through the gateway before the rollout ends."""
+    return {"reward": ..., "turn_rewards": ..., "metrics": ...} (see `returned_turn_rewards`,
+    `returned_metrics`): its turn rewards are then given, and its metrics posted as a `metrics`
+    event, through the gateway before the rollout ends."""
     state, reward, error = "succeeded", None, None
     try:
         reward = await asyncio.wait_for(agent(task, client), timeout_s)
@@ -293,13 +304,14 @@ async def call_agent(agent: AgentFn, task: Any, client: dict,
     if state == "succeeded" and isinstance(reward, dict):
         returned, reward = reward, reward.get("reward")
         try:
-            unknown = set(returned) - {"reward", "turn_rewards"}
+            unknown = set(returned) - {"reward", "turn_rewards", "metrics"}
             if unknown:
-                raise ValueError(f"unknown keys {sorted(unknown)} (reward, turn_rewards)")
+                raise ValueError(f"unknown keys {sorted(unknown)} (reward, turn_rewards, metrics)")
             await post_to_rollout(client, "turn-rewards",
                                   returned_turn_rewards(returned.get("turn_rewards", {})))
+            await post_to_rollout(client, "events", returned_metrics(returned.get("metrics", {})))
         except (ValueError, httpx.HTTPError) as e:
-            state, error = "failed", f"agent returned unusable turn rewards: {e}"
+            state, error = "failed", f"agent returned unusable turn rewards or metrics: {e}"
     if state == "succeeded" and reward is not None:
         try:
             reward = float(reward)

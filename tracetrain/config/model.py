@@ -16,6 +16,19 @@ from tracetrain.config.base import _Section, named_once
 from tracetrain.types import check_role
 
 
+class RemoteModelConfig(_Section):
+    """A model behind an OpenAI-compatible chat completions endpoint (vLLM, SGLang, a hosted API):
+    how an expert (warm_start.expert) is named."""
+
+    url: str = Field(pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    """The endpoint's base URL, e.g. `http://127.0.0.1:8000/v1` (requests go to its
+    /chat/completions)."""
+    name: str = Field(min_length=1)
+    """The model name the endpoint serves (the request's `model`)."""
+    api_key_env: str | None = None
+    """The environment variable holding its API key (null: no key is sent)."""
+
+
 class LoraConfig(_Section):
     """LoRA (peft): train a low-rank adapter on the named linear layers, the base frozen."""
 

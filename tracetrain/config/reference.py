@@ -247,8 +247,10 @@ def config_reference() -> str:
     for prefix, models in found.items():
         title = f"`{prefix}`" if prefix else "Top level"
         parent, _, last = prefix.rpartition(".")
-        field = found[parent][0].model_fields[last] if prefix else None
-        note = describe(found[parent][0], last) if prefix else ""  # the section's own field
+        # the model above that has this section (of a union above: the kind that has it)
+        owner = next(m for m in found[parent] if last in m.model_fields) if prefix else None
+        field = owner.model_fields[last] if owner is not None else None
+        note = describe(owner, last) if owner is not None else ""  # the section's own field
         tags = {m: t for t, m in union_sections(field.annotation).items()} if field else {}
         default = _default(field) if field is not None and not field.is_required() else None
         docs = [_intro(m, "") for m in models]  # a union's: what it is, then each kind

@@ -121,9 +121,10 @@ class TrainConfig(_Section):
             if getattr(self, field) != type(self).model_fields[field].get_default(call_default_factory=True):
                 raise ValueError(f"{key}: not with env (kind {kind}: the environment is the "
                                  "task source and plays the rollouts)")
-        if self.warm_start.steps:
+        if self.warm_start.steps and self.warm_start.expert is None:
             raise ValueError(f"warm_start.steps: not with env (kind {kind}: an environment makes "
-                             "no warm-start transcripts)")
+                             "no warm-start transcripts) unless warm_start.expert gives "
+                             "demonstrations")
         if kind in ("reasoning_gym", "verifiers") and (d.train is not None or d.eval is not None):
             raise ValueError(f"data.train / data.eval: env.kind {kind} brings its own rows")
         if kind == "environment_class" and d.train is None:

@@ -3,32 +3,128 @@ metric sinks (`trainer`), and the supervised warm start before it (`warm_start`)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    Discriminator,
     Field,
+    Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from tracetrain.config.base import _Section, named_once
+from tracetrain.config.base import ObjectSpec, _Section, named_once, union_sections
+from tracetrain.config.model import RemoteModelConfig
+from tracetrain.paths import near_config, not_found
+
+
+class ScriptedExpertConfig(_Section):
+    """An expert written in Python: `fn(messages, tools) -> reply` (sync or async), the reply a chat
+    assistant message {"content", "tool_calls"} or a str."""
+
+    kind: Literal["scripted"]
+    """`scripted`: a Python function plays the environment."""
+    path: ObjectSpec
+    """The function, `module:name` or `file.py:name` (relative to the config file)."""
+    rollouts: int = Field(64, gt=0)
+    """Rollouts the expert plays (one per training task, in the run's task order)."""
+    min_reward: float | None = None
+    """Only the expert's rollouts with a reward at least this are trained on (null: every one
+    that succeeded)."""
+
+
+class ModelExpertConfig(_Section):
+    """An expert that is a model behind an OpenAI-compatible URL (a bigger model, a teacher)."""
+
+    kind: Literal["model"]
+    """`model`: a model behind a URL plays the environment."""
+    model: RemoteModelConfig
+    """The model: `{url, name, api_key_env}`."""
+    temperature: float = Field(0.0, ge=0)
+    """Its sampling temperature."""
+    max_tokens: int = Field(512, gt=0)
+    """Tokens per reply at most."""
+    rollouts: int = Field(64, gt=0)
+    """Rollouts the expert plays (one per training task, in the run's task order)."""
+    min_reward: float | None = None
+    """Only the expert's rollouts with a reward at least this are trained on (null: every one
+    that succeeded)."""
+
+
+class FileExpertConfig(_Section):
+    """Demonstrations from a file, in TRL's conversational format: a `messages` column (chat
+    messages, tool calls included) and an optional `tools` column (chat tools)."""
+
+    kind: Literal["file"]
+    """`file`: transcripts from a file."""
+    path: str = Field(min_length=1)
+    """A .jsonl, .parquet or .csv file, or a `datasets` folder (relative to the config file, then
+    the working directory); each row one conversation."""
+
+    @field_validator("path")
+    @classmethod
+    def _found(cls, value: str, info: ValidationInfo) -> str:
+        base = (info.context or {}).get("base_dir")
+        found = near_config(value, base, Path.exists)
+        if found is None:
+            raise ValueError(not_found(value, base))
+        return str(found.resolve())
+
+
+def _expert_tag(data: Any) -> str | None:
+    return data.get("kind") if isinstance(data, dict) else getattr(data, "kind", None)
+
+
+ExpertConfig = Annotated[
+    Annotated[ScriptedExpertConfig, Tag("scripted")] | Annotated[ModelExpertConfig, Tag("model")]
+    | Annotated[FileExpertConfig, Tag("file")],
+    Discriminator(_expert_tag),
+]
+"""`warm_start.expert`: where the demonstrations come from, chosen by `kind`."""
 
 
 class WarmStartConfig(_Section):
-    """Optional supervised phase before RL (loss on every token of example transcripts)."""
+    """Optional supervised phase before RL: on the task module's example transcripts (loss on
+    every token), or on an expert's demonstrations (`expert`: loss on the expert's replies only,
+    in the policy's own tokens; run/expert.py)."""
 
     steps: int = Field(0, ge=0)
     """Supervised AdamW steps before RL; 0: no warm start. Not run when the run resumes from a
     checkpoint."""
     batch_size: int = Field(64, gt=0)
     """Transcripts per warm-start step (drawn from the `steps * batch_size` the task module
-    makes)."""
+    makes, or from the expert's demonstrations)."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate of the warm start (constant, no weight decay, gradient norm clipped
     at 1)."""
     transcripts: str = "warm_start_transcripts"
     """The task module's function that makes them: `fn(n, seed=trainer.seed, **task_args)` returns
     `n` chat transcripts (lists of messages)."""
+    expert: ExpertConfig | None = None
+    """Demonstrations instead of the task module's transcripts: `{kind: scripted, path:
+    expert.py:fn}`, `{kind: model, model: {url, name}}` (each plays `rollouts` rollouts of the
+    training tasks through the gateway, recorded in traces.db on engine `expert`), or `{kind:
+    file, path: demos.jsonl}`; docs/environments.md."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expert_kind(cls, data: Any) -> Any:
+        """An `expert` without a kind this config knows: an error naming `warm_start.expert.kind`."""
+        expert = data.get("expert") if isinstance(data, dict) else None
+        kinds = list(union_sections(ExpertConfig))
+        if isinstance(expert, dict) and expert.get("kind") not in kinds:
+            got = f"{expert['kind']!r} is not" if "kind" in expert else "required,"
+            raise ValueError(f"warm_start.expert.kind: {got} one of {', '.join(kinds)}")
+        return data
+
+    @model_validator(mode="after")
+    def _expert_needs_steps(self) -> WarmStartConfig:
+        if self.expert is not None and self.steps == 0:
+            raise ValueError("warm_start.steps: 0 with warm_start.expert; give the supervised "
+                             "steps on its demonstrations (or leave the expert out)")
+        return self
 
 
 class TrainerConfig(_Section):

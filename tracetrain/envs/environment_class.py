@@ -20,7 +20,10 @@ One rollout of a task `row` (a dict: one row of data.train):
                when the class defines it (TRL 1.16: one more reward source of weight 1); with
                neither, the instance's `reward` attribute
     metrics  each source's term of that sum by name (the function's __name__, `get_reward`,
-             `reward`), the rollout's `metrics` event: the step's env/<name> (run/step.py)
+             `reward`), the rollout's `metrics` event: the step's env/<name> (run/step.py); with
+             tools offered, also `tool_errors` (types.TOOL_ERRORS): the calls answered
+             {"error": ...} (a tool that raised or whose arguments are not a JSON object, a
+             tool that does not exist), the step's tools/errors
     finally  env.close() when it has one
 
 Sync methods (the factory, reset, tools, sync reward functions, close) run in order on one daemon
@@ -52,6 +55,7 @@ from tracetrain.envs.base import (
     register_env,
     sampling,
 )
+from tracetrain.types import TOOL_ERRORS
 
 KEY = "env"
 NOT_TOOLS = ("reset", "get_reward", "close")  # the lifecycle, never offered to the model
@@ -282,6 +286,7 @@ class EnvironmentClassEnv(Environment):
         schemas = tool_schemas(instance)
         messages = prompt_messages(task, c.system_prompt, await run_method(thread, instance.reset, **task))
         prompt = [dict(m) for m in messages]
+        errors = [0]  # calls answered {"error": ...}
 
         async def call_tool(turn: int, name: str, arguments: str) -> str:
             try:
@@ -290,12 +295,14 @@ class EnvironmentClassEnv(Environment):
                 result = await run_method(thread, tools[name], **parse_arguments(arguments))
             except Exception as e:  # TRL: the model is told, the rollout goes on
                 result = {"error": str(e)}
+                errors[0] += 1
             return result_text(result)
 
         completion = await tool_loop(client, messages, schemas, call_tool, c.max_turns,
                                      ended=lambda: getattr(instance, "done", False) is True)
         reward, parts = await self.score(thread, instance, funcs, task, prompt, completion)
-        await post_to_rollout(client, "events", [{"kind": "metrics", "payload": parts}])
+        reported = {**parts, **({TOOL_ERRORS: errors[0]} if schemas else {})}
+        await post_to_rollout(client, "events", [{"kind": "metrics", "payload": reported}])
         return reward
 
     async def score(self, thread: InstanceThread, instance: Any, funcs: list[Callable], row: dict,

@@ -17,6 +17,8 @@ One rollout of a task `row` (data.train's row, or {"seed": seed + i} with `size`
     turn reward of model call t = sum of result.reward over the steps its tool calls made (None: 0;
                a turn with no rewarded step has none)
     rollout reward = sum over all steps of result.reward (None: 0)
+    metrics  `tool_errors` (types.TOOL_ERRORS): the calls answered {"error": ...} (arguments the
+             Action refused, a tool other than `step`), the rollout's `metrics` event
     end      at a reply without tool calls, after a turn whose step said done, or max_turns calls;
              the session is closed when the rollout ends (after a timeout without waiting on it)
 
@@ -46,6 +48,7 @@ from tracetrain.agents.dataset import TaskRows
 from tracetrain.config import OpenEnvConfig
 from tracetrain.envs.base import EnvError, Environment, TaskRowsOf, load_object, need, register_env
 from tracetrain.envs.environment_class import parse_arguments, prompt_messages, tool_loop
+from tracetrain.types import TOOL_ERRORS
 
 KEY = "env"
 RETRY_S = (0.05, 1.0)  # backoff while the server is at its session limit: first, most
@@ -238,7 +241,7 @@ class OpenEnvEnv(Environment):
         try:
             turn_rewards: dict[int, float] = {}
             rewards: list[float] = []
-            state = {"done": bool(first.done)}
+            state = {"done": bool(first.done), "errors": 0}
 
             async def call_tool(turn: int, name: str, arguments: str) -> str:
                 from pydantic import ValidationError
@@ -249,12 +252,14 @@ class OpenEnvEnv(Environment):
                     args = parse_arguments(arguments)
                     act = action(**args) if action is not None else args
                 except (ValueError, TypeError, ValidationError) as e:  # the model's own mistake
+                    state["errors"] += 1
                     return str({"error": str(e)})
                 try:
                     result = await session.step(act)
                 except RuntimeError as e:
                     if "VALIDATION_ERROR" not in str(e):
                         raise
+                    state["errors"] += 1
                     return str({"error": str(e)})
                 reward = step_reward(result.reward, f"the step of model call {turn}")
                 if reward is not None:
@@ -274,7 +279,8 @@ class OpenEnvEnv(Environment):
             await _close(session, wait=False)
             raise
         await _close(session, wait=True)
-        return {"reward": float(sum(rewards)), "turn_rewards": turn_rewards}
+        return {"reward": float(sum(rewards)), "turn_rewards": turn_rewards,
+                "metrics": {TOOL_ERRORS: state["errors"]}}
 
     def close(self) -> None:
         """Stop the app server this process started."""

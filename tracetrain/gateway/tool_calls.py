@@ -12,13 +12,22 @@ text (never guessed). The recorded turn is unaffected: it holds the raw response
 out in OpenAI's chat shape: {id, type: "function", function: {name, arguments: JSON string}}.
 
 `parser_for(name, chat_template)`: the parser named, or for "auto" the one whose markers the
-template writes (hermes when none does). `register(name, markers=..., safe=..., constraint=...)`
-adds one: a function text -> (content or None, calls), where `markers` are special tokens it must
-see in the text (the gateway keeps those, and strips the other special tokens, when it decodes an
-answer) and `safe(text)` is how many characters of an unfinished answer are certainly content
-whatever follows (what streaming may send before the answer ends; by default none: the content is
-sent at the end). Content is the text outside the calls with its trailing whitespace stripped, so
-that text streamed before a call is the start of it.
+template writes (hermes when none does). `register(name, markers=..., safe=..., constraint=...,
+opened=...)` adds one: a function text -> (content or None, calls), where `markers` are special
+tokens it must see in the text (the gateway keeps those, and strips the other special tokens, when
+it decodes an answer) and `safe(text)` is how many characters of an unfinished answer are
+certainly content whatever follows (what streaming may send before the answer ends; by default
+none: the content is sent at the end). Content is the text outside the calls with its trailing
+whitespace stripped, so that text streamed before a call is the start of it.
+
+`opened(text)` is how many calls the text began, parsed or not (by default 0), and
+`tool_stats(parser, text, calls, tools)` what the gateway records with a turn (types.ToolStats):
+calls = len(calls), parse_failures = max(0, opened(text) - calls), unknown = the calls whose name
+is none of `tools`' names.
+
+    hermes       opened = occurrences of <tool_call>
+    llama3_json  opened = 1 when the answer begins like a call ("{" or <|python_tag|>), else 0
+    mistral      opened = 1 when [TOOL_CALLS] is in it, else 0
 
 `constraint(tools, one)` writes a forced tool choice as constrained decoding: vLLM's
 structured_outputs object holding an xgrammar structural tag under which the answer is tool calls
@@ -43,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tracetrain.types import ToolStats
+
 Calls = list[dict[str, Any]]
 Parse = Callable[[str], tuple[str | None, Calls]]
 
@@ -62,6 +73,7 @@ class Parser:
     markers: tuple[str, ...] = ()  # special tokens the parser needs to see
     safe: Safe = _nothing  # characters of an unfinished answer that are certainly content
     constraint: Constraint | None = None  # a forced tool choice as constrained decoding
+    opened: Safe = _nothing  # calls the text began, parsed or not
 
 
 PARSERS: dict[str, Parser] = {}
@@ -73,12 +85,22 @@ def register(
     markers: tuple[str, ...] = (),
     safe: Safe = _nothing,
     constraint: Constraint | None = None,
+    opened: Safe = _nothing,
 ) -> Callable[[Parse], Parse]:
     def add(parse: Parse) -> Parse:
-        PARSERS[name] = Parser(name, parse, markers, safe, constraint)
+        PARSERS[name] = Parser(name, parse, markers, safe, constraint, opened)
         return parse
 
     return add
+
+
+def tool_stats(parser: Parser, text: str, calls: Calls, tools: list[dict[str, Any]] | None) -> ToolStats:
+    """A turn's tool stats (module docstring): calls parsed, calls begun that did not parse
+    (parser.opened(text) - calls, at least 0), parsed calls of a name none of the chat-shaped
+    `tools` has."""
+    names = {(t.get("function") or {}).get("name") for t in tools or () if isinstance(t, dict)}
+    unknown = sum(c["function"]["name"] not in names for c in calls)
+    return ToolStats(len(calls), max(0, parser.opened(text) - len(calls)), unknown)
 
 
 def structural_tag(fmt: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +179,11 @@ def hermes_constraint(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
     return structural_tag(call if one else one_or_more(call, "\n?"))
 
 
-@register("hermes", safe=before("<tool_call>"), constraint=hermes_constraint)
+def _hermes_opened(text: str) -> int:
+    return text.count("<tool_call>")
+
+
+@register("hermes", safe=before("<tool_call>"), constraint=hermes_constraint, opened=_hermes_opened)
 def parse_hermes(text: str) -> tuple[str | None, Calls]:
     """(content without the parsed blocks or None if nothing is left, calls)."""
     calls, keep, last = [], [], 0
@@ -186,12 +212,18 @@ def _llama3_safe(text: str) -> int:
     return len(text)
 
 
+def _llama3_opened(text: str) -> int:
+    body = text.lstrip()
+    return int(body.startswith(("{", "<|python_tag|>")))
+
+
 def llama3_constraint(tools: list[dict[str, Any]], one: bool) -> dict[str, Any]:
     return structural_tag({"type": "or", "elements": call_tags(tools, "", "parameters", "}")})
 
 
 @register(
-    "llama3_json", markers=("<|python_tag|>",), safe=_llama3_safe, constraint=llama3_constraint
+    "llama3_json", markers=("<|python_tag|>",), safe=_llama3_safe, constraint=llama3_constraint,
+    opened=_llama3_opened,
 )
 def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
     """The whole answer is the call(s); anything else is text."""
@@ -218,7 +250,12 @@ def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
 _MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.-]+)\[ARGS\]")
 
 
-@register("mistral", markers=("[TOOL_CALLS]", "[ARGS]"), safe=before("[TOOL_CALLS]"))
+def _mistral_opened(text: str) -> int:
+    return int("[TOOL_CALLS]" in text)
+
+
+@register("mistral", markers=("[TOOL_CALLS]", "[ARGS]"), safe=before("[TOOL_CALLS]"),
+          opened=_mistral_opened)
 def parse_mistral(text: str) -> tuple[str | None, Calls]:
     """Text before [TOOL_CALLS] is content; after it a JSON list of calls, or name[ARGS]{...}."""
     head, sep, tail = text.partition("[TOOL_CALLS]")

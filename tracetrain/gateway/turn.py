@@ -6,7 +6,8 @@
                      messages, or the template's full render) -> generate_turn -> the answer's
                      text and tool calls (parsed in the model's format: tool_calls.py)
     generate_turn    through the engine's pause gate: generate, check, record the turn (committed
-                     before it returns)
+                     before it returns), with its tool stats when tools were offered and calls
+                     parsed (tool_calls.tool_stats: calls, parse failures, unknown tools)
     final_text       the answer's text as clients see it (stop id and stop string left out; the
                      recorded ids keep every token)
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,6 +43,7 @@ from tracetrain.gateway.jsonbytes import dumps
 from tracetrain.gateway.schemas.base import ID_PATTERN
 from tracetrain.gateway.slots import EngineSlot
 from tracetrain.gateway.streaming import TextDeltas
+from tracetrain.gateway.tool_calls import tool_stats
 from tracetrain.store import NewTurn, RolloutEnded, RolloutHead
 from tracetrain.types import (
     DEFAULT_ROLE,
@@ -48,6 +51,7 @@ from tracetrain.types import (
     TEMPLATE,
     TERMINAL_STATES,
     RolloutState,
+    ToolStats,
     TraceError,
     check_generation,
     check_role,
@@ -142,12 +146,14 @@ async def generate_turn(
     prompt_from: int | None = None,
     role: str = DEFAULT_ROLE,
     messages: bytes | None = None,
+    tools_of: Callable[[Generation], ToolStats | None] | None = None,
 ) -> tuple[Generation, int]:
     """Generate and record one turn; returns (generation, turn index). `context`: how the prompt
     was built, recorded with the turn (store.TurnRecord); `on_tokens`: the engine streams to it;
     `prompt_from`: the earlier turn an exact prompt continues (store.NewTurn); `role`: the agent
     that made the call (role_of), recorded with the turn; `messages`: the JSON of the chat
-    messages it was sent after those of `prompt_from` (all of them without it)."""
+    messages it was sent after those of `prompt_from` (all of them without it); `tools_of`: the
+    generation's tool stats, recorded with the turn (None: none)."""
     store = gw.store
     rid = rollout.rollout_id
     if rollout.state in TERMINAL_STATES:
@@ -188,6 +194,7 @@ async def generate_turn(
             prompt_from=prompt_from,
             role=role,
             messages=messages,
+            tools=None if tools_of is None else tools_of(gen),
         ))
     return gen, index
 
@@ -255,7 +262,8 @@ async def chat_answer(
 ) -> ChatAnswer:
     """A conversation (chat messages, chat tools) -> prompt ids (context.py: the earlier turn's
     ids + the new messages, or the template's full render) -> generate and record -> the answer,
-    tool calls parsed when tools were offered (in the model's format: tool_calls.py).
+    tool calls parsed when tools were offered (in the model's format: tool_calls.py), and what
+    the answer did with them recorded with the turn (tool_calls.tool_stats).
     `sampling`: temperature, top_p, stop, seed. `decoding` (render.decoding): the constraint sent
     to the engine, and whether calls are parsed (not for tool_choice none: the answer stays
     text). `deltas` (streaming): fed the answer's text as the engine makes it."""
@@ -287,15 +295,20 @@ async def chat_answer(
         deltas.start(tok, params, markers, safe, len(prompt_ids))
         on_tokens = deltas.add
     new = messages[built.n_kept:]  # what this turn was sent beyond the turn it continues
+    read: dict[str, Any] = {}  # the answer's content, calls and stop string: read once, recorded
+
+    def tools_of(gen: Generation) -> ToolStats | None:
+        text, read["stop"] = final_text(tok, gen, params, parser.markers if parse else ())
+        read["content"], read["calls"] = parser.parse(text) if parse else (text, [])
+        return tool_stats(parser, text, read["calls"], tools) if parse else None
+
     gen, index = await generate_turn(
         gw, rollout, slot, prompt_ids, params, how, on_tokens, built.from_turn, role,
-        messages_json(new),
+        messages_json(new), tools_of,
     )
     gw.calls.made(rollout.rollout_id, role)
 
-    text, stop_string = final_text(tok, gen, params, parser.markers if parse else ())
-    content, tool_calls = parser.parse(text) if parse else (text, [])
-    answer = ChatAnswer(prompt_ids, gen, index, params, content, tool_calls, stop_string)
+    answer = ChatAnswer(prompt_ids, gen, index, params, read["content"], read["calls"], read["stop"])
     if gw.context == "exact":
         prompt = prompt_ids if built.ids is None else built.ids
         slot.exact.answered(

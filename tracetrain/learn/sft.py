@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tracetrain.learn.update import Forward, StepRows
 from tracetrain.objective.minibatch import plan_step
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
@@ -82,12 +83,8 @@ def fine_tune(model: torch.nn.Module, batch: TrainingBatch, cfg: Any, *, epochs:
               seed: int = 0) -> list[float]:
     """AdamW on L (module docstring), optim.mini_batches updates per epoch over a shuffled order
     of whole rollouts; returns each epoch's mean loss."""
-    from tracetrain.learn.logprobs import response_logprobs
-    from tracetrain.learn.optim import adamw
-    from tracetrain.models import lora
-
-    params = lora.trainable(model)  # the adapter's under LoRA, else all
-    opt = adamw(params, lr=lr, weight_decay=0.0)
+    opt, params, fwd = _optimizer(model, lr), _params(model), Forward(model, cfg)
+    s = _rows(batch, model)
     rng = random.Random(seed)
     losses = []
     model.train()
@@ -98,21 +95,68 @@ def fine_tune(model: torch.nn.Module, batch: TrainingBatch, cfg: Any, *, epochs:
         rank[torch.tensor(order)] = torch.arange(batch.n_rollouts)
         plan = plan_step(batch.response_mask, rank[batch.rollout_index],
                          n_mini_batches=min(cfg.optim.mini_batches, batch.n_rollouts),
-                         micro_batch_tokens=cfg.optim.micro_batch_tokens, mode=cfg.loss.mode,
-                         norm_length=cfg.loss.norm_length, row_tokens=batch.attention_mask.sum(1))
-        total = 0.0
-        for mb in plan:
-            opt.zero_grad(set_to_none=True)
-            for micro in mb.micro_batches:
-                rows = micro.rows
-                lp, _ = response_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                                          batch.position_ids[rows], batch.response_length)
-                w = batch.response_mask[rows].to(lp.dtype) * micro.row_scales[:, None]
-                loss = -(w * lp).sum()
-                loss.backward()
-                total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            opt.step()
+                         micro_batch_tokens=fwd.budget, mode=cfg.loss.mode,
+                         norm_length=cfg.loss.norm_length, row_tokens=batch.attention_mask.sum(1),
+                         micro_costs=fwd.costs(s))
+        total = sum(_update(model, s, mb, fwd, opt, params, cfg.optim.grad_clip) for mb in plan)
         losses.append(total / len(plan))
     model.eval()
     return losses
+
+
+def fine_tune_steps(model: torch.nn.Module, batch: TrainingBatch, cfg: Any, *, steps: int,
+                    batch_size: int, lr: float, seed: int = 0) -> list[float]:
+    """`steps` AdamW updates on L, each over `batch_size` whole rollouts drawn at random (all of
+    them when there are fewer; each rollout weighs 1/batch_size under rollout-mean); returns each
+    step's loss."""
+    opt, params, fwd = _optimizer(model, lr), _params(model), Forward(model, cfg)
+    rng = random.Random(seed)
+    k = min(batch_size, batch.n_rollouts)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        chosen = torch.zeros(batch.n_rollouts, dtype=torch.bool)
+        chosen[rng.sample(range(batch.n_rollouts), k)] = True
+        s = _rows(batch.select_rows(chosen[batch.rollout_index].nonzero().squeeze(1)), model)
+        (mb,) = plan_step(s.batch.response_mask, s.batch.rollout_index, n_mini_batches=1,
+                          micro_batch_tokens=fwd.budget, mode=cfg.loss.mode,
+                          norm_length=cfg.loss.norm_length,
+                          row_tokens=s.batch.attention_mask.sum(1), micro_costs=fwd.costs(s))
+        losses.append(_update(model, s, mb, fwd, opt, params, cfg.optim.grad_clip))
+    model.eval()
+    return losses
+
+
+def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    from tracetrain.models import lora
+
+    return lora.trainable(model)  # the adapter's under LoRA, else all
+
+
+def _optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    from tracetrain.learn.optim import adamw
+
+    return adamw(_params(model), lr=lr, weight_decay=0.0)
+
+
+def _rows(batch: TrainingBatch, model: torch.nn.Module) -> StepRows:
+    """The rows as the RL update reads them (no advantages: the loss is the likelihood's)."""
+    dev = next(model.parameters()).device
+    return StepRows.of(batch, torch.zeros(batch.response_mask.shape), dev)
+
+
+def _update(model, s: StepRows, mb, fwd: Forward, opt, params, grad_clip: float) -> float:
+    """One AdamW step on mini-batch `mb`: its micro-batches' logprobs as the RL update computes them
+    (packed, shared prompts once, under trainer.precision: learn/update.Forward), weighted by the
+    mini-batch's scales; its loss."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for micro in mb.micro_batches:
+        lp, *_ = fwd(model, s, micro.rows)
+        w = s.mask[micro.rows.to(s.mask.device)].to(lp.dtype) * micro.row_scales.to(lp.device)[:, None]
+        loss = -(w * lp).sum()
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    return total

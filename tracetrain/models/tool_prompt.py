@@ -150,3 +150,38 @@ def chat_text(
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
     )
+
+
+def writes_block(tokenizer: Any, tool_parser: str) -> bool:
+    """Whether tools are written into the messages for this tokenizer under `gateway.tool_parser`
+    (`auto` and `hermes` where the template drops tools; never for another format or `off`)."""
+    return tool_parser in ("auto", TOOL_FORMAT) and drops_tools(tokenizer)
+
+
+def reply_ids(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list | None,
+    reply: dict,
+    *,
+    inject: bool,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """The token ids of an assistant `reply` ({"content", "tool_calls"}) to `messages`, as the
+    policy would generate them: the template's text for the reply at that position,
+
+        text = render(messages + [reply])[len(render(messages, generation_prompt)):]
+
+    encoded, and cut after its first stop id (eos, or one of `stop_ids`: the template's turn end);
+    eos appended when the text holds none. ValueError when the rendering with the reply does not
+    begin with the rendering without it (a template that rewrites earlier messages when one is
+    added): such a reply has no ids of its own."""
+    shorter = chat_text(tokenizer, messages, tools, generation_prompt=True, inject=inject)
+    longer = chat_text(tokenizer, [*messages, reply], tools, generation_prompt=False, inject=inject)
+    if not longer.startswith(shorter):
+        raise ValueError("the chat template renders the earlier messages otherwise once a reply "
+                         "follows them: the reply's tokens cannot be cut out")
+    ids = tokenizer.encode(longer[len(shorter):], add_special_tokens=False)
+    stops = {tokenizer.eos_token_id, *stop_ids}
+    end = next((k for k, t in enumerate(ids) if t in stops), None)
+    return ids[: end + 1] if end is not None else [*ids, tokenizer.eos_token_id]

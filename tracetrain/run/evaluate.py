@@ -5,6 +5,10 @@
                            Models Trained on Code")
     evaluate(cfg, task, data, policy=..., k=4, temperature=1.0)   -> (summary, per-task rows)
 
+The summary holds the tools/* metrics of the tries (run/step.py tools_metrics: calls per try,
+tries with a call, parse failures, calls of unknown tools, tool errors) when they were offered
+tools.
+
 The eval tasks are the run's: the held-out rows of its dataset (data.eval, data.eval_fraction),
 else the task module's `tasks` with the eval seed the trainer's eval passes use. Each is played
 `k` times (at `temperature` and the config's rollout.top_p) through the same gateway, agents and
@@ -150,19 +154,19 @@ async def evaluate(cfg: TrainConfig, task: Any, data, *, policy=None, k: int = 4
     model, tokenizer = on_compute(threads, load_eval_policy, cfg, policy)
     whole = on_compute(threads, load_eval_whole, cfg, policy)
     with one_thread_here():
-        results = await _play(cfg, task, tasks, model, tokenizer, whole, k=k, temperature=temperature,
-                              store_dir=store_dir, log=log)
+        results, tools = await _play(cfg, task, tasks, model, tokenizer, whole, k=k,
+                                     temperature=temperature, store_dir=store_dir, log=log)
     summary, rows = tally(tasks, results, k, success)
     if results and all(r.state != "succeeded" for r in results):
         raise RunFailed(f"every eval rollout failed ({counts(results)}): {first_error(results)}")
-    return {**summary, "temperature": temperature, "top_p": cfg.rollout.top_p,
+    return {**summary, **tools, "temperature": temperature, "top_p": cfg.rollout.top_p,
             "policy": str(policy) if policy else "untrained"}, rows
 
 
 async def _play(cfg: TrainConfig, task: Any, tasks: list[dict], model, tokenizer, whole: dict, *,
-                k: int, temperature: float, store_dir: Path | None, log) -> list:
-    """The k tries of each of `tasks` through a gateway and engines of their own; the results in
-    task order."""
+                k: int, temperature: float, store_dir: Path | None, log) -> tuple[list, dict]:
+    """The k tries of each of `tasks` through a gateway and engines of their own: (the results
+    in task order, their tools/* metrics: run/step.py tools_metrics)."""
     from tracetrain.agents.lockstep import Lockstep
     from tracetrain.agents.runner import GatewayClient, agent_http_client
     from tracetrain.agents.tasks import resolve_agent
@@ -171,7 +175,7 @@ async def _play(cfg: TrainConfig, task: Any, tasks: list[dict], model, tokenizer
     from tracetrain.gateway.inprocess import serve_in_loop
     from tracetrain.models import lora
     from tracetrain.run import policies
-    from tracetrain.run.step import collect, rollout_specs
+    from tracetrain.run.step import collect, rollout_specs, tools_metrics
     from tracetrain.store import SQLiteStore
 
     if cfg.model.lora is not None and not lora.is_lora(model):
@@ -201,11 +205,13 @@ async def _play(cfg: TrainConfig, task: Any, tasks: list[dict], model, tokenizer
                                             lockstep=lockstep)
                 finally:
                     await gateway.aclose()
+            played = store.load_rollouts(rollout_ids=[r.rollout_id for r in results])
+            tools = tools_metrics(store, played)
         finally:
             for engine in engines.values():
                 await engine.aclose()
             store.close()
-    return results
+    return results, tools
 
 
 def tally(tasks: list[dict], results: list, k: int, success: float) -> tuple[dict, list[dict]]:

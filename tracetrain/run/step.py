@@ -26,7 +26,8 @@ from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
 from tracetrain.rows.context_metrics import context_metrics
 from tracetrain.rows.roles import role_metrics, trains
-from tracetrain.types import Rollout
+from tracetrain.rows.tool_metrics import tool_metrics
+from tracetrain.types import TOOL_ERRORS, Rollout
 
 
 def step_seed(cfg: TrainConfig, step: int) -> int:
@@ -237,8 +238,9 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
     n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were
-    built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), advantage/*,
-    entropy/sampled, time/rows_s.
+    built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), tools/* (over
+    the step's rollouts, stale ones too: `tools_metrics`), advantage/*, entropy/sampled,
+    time/rows_s.
 
     entropy/sampled: the mean over the trained tokens of -(the engine's logprob), the sampling
     policy's per-token entropy estimated from its own samples (E_{a~pi} -log pi(a) = H(pi), at
@@ -246,8 +248,8 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
     t0 = time.perf_counter()
     ids = [r.rollout_id for r in results]
     ac, train_roles = cfg.aggregate, cfg.roles.train
-    rollouts, n_stale = drop_stale(store.load_rollouts(rollout_ids=ids), version,
-                                   cfg.trainer.max_staleness, train_roles)
+    loaded, reports = store.load_rollouts(rollout_ids=ids), rollout_reports(store, ids)
+    rollouts, n_stale = drop_stale(loaded, version, cfg.trainer.max_staleness, train_roles)
     batch, agg = aggregate(rollouts, level=ac.level, max_prompt_length=ac.max_prompt_length,
                            max_response_length=ac.max_response_length,
                            pad_token_id=tokenizer.pad_token_id or 0, tokenizer=tokenizer,
@@ -263,7 +265,8 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
         **context_metrics(store.turn_contexts(ids)),
         **role_metrics(rollouts, train_roles),
         **staleness_counts(rollouts, version, train_roles),
-        **env_metrics(store, ids),
+        **env_metrics(store, ids, reports),
+        **tools_metrics(store, loaded, reports),
     }
     adv = None
     if batch.n_rows:
@@ -280,20 +283,40 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
     return Rows(batch, adv, metrics)
 
 
-def env_metrics(store, rollout_ids: Sequence[str]) -> dict[str, float]:
-    """env/<name>: the mean over the rollouts that reported `name` of what the environment
-    reported (each rollout's `metrics` events: a verifiers rubric's functions, an environment
-    class's reward functions; a name's last finite number per rollout)."""
-    values: dict[str, list[float]] = {}
+def rollout_reports(store, rollout_ids: Sequence[str]) -> dict[str, dict[str, float]]:
+    """rollout id -> name -> what the rollout's `metrics` events reported under `name` (a
+    verifiers rubric's functions, an environment class's reward functions, `tool_errors`): its
+    last finite number."""
+    out: dict[str, dict[str, float]] = {}
     for rid in rollout_ids:
-        mine: dict[str, float] = {}
+        mine = out.setdefault(rid, {})
         for event in store.list_events(rid, kind="metrics"):
             payload = event.payload if isinstance(event.payload, dict) else {}
             mine.update({str(k): float(v) for k, v in payload.items()
                          if isinstance(v, (int, float)) and math.isfinite(v)})
+    return out
+
+
+def env_metrics(store, rollout_ids: Sequence[str],
+                reports: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+    """env/<name>: the mean over the rollouts that reported `name` of what the environment
+    reported (`rollout_reports`; given as `reports` when read already)."""
+    values: dict[str, list[float]] = {}
+    for mine in (rollout_reports(store, rollout_ids) if reports is None else reports).values():
         for k, v in mine.items():
             values.setdefault(k, []).append(v)
     return {f"env/{k}": math.fsum(v) / len(v) for k, v in sorted(values.items())}
+
+
+def tools_metrics(store, rollouts: Sequence[Rollout],
+                  reports: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+    """tools/* (rows/tool_metrics.py) of `rollouts` (their turns' tool stats, as the store loads
+    them) with the tool errors (types.TOOL_ERRORS) their `metrics` events reported
+    (`rollout_reports`; given as `reports` when read already); {} when none was offered tools."""
+    if reports is None:
+        reports = rollout_reports(store, [r.rollout_id for r in rollouts])
+    return tool_metrics(rollouts, {rid: m[TOOL_ERRORS] for rid, m in reports.items()
+                                   if TOOL_ERRORS in m})
 
 
 def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s: float) -> dict:

@@ -41,7 +41,7 @@ from tracetrain.envs import load_source
 from tracetrain.gateway.inprocess import admin_key_for
 from tracetrain.learn.distributed import DataParallel, from_main
 from tracetrain.models.compute import one_thread_here
-from tracetrain.run import checkpoint, services
+from tracetrain.run import checkpoint, expert, services
 from tracetrain.run.collectors import Play, StepCollector, collector_for
 from tracetrain.run.evaluate import eval_samples, eval_tasks
 from tracetrain.run.failures import FailedSteps, failed_step_line, first_error
@@ -193,7 +193,13 @@ class Trainer:
         if self.dp.is_main:
             claim_run_dir(self.run_dir, cfg, self.state.history if resumed else None)
         if not resumed and cfg.warm_start.steps and self.dp.is_main:
-            await self.learner.warm_start(self.task, self.update_thread, self.log)
+            if cfg.warm_start.expert is not None:  # demonstrations first (run/expert.py)
+                await expert.warm_start(self.learner, cfg, self.task, self.data, agent,
+                                        run_dir=self.run_dir, admin_key=admin_key or "",
+                                        nonce=self.nonce, update_thread=self.update_thread,
+                                        log=self.log)
+            else:
+                await self.learner.warm_start(self.task, self.update_thread, self.log)
         self.learner.wrap()  # DDP copies rank 0's (warm-started) weights
         self.learner.start_reference()
         if not self.dp.is_main:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracetrain.types import DEFAULT_ROLE, RolloutState, Turn
+from tracetrain.types import DEFAULT_ROLE, RolloutState, ToolStats, Turn
 
 # --------------------------------------------------------------------------------------- errors
 
@@ -75,6 +75,9 @@ class NewTurn:
     role: the agent that made the call (checked by the caller: types.check_role).
     messages: JSON of the chat messages the call was sent after those of `prompt_from` (all of
         them without it); bytes are decoded as UTF-8; None: none kept.
+    tools: what the answer did with the tools it was offered (types.ToolStats: calls parsed, parse
+        failures, calls of unknown tools), stored as three columns; None (NULL): no tools were
+        offered, or calls were not parsed.
     """
 
     prompt_ids: Sequence[int]
@@ -88,6 +91,7 @@ class NewTurn:
     prompt_from: int | None = None
     role: str = DEFAULT_ROLE
     messages: str | bytes | None = None
+    tools: ToolStats | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class TurnRecord:
     role: str = DEFAULT_ROLE  # the agent of the program that made the call
     rewards: tuple[TurnReward, ...] = ()  # given to this turn while the rollout ran, in order
     messages: str | None = None  # JSON: the chat messages it was sent (schema.py, version 5)
+    tools: ToolStats | None = None  # tool calls, parse failures, unknown calls (version 6); None:
+    # no tools offered
 
     @property
     def reward(self) -> float | None:
@@ -140,7 +146,7 @@ class TurnRecord:
 
     def to_turn(self) -> Turn:
         return Turn(self.prompt_ids, self.response_ids, self.response_logprobs, self.model_version,
-                    self.role, self.reward)
+                    self.role, self.reward, self.tools)
 
 
 def turn_reward(rewards: Sequence[TurnReward]) -> float | None:

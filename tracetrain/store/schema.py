@@ -91,6 +91,13 @@ MIGRATIONS: list[str] = [
         -- the turn the prompt continues (prompt_from) and its answer; all of them otherwise;
         -- NULL: a raw prompt (no messages) or before 5
     """,
+    # 5 -> 6: what each answer did with the tools it was offered (gateway/tool_calls.py tool_stats)
+    """
+    ALTER TABLE turns ADD COLUMN tool_calls INTEGER;    -- calls parsed; NULL: no tools offered
+        -- (or calls not parsed: tool_choice none), or before 6
+    ALTER TABLE turns ADD COLUMN tool_parse_failures INTEGER;  -- calls begun that did not parse
+    ALTER TABLE turns ADD COLUMN tool_unknown INTEGER;  -- parsed calls of a tool not offered
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -124,7 +131,7 @@ def _connect_read_only(path: str) -> sqlite3.Connection:
                            check_same_thread=False, timeout=30.0)
 
 
-READABLE_FROM = 4  # the oldest schema a read-only store reads as it is (turns.messages: NULL)
+READABLE_FROM = 4  # the oldest schema a read-only store reads as it is (later columns: NULL)
 
 
 def check_readable(path: str) -> int:

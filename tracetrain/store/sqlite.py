@@ -45,7 +45,13 @@ from tracetrain.store.writes import (
     _op_set_state,
     _op_start,
 )
-from tracetrain.types import DEFAULT_ROLE, RolloutState, Turn
+from tracetrain.types import DEFAULT_ROLE, RolloutState, ToolStats, Turn
+
+# Turn columns later schema versions added: (the version that added it, the column); a read-only
+# store of an older file reads NULL for them.
+_LATE_COLUMN_VERSIONS = ((5, "messages"), (6, "tool_calls"), (6, "tool_parse_failures"),
+                         (6, "tool_unknown"))
+_LATE_COLUMNS = ", ".join(c for _, c in _LATE_COLUMN_VERSIONS)
 
 
 class SQLiteStore(Store):
@@ -65,10 +71,11 @@ class SQLiteStore(Store):
                 "SQLiteStore needs a file path; ':memory:' is not shared between threads"
             )
         self.synchronous, self.read_only = synchronous, read_only
-        self._messages = "messages"
+        self._late_columns = _LATE_COLUMNS  # the turn columns later schemas added
         if read_only:
-            if check_readable(self.path) < 5:
-                self._messages = "NULL"  # a file from before the messages were kept
+            version = check_readable(self.path)  # a file from before they were kept: NULL
+            self._late_columns = ", ".join(c if version >= since else "NULL"
+                                           for since, c in _LATE_COLUMN_VERSIONS)
             self._writer = None
         else:
             conn = _connect(self.path, synchronous)
@@ -227,15 +234,15 @@ class SQLiteStore(Store):
 
     def _turn_rows(self, rollout_id: str) -> list[tuple]:
         """(idx, prompt_ids, response_ids, logprobs, model_version, finish_reason, created_at,
-        context, context_reason, reused_tokens, role, messages), the ids as stored BLOBs; a prompt kept as
-        what it adds to turn k (prompt_from = k) is joined back: prompt(k) + response(k) + its
-        ids."""
+        context, context_reason, reused_tokens, role, messages, tools), the ids as stored BLOBs,
+        tools a ToolStats or None; a prompt kept as what it adds to turn k (prompt_from = k) is
+        joined back: prompt(k) + response(k) + its ids."""
         rows = (
             self._reader()
             .execute(
                 "SELECT idx, prompt_ids, response_ids, logprobs, model_version, finish_reason,"
                 " created_at, context, context_reason, reused_tokens,"
-                f" COALESCE(role, '{DEFAULT_ROLE}'), prompt_from, {self._messages}"
+                f" COALESCE(role, '{DEFAULT_ROLE}'), prompt_from, {self._late_columns}"
                 " FROM turns WHERE rollout_id = ? ORDER BY idx",
                 (rollout_id,),
             )
@@ -243,12 +250,13 @@ class SQLiteStore(Store):
         )
         out: list[tuple] = []
         at: dict[int, int] = {}  # turn index -> position in out
-        for idx, prompt, *rest, prompt_from, messages in rows:
+        for idx, prompt, *rest, prompt_from, messages, calls, failures, unknown in rows:
             if prompt_from is not None:
                 earlier = out[at[prompt_from]]
                 prompt = earlier[1] + earlier[2] + prompt
             at[idx] = len(out)
-            out.append((idx, prompt, *rest, messages))
+            tools = None if calls is None else ToolStats(calls, failures or 0, unknown or 0)
+            out.append((idx, prompt, *rest, messages, tools))
         return out
 
     def get_turns(self, rollout_id):
@@ -265,8 +273,9 @@ class SQLiteStore(Store):
                 *how,
                 tuple(rewards.get(idx, ())),
                 messages,
+                tools,
             )
-            for idx, p, r, lp, mv, fr, ts, *how, messages in self._turn_rows(rollout_id)
+            for idx, p, r, lp, mv, fr, ts, *how, messages, tools in self._turn_rows(rollout_id)
         ]
 
     def get_turn_rewards(self, rollout_id):
@@ -303,8 +312,8 @@ class SQLiteStore(Store):
         return [
             Turn(blob_to_id_array(p), blob_to_id_array(r),
                  None if lp is None else blob_to_float_array(lp), mv, role,
-                 turn_reward(rewards.get(idx, ())))
-            for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role, _m in self._turn_rows(rollout_id)
+                 turn_reward(rewards.get(idx, ())), tools)
+            for idx, p, r, lp, mv, _fr, _ts, _c, _cr, _ru, role, _m, tools in self._turn_rows(rollout_id)
         ]
 
     def list_rollouts(self, *, state=None, group_id=None, after=0, limit=100, group_glob=None):

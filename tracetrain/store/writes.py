@@ -139,11 +139,12 @@ def _op_add_turn(conn, rollout_id: str, turn: NewTurn) -> int:
                 + ("does not exist" if earlier is None else f"holds {earlier[0]} ids")
             )
         stored = prompt_ids[reused:]
-    now = _now()
+    now, tools = _now(), turn.tools
     conn.execute(
         "INSERT INTO turns (rollout_id, idx, prompt_ids, response_ids, logprobs, model_version,"
         " finish_reason, created_at, context, context_reason, reused_tokens, prompt_from,"
-        " prompt_len, role, messages) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        " prompt_len, role, messages, tool_calls, tool_parse_failures, tool_unknown)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             rollout_id,
             index,
@@ -160,6 +161,7 @@ def _op_add_turn(conn, rollout_id: str, turn: NewTurn) -> int:
             len(prompt_ids),
             None if turn.role == DEFAULT_ROLE else turn.role,
             turn.messages.decode() if isinstance(turn.messages, bytes) else turn.messages,
+            *((None,) * 3 if tools is None else (tools.calls, tools.parse_failures, tools.unknown)),
         ),
     )
     if state == RolloutState.running:  # state is indexed: leave it, and its index page, alone

@@ -1,7 +1,8 @@
 """The run page's curves: metric series -> SVG polylines (drawn by the template, no script).
 
-    charts(steps) -> [Chart]   one per entry of CHARTS, then one per environment metric (env/<name>,
-                               run/step.py), that has at least one finite point
+    charts(steps) -> [Chart]   one per entry of CHARTS (the tools/* ones: rows/tool_metrics.py),
+                               then one per environment metric (env/<name>, run/step.py), that has
+                               at least one finite point
 
 A chart maps step x to [LEFT, WIDTH - RIGHT] and value y to [HEIGHT - BOTTOM, TOP] linearly over
 the finite points of its series (a flat series gets a range of +-1 around its value).
@@ -26,6 +27,9 @@ CHARTS: list[tuple[str, tuple[str, ...]]] = [
     ("trained tokens / s", ("trained_tokens_per_s",)),
     ("step seconds", ("time/collect_s", "time/train_s")),
     ("peak memory GB", ("memory/peak_rss_gb",)),
+    ("tool calls per rollout", ("tools/calls_per_rollout",)),
+    ("rollouts with a tool call", ("tools/rollouts_with_call",)),
+    ("tool failures", ("tools/parse_failures", "tools/unknown", "tools/errors")),
 ]
 
 

@@ -2,6 +2,10 @@
 
     step_table(records, step, query)           the step page's rows, filtered and sorted
     rollout_view(record, turns, step, tok, known)   one rollout down to the token
+    tools_text(stats)                          a turn's (or a rollout's) tool stats in words
+
+A rollout whose engine (the rollouts table's) is EXPERT is an expert demonstration (played by a
+scripted policy or another model before RL, never the policy's reward): both pages mark it.
 """
 
 from __future__ import annotations
@@ -12,10 +16,27 @@ from dataclasses import dataclass, field
 
 from tracetrain.rows.drift import first_difference
 from tracetrain.store.records import RolloutRecord, TurnRecord
+from tracetrain.types import ToolStats
 from tracetrain.view.explain import TRAINED, Explained, StepExplained
 from tracetrain.view.tokens import token_pieces
 
 SORTS = ("group", "reward", "advantage", "rows", "turns", "breaks", "state")
+EXPERT = "expert"  # the engine of an expert demonstration's rollout
+
+
+def tools_text(stats: list[ToolStats]) -> str:
+    """What answers did with the tools offered, summed over `stats`: "n calls" then the parse
+    failures and calls of unknown tools when there are any; "" when no tools were offered."""
+    if not stats:
+        return ""
+    calls, failed, unknown = (sum(getattr(s, k) for s in stats)
+                              for k in ("calls", "parse_failures", "unknown"))
+    parts = [f"{calls} call{'s' if calls != 1 else ''}"]
+    if failed:
+        parts.append(f"{failed} unparsed")
+    if unknown:
+        parts.append(f"{unknown} unknown tool{'s' if unknown != 1 else ''}")
+    return ", ".join(parts)
 
 
 @dataclass
@@ -47,6 +68,8 @@ class StepRow:
     roles: list[str]
     turns: int
     turn_rewards: str
+    tools: str = ""  # tools_text of its turns
+    expert: bool = False  # an expert demonstration (EXPERT)
 
 
 def _advantage(e: Explained | None) -> tuple[str, float | None]:
@@ -72,7 +95,8 @@ def step_table(records: list[RolloutRecord], turns: dict[str, list[TurnRecord]],
             e.status if e is not None else ("running" if not r.state.terminal else ""),
             e.n_rows if e else 0, e.trained_tokens if e else 0, e.mass if e else None,
             [b.kind for b in e.breaks] if e else [], sorted({t.role for t in ts}), r.n_turns,
-            f"{len(given)} ({sum(given):+g})" if given else ""))
+            f"{len(given)} ({sum(given):+g})" if given else "",
+            tools_text([t.tools for t in ts if t.tools is not None]), r.engine == EXPERT))
     if q.state == "failed-or-timed-out":
         out = [x for x in out if x.state in ("failed", "timed_out")]
     elif q.state:
@@ -128,6 +152,7 @@ class TurnView:
     rewards: str
     messages: str | None  # pretty JSON of what the agent sent (text: the template escapes it)
     policy: str = ""  # several policies: the one that made it ("base": a role of none)
+    tools: str = ""  # tools_text of its answer ("": no tools offered)
 
 
 @dataclass
@@ -141,6 +166,11 @@ class RolloutView:
     rows: list[RowView]
     breaks: list[str] = field(default_factory=list)
     versions: str = ""
+
+    @property
+    def expert(self) -> bool:
+        """An expert demonstration (EXPERT), not the policy's."""
+        return self.record.engine == EXPERT
 
 
 def _messages(raw: str | None) -> str | None:
@@ -169,7 +199,8 @@ def rollout_view(rec: RolloutRecord, turns: list[TurnRecord], step: StepExplaine
                  t.finish_reason,
                  ", ".join(f"{x.name + ' ' if x.name else ''}{x.reward:+g}" for x in t.rewards),
                  _messages(t.messages),
-                 "" if role_policies is None else role_policies.get(t.role, "base"))
+                 "" if role_policies is None else role_policies.get(t.role, "base"),
+                 tools_text([t.tools] if t.tools is not None else []))
         for t in turns
     ]
     versions = sorted({t.model_version for t in turns if t.model_version is not None})
