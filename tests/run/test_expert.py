@@ -166,19 +166,21 @@ def test_the_expert_sections_are_checked(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_warm_starts_from_a_scripted_expert_then_runs_rl(tmp_path):
+@pytest.mark.parametrize("example", ["environment_class", "agents_sdk"])
+def test_train_warm_starts_from_a_scripted_expert_then_runs_rl(tmp_path, example):
     """The example's expert (right on the questions whose hash is even) plays 8 rollouts through
-    the gateway, then 3 supervised steps, then one RL step: its rollouts are in traces.db on engine
+    the gateway (the environment class's own loop; an OpenAI Agents SDK agent over the Responses
+    API), then 3 supervised steps, then one RL step: its rollouts are in traces.db on engine
     'expert' with the rewards its rule gives, and none of them in the step."""
     import importlib.util
 
     from tracetrain.run.trainer import train
 
     run = tmp_path / "run"
-    cfg = load_config(EXAMPLE / "config_tiny.yaml", [
+    cfg = load_config(ROOT / "examples" / example / "config_tiny.yaml", [
         "warm_start.steps=3", "warm_start.batch_size=4", "warm_start.expert.rollouts=8",
         "trainer.steps=1", "trainer.eval_every=0", f"trainer.run_dir={run}"])
-    train(cfg, base_dir=EXAMPLE, log=lambda *a, **k: None)
+    train(cfg, base_dir=ROOT / "examples" / example, log=lambda *a, **k: None)
 
     spec = importlib.util.spec_from_file_location("example_expert", EXAMPLE / "expert.py")
     rule = importlib.util.module_from_spec(spec)

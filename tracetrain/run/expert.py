@@ -173,6 +173,9 @@ async def warm_start(learner, cfg: TrainConfig, task: Any, data: Any, agent: Any
         played, errors = await play(cfg, task, data, agent, tok, run_dir=run_dir, admin_key=admin_key,
                             nonce=nonce, max_context=max_context)
         chosen = dedupe(kept(played, ws.expert.min_reward))
+        if errors and chosen:
+            log(f"warm start: {len(errors)} of the expert's {len(played)} rollouts failed; the "
+                f"first error: {error_line(errors[0])}")
         if not chosen:
             raise ConfigError(f"config key 'warm_start.expert': none of its {len(played)} rollouts "
                               f"is kept ({len(errors)} failed; min_reward {ws.expert.min_reward})"
