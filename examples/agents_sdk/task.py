@@ -1,6 +1,6 @@
 """An agent written with the OpenAI Agents SDK at its defaults (the Responses API), with two
 function tools, trained as it is: the arithmetic questions of examples/environment_class, but
-played by an `Agent` whose `calculate` and `submit` are `@function_tool`s.
+played by an `Agent` whose `calculate` and `submit` are `@function_tool`s over its ArithmeticEnv.
 
 The run's rows come from `data.train` (config.yaml); each row is a task. The agent asks the
 policy through the rollout's gateway URL; the run ends when it calls `submit`
@@ -10,9 +10,9 @@ max_tokens, which the SDK raises on, included).
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import logging
-import operator
+from pathlib import Path
 
 from agents import (
     Agent,
@@ -29,21 +29,16 @@ from openai import AsyncOpenAI
 
 set_tracing_disabled(True)  # its default exports traces to OpenAI's servers
 logging.getLogger("openai.agents").setLevel(logging.CRITICAL)  # a cut reply: reward 0, not a log line
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def _evaluate(node: ast.AST) -> int:
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, int):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-        return OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
-    raise ValueError("only integers with + - * are allowed")
+# the questions' environment (examples/environment_class/env.py): its methods do the tools' work
+_spec = importlib.util.spec_from_file_location(
+    "arithmetic_env", Path(__file__).resolve().parents[1] / "environment_class" / "env.py")
+_env = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_env)
 
 
 async def agent(task: dict, client: dict) -> float:
-    submitted: list[int] = []
+    env = _env.ArithmeticEnv()
+    env.reset(**task)
 
     @function_tool
     def calculate(expression: str) -> str:
@@ -52,7 +47,7 @@ async def agent(task: dict, client: dict) -> float:
         Args:
             expression: integers combined with +, - and *, e.g. "12 * 7"
         """
-        return str(_evaluate(ast.parse(expression, mode="eval")))
+        return env.calculate(expression)
 
     @function_tool
     def submit(answer: int) -> str:
@@ -61,8 +56,7 @@ async def agent(task: dict, client: dict) -> float:
         Args:
             answer: the answer to the question
         """
-        submitted.append(answer)
-        return "submitted"
+        return env.submit(answer)
 
     openai = AsyncOpenAI(base_url=client["base_url"], api_key=client["api_key"],
                          http_client=client["http_client"])
@@ -76,4 +70,4 @@ async def agent(task: dict, client: dict) -> float:
         await Runner.run(solver, task["prompt"], max_turns=4)
     except (ModelBehaviorError, MaxTurnsExceeded):  # the policy's own failure (an answer cut at
         pass  # max_tokens, no submit in 4 turns): the task failed, reward 0 (not a failed rollout)
-    return float(submitted[-1:] == [task["answer"]])
+    return float(env.submitted == env.answer)

@@ -27,7 +27,7 @@ from tracetrain.gateway.context import ExactContext
 from tracetrain.gateway.prompt_cache import PromptEncoder
 from tracetrain.gateway.render import template_text
 from tracetrain.gateway.tool_calls import Parser, parser_for
-from tracetrain.models.tool_prompt import TOOL_FORMAT, drops_tools
+from tracetrain.models.tool_prompt import BLOCK_SETTINGS, TOOL_FORMAT, drops_tools
 
 log = logging.getLogger("tracetrain.gateway")
 
@@ -53,7 +53,7 @@ class ToolFormat:
     def of(cls, name: str, tokenizer: Any, engine: str) -> ToolFormat:
         template = getattr(tokenizer, "chat_template", None)
         dropped = template is not None and drops_tools(tokenizer)
-        inject = dropped and name in ("auto", TOOL_FORMAT)
+        inject = dropped and name in BLOCK_SETTINGS  # (tool_prompt.writes_block, computed once)
         parser = parser_for(TOOL_FORMAT if inject else ("auto" if name == "off" else name), template)
         if inject:
             log.info("engine %r: its chat template does not render tools; the gateway writes them "

@@ -152,10 +152,13 @@ def chat_text(
     )
 
 
+BLOCK_SETTINGS = ("auto", TOOL_FORMAT)  # the gateway.tool_parser values that write the block
+
+
 def writes_block(tokenizer: Any, tool_parser: str) -> bool:
     """Whether tools are written into the messages for this tokenizer under `gateway.tool_parser`
-    (`auto` and `hermes` where the template drops tools; never for another format or `off`)."""
-    return tool_parser in ("auto", TOOL_FORMAT) and drops_tools(tokenizer)
+    (BLOCK_SETTINGS, where the template drops tools; never for another format or `off`)."""
+    return tool_parser in BLOCK_SETTINGS and drops_tools(tokenizer)
 
 
 def reply_ids(
