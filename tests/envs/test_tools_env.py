@@ -134,10 +134,13 @@ def test_get_reward_and_done_end_and_score_the_rollout(tmp_path):
 
 def test_trains_with_tool_calls_exact_across_turns(tmp_path):
     rows = [{"prompt": "Count.", "target": 4}, {"prompt": "Count.", "target": 7}]
-    cfg = config(tmp_path, {"factory": f"{ENVS}:Counter", "reward_funcs": [f"{ENVS}:closeness"]}, rows)
+    held = tmp_path / "held.jsonl"  # the eval passes' row
+    held.write_text(json.dumps({"prompt": "Count.", "target": 0}) + "\n")
+    cfg = config(tmp_path, {"factory": f"{ENVS}:Counter", "reward_funcs": [f"{ENVS}:closeness"]}, rows,
+                 f"data.eval={held}", "trainer.eval_every=2", "trainer.eval_tasks=1")
     out = train(cfg, log=lambda *_: None)
     assert out["steps"] == 2 and out["failed_rollouts"] == 0
-    rollouts = stored(tmp_path / "run")
+    rollouts = [r for r in stored(tmp_path / "run") if "-eval" not in r[0].rollout_id]
     tok = build_tokenizer()
     assert len(rollouts) == 2 * 2 * 2
     for record, turns, _ in rollouts:
@@ -157,6 +160,12 @@ def test_trains_with_tool_calls_exact_across_turns(tmp_path):
         assert {k: v for k, v in m.items() if k.startswith("tools/")} == {
             "tools/calls_per_rollout": 2.0, "tools/rollouts_with_call": 1.0,
             "tools/parse_failures": 0, "tools/unknown": 0, "tools/errors": 0}
+    # the eval passes (before step 0, after step 1) count their own calls: eval/initial_tools/*, eval/tools/*
+    for prefix, m in (("eval/initial_", steps[0]), ("eval/", steps[1])):
+        assert {k: v for k, v in m.items() if k.startswith(prefix + "tools/")} == {
+            prefix + "tools/calls_per_rollout": 2.0, prefix + "tools/rollouts_with_call": 1.0,
+            prefix + "tools/parse_failures": 0, prefix + "tools/unknown": 0, prefix + "tools/errors": 0}
+    assert "eval/tools/calls_per_rollout" not in steps[0]
     assert [m["aggregate/breaks/total"] for m in steps] == [0, 0]
     assert [m["aggregate/n_rollouts"] for m in steps] == [4, 4]
     assert any(m["grad_norm"] > 0 for m in steps)  # a real update from the rewards' spread

@@ -57,6 +57,7 @@ from tracetrain.run.step import (
     end_unfinished,
     engine_metrics,
     throughput,
+    tools_metrics,
 )
 from tracetrain.run.stop import Stop, Stopped
 from tracetrain.run.trackers import NO_TRACKERS, open_trackers
@@ -65,6 +66,11 @@ from tracetrain.run.weights import WeightSync
 from tracetrain.types import RunFailed
 
 STOPPED = "stopped"  # what rank 0 sends the other ranks instead of a step's rows when it stopped
+
+
+def prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` with `prefix` before each name."""
+    return {prefix + k: v for k, v in metrics.items()}
 
 
 def train(cfg: TrainConfig, *, base_dir: Path | None = None, log=print) -> dict:
@@ -268,11 +274,12 @@ class Trainer:
                 st.step += 1
                 m["engine/idle_frac"] = clock.idle_since_last()
                 if initial is not None:
-                    m["eval/initial_reward_mean"], initial = initial, None
+                    m.update(prefixed("eval/initial_", initial))
+                    initial = None
                 try:
                     if cfg.trainer.eval_every and st.step % cfg.trainer.eval_every == 0:  # eval
-                        m["eval/reward_mean"] = await stop.until(
-                            self.eval_after_update(play, collector))
+                        m.update(prefixed("eval/", await stop.until(
+                            self.eval_after_update(play, collector))))
                 except Stopped:  # the step is done but for its eval: a resumed run runs it
                     st.eval_pending = True
                     raise
@@ -296,9 +303,9 @@ class Trainer:
         bar.write(failed_step_line(collected.step, collected.results, reason))
         raise RunFailed(reason)
 
-    async def before_steps(self, play: Play, collector: StepCollector) -> float | None:
+    async def before_steps(self, play: Play, collector: StepCollector) -> dict | None:
         """What a killed process left running failed; the eval a signal stopped run again; the
-        initial eval (returned), then the collector started."""
+        initial eval's metrics (returned), then the collector started."""
         st = self.state
         st.rng = checkpoint.rng_state()  # (a resumed run's: its checkpoint's, just restored)
         await end_unfinished(play.services.store, None, self.log)
@@ -309,8 +316,10 @@ class Trainer:
         collector.start(st)
         return initial
 
-    async def evaluate(self, play: Play) -> float:
-        """Mean reward of one greedy rollout on each of `eval_tasks` tasks (not trained on)."""
+    async def evaluate(self, play: Play) -> dict[str, float]:
+        """One greedy rollout on each of `eval_tasks` tasks (not trained on): `reward_mean`, their
+        mean reward (nan when every one failed), and their tools/* metrics (step.tools_metrics;
+        none when no tools were offered)."""
         tasks = eval_tasks(self.cfg, self.task, self.data, self.cfg.trainer.eval_tasks)
         step = self.state.step
         results = await play.rollouts(tasks, f"{self.nonce}-eval{step}", 1, 0.0, step)
@@ -321,9 +330,11 @@ class Trainer:
         if results and all(r.state != "succeeded" for r in results):
             self.log(f"eval pass before step {step}: every one of its {len(results)} rollouts failed "
                      f"(eval/reward_mean nan): {first_error(results)}")
-        return sum(rewards) / len(rewards) if rewards else float("nan")
+        store = play.services.store
+        tools = tools_metrics(store, store.load_rollouts(rollout_ids=[r.rollout_id for r in results]))
+        return {"reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"), **tools}
 
-    async def eval_after_update(self, play: Play, collector: StepCollector) -> float:
+    async def eval_after_update(self, play: Play, collector: StepCollector) -> dict[str, float]:
         """The eval pass after this step's update, once the engine took the new weights."""
         await collector.before_eval(self.state)
         return await self.evaluate(play)
@@ -338,7 +349,7 @@ class Trainer:
                      "engine holds the weights of the next step's rollouts)")
             return
         await collector.before_eval_again(st)
-        st.history[-1]["eval/reward_mean"] = await self.eval_after_update(play, collector)
+        st.history[-1].update(prefixed("eval/", await self.eval_after_update(play, collector)))
         st.eval_pending = False
         rewrite_metrics(self.run_dir, st.history)
 

@@ -27,8 +27,8 @@ CHARTS: list[tuple[str, tuple[str, ...]]] = [
     ("trained tokens / s", ("trained_tokens_per_s",)),
     ("step seconds", ("time/collect_s", "time/train_s")),
     ("peak memory GB", ("memory/peak_rss_gb",)),
-    ("tool calls per rollout", ("tools/calls_per_rollout",)),
-    ("rollouts with a tool call", ("tools/rollouts_with_call",)),
+    ("tool calls per rollout", ("tools/calls_per_rollout", "eval/tools/calls_per_rollout")),
+    ("rollouts with a tool call", ("tools/rollouts_with_call", "eval/tools/rollouts_with_call")),
     ("tool failures", ("tools/parse_failures", "tools/unknown", "tools/errors")),
 ]
 
