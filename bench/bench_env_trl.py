@@ -110,7 +110,9 @@ def defaults_overrides(path: Path, lr: float) -> dict:
 
 
 # ------------------------------------------------------------------ tracetrain side
-def run_tracetrain(args: argparse.Namespace, out: Path) -> None:
+def run_tracetrain(args: argparse.Namespace, out: Path, check=None) -> None:
+    """One tracetrain side (module doc); `check(trainer, traces_db)`: its prompt check
+    (default check_prompts), recorded as `prompt_check`."""
     from tracetrain.config import build_config
     from tracetrain.run import trainer as T
     from tracetrain.run.evaluate import eval_tasks
@@ -199,7 +201,7 @@ def run_tracetrain(args: argparse.Namespace, out: Path) -> None:
         if not step:  # (before the first step: no step line to follow)
             print(state["evals"].pop(), flush=True)
         self.cfg.trainer.eval_every = NEVER
-        return point["reward_mean"]
+        return {"reward_mean": point["reward_mean"]}
 
     run = T.Trainer.run
 
@@ -211,7 +213,7 @@ def run_tracetrain(args: argparse.Namespace, out: Path) -> None:
     T.Trainer.record, T.Trainer.evaluate, T.Trainer.run = timed_record, timed_evaluate, counted_run
     T.train(cfg, base_dir=base, log=lambda *a: print(*a, flush=True))
     rec["machine_end"] = machine()
-    rec["prompt_check"] = check_prompts(state["trainer"], Path(cfg.trainer.run_dir) / "traces.db")
+    rec["prompt_check"] = (check or check_prompts)(state["trainer"], Path(cfg.trainer.run_dir) / "traces.db")
     (out / f"{args.side}.json").write_text(json.dumps(rec, indent=1))
 
 

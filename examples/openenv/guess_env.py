@@ -1,11 +1,12 @@
 """A small OpenEnv environment, written with openenv-core's own API and nothing of tracetrain's:
-guess a secret number in 1..16, told "higher" or "lower" after each guess.
+guess a secret number in 1..6; after each wrong guess the feedback says which numbers are left.
 
 OpenEnv projects usually split this into models.py (Action, Observation), server/app.py (the
 Environment and `create_app`) and client.py (the EnvClient); one file keeps the example short.
 
     reset(seed)      the secret is drawn from `seed`; the observation asks for a guess
-    step(guess)      reward +1 for the secret (done), else -0.1; done after 6 guesses too
+    step(guess)      reward 1 for the secret (done), else 0 and "G is wrong: the number is from L
+                     to H." (the range the guesses so far leave); done after 6 guesses too
 
 Serve it yourself (then point a config at it with `base_url`):
     .venv/bin/python examples/openenv/guess_env.py --port 8001
@@ -24,7 +25,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
-HIGH, MAX_GUESSES = 16, 6
+HIGH, MAX_GUESSES = 6, 6
 
 
 class GuessAction(Action):
@@ -43,12 +44,13 @@ class GuessEnvironment(Environment):
     def __init__(self):
         super().__init__()
         self._state = State(step_count=0)
-        self.secret = 1
+        self.secret, self.low, self.high = 1, 1, HIGH
 
     def reset(self, seed: int | None = None, episode_id: str | None = None,
               **kwargs: Any) -> GuessObservation:
         self._state = State(episode_id=episode_id, step_count=0)
         self.secret = random.Random(seed).randint(1, HIGH)
+        self.low, self.high = 1, HIGH
         return GuessObservation(feedback=f"I am thinking of a number from 1 to {HIGH}. Guess it "
                                          "with the step tool.", done=False, reward=None)
 
@@ -56,8 +58,12 @@ class GuessEnvironment(Environment):
         self._state.step_count += 1
         if action.guess == self.secret:
             return GuessObservation(feedback="Correct!", done=True, reward=1.0)
-        hint = "higher" if action.guess < self.secret else "lower"
-        return GuessObservation(feedback=f"{action.guess} is wrong: go {hint}.", reward=-0.1,
+        if action.guess < self.secret:
+            self.low = max(self.low, action.guess + 1)
+        else:
+            self.high = min(self.high, action.guess - 1)
+        return GuessObservation(feedback=f"{action.guess} is wrong: the number is from {self.low} to "
+                                         f"{self.high}.", reward=0.0,
                                 done=self._state.step_count >= MAX_GUESSES)
 
     @property

@@ -26,7 +26,7 @@ MEASURED = ("time/", "memory/", "rollouts_per_s", "trained_tokens_per_s", "engin
 # The demo config, 4 steps with an eval pass at step 2 (an eval's calls and an update's between
 # two compared steps); a shorter warm start (CI's time).
 STEPS = 4
-SHORT = [f"trainer.steps={STEPS}", "trainer.eval_every=2", "warm_start.steps=40"]
+SHORT = [f"trainer.steps={STEPS}", "trainer.eval_every=2", "warm_start.steps=20"]
 
 
 def start(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
