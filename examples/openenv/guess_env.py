@@ -1,12 +1,13 @@
 """A small OpenEnv environment, written with openenv-core's own API and nothing of tracetrain's:
-guess a secret number in 1..6; after each wrong guess the feedback says which numbers are left.
+guess a secret number in 1..4; after each wrong guess the feedback says which numbers are left.
 
 OpenEnv projects usually split this into models.py (Action, Observation), server/app.py (the
 Environment and `create_app`) and client.py (the EnvClient); one file keeps the example short.
 
-    reset(seed)      the secret is drawn from `seed`; the observation asks for a guess
+    reset(seed)      the secret is drawn from `seed`; the observation names the game and
+                     asks for a guess
     step(guess)      reward 1 for the secret (done), else 0 and "G is wrong: the number is from L
-                     to H." (the range the guesses so far leave); done after 6 guesses too
+                     to H." (the range the guesses so far leave); done after 4 guesses too
 
 Serve it yourself (then point a config at it with `base_url`):
     .venv/bin/python examples/openenv/guess_env.py --port 8001
@@ -25,7 +26,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
-HIGH, MAX_GUESSES = 6, 6
+HIGH, MAX_GUESSES = 4, 4
 
 
 class GuessAction(Action):
@@ -51,8 +52,8 @@ class GuessEnvironment(Environment):
         self._state = State(episode_id=episode_id, step_count=0)
         self.secret = random.Random(seed).randint(1, HIGH)
         self.low, self.high = 1, HIGH
-        return GuessObservation(feedback=f"I am thinking of a number from 1 to {HIGH}. Guess it "
-                                         "with the step tool.", done=False, reward=None)
+        return GuessObservation(feedback=f"Game {seed}: I am thinking of a number from 1 to {HIGH}. "
+                                         "Guess it with the step tool.", done=False, reward=None)
 
     def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs: Any) -> GuessObservation:
         self._state.step_count += 1

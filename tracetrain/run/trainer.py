@@ -46,7 +46,7 @@ from tracetrain.run.collectors import Play, StepCollector, collector_for
 from tracetrain.run.evaluate import eval_samples, eval_tasks
 from tracetrain.run.failures import FailedSteps, failed_step_line, first_error
 from tracetrain.run.learner import load_learner
-from tracetrain.run.memory import peak_rss_gb, reset_peak
+from tracetrain.run.memory import peak_rss_gb, release_free, reset_peak
 from tracetrain.run.precision import resolve_precision
 from tracetrain.run.rundir import claim_run_dir, format_step, rewrite_metrics
 from tracetrain.run.state import RunState
@@ -206,6 +206,7 @@ class Trainer:
                                         log=self.log)
             else:
                 await self.learner.warm_start(self.task, self.update_thread, self.log)
+            release_free()  # what the phase freed, not counted in the steps' peak memory
         self.learner.wrap()  # DDP copies rank 0's (warm-started) weights
         self.learner.start_reference()
         if not self.dp.is_main:
