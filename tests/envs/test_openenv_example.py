@@ -58,7 +58,8 @@ def test_the_expert_is_right_about_half_the_time_and_the_lowest_number_left_alwa
     stuck = [EXPERT.stuck(ENV.GuessEnvironment().reset(seed=g).feedback) for g in games]
     assert all(reward == (1.0 if secret == 1 or not st else 0.0)
                for (secret, reward, _), st in zip(expert, stuck, strict=True))
-    assert all(n == ENV.MAX_GUESSES for (secret, reward, n) in expert if reward == 0)  # stuck to the last guess
+    # a game it lost, it was stuck in to the last guess
+    assert all(n == ENV.MAX_GUESSES for (secret, reward, n) in expert if reward == 0)
     assert 0.4 < sum(r for _, r, _ in expert) / len(games) < 0.55
     assert 0.6 < sum(stuck) / len(games) < 0.8  # STUCK_PERCENT of the games
     best = [play(lowest_left, g) for g in games]
