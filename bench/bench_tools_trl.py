@@ -17,6 +17,8 @@ temperature; env.max_turns model turns).
    policy on the held-out rows are the points before training.)
 2. tracetrain-best: `tracetrain train` on the config from that directory (warm start off), its own
    settings; its eval passes are timed and taken out of its clock (bench_env_trl.run_tracetrain).
+   tracetrain-defaults: the config's task alone (env, data, model, rollout, advantage, the seed, the
+   eval rows) with every other key at tracetrain's default, lr --defaults-lr.
 3. trl-best / trl-defaults: GRPOTrainer with `environment_factory=ArithmeticEnv`,
    `reward_funcs=[correct]` on the same rows in the same order (tracetrain's
    `TaskData.train_tasks(step, k)` as an unshuffled dataset), num_generations = n_per_task, one
@@ -57,7 +59,7 @@ from bench_env_trl import cpu_s, first_reach, machine, median  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "environment_class" / "config.yaml"
 PEERS = ROOT / "bench" / ".venv-peers" / "bin" / "python"
-SIDES = ("tracetrain-best", "trl-best", "trl-defaults")
+SIDES = ("tracetrain-best", "trl-best", "tracetrain-defaults", "trl-defaults")
 NOT_WEIGHTS = ("config.json", "generation_config.json")
 
 
@@ -342,14 +344,14 @@ def report(out: Path) -> None:
         print(f"  {m['cpu']}, {m['cores']} cores; {m['utc']} UTC, load average at start "
               f"{m['loadavg'][0]:.2f}")
         print("  " + "  ".join(f"{p['clock_s']:.0f}s:{p['pass1']:.3f}" for p in rec["points"]))
-    tt = recs.get("tracetrain-best")
-    for peer in ("trl-best", "trl-defaults"):
-        if tt is None or peer not in recs or not recs[peer]["points"]:
+    for ours, peer in (("tracetrain-best", "trl-best"), ("tracetrain-defaults", "trl-defaults"),
+                       ("tracetrain-best", "trl-defaults"), ("tracetrain-defaults", "trl-best")):
+        if ours not in recs or peer not in recs or not recs[peer]["points"]:
             continue
-        tp, pp = tt["points"], recs[peer]["points"]
+        tp, pp = recs[ours]["points"], recs[peer]["points"]
         target, t_end = pp[-1]["pass1"], pp[-1]["clock_s"]
         reach = first_reach(tp, target)
-        line = f"\ntracetrain-best vs {peer}: {peer}'s final success {target:.3f} at {t_end:.0f} s"
+        line = f"\n{ours} vs {peer}: {peer}'s final success {target:.3f} at {t_end:.0f} s"
         if reach is None:
             line += f"; tracetrain never reached it (its best {max(p['pass1'] for p in tp):.3f})"
         else:
@@ -371,6 +373,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=600.0, help="training seconds per side (evals out)")
     ap.add_argument("--eval-every-s", type=float, default=60.0)
     ap.add_argument("--trl-bf16", action="store_true", help="trl-best keeps bf16 autocast")
+    ap.add_argument("--defaults-lr", type=float, default=1e-5, help="tracetrain-defaults' lr")
     ap.add_argument("--trl-max-steps", type=int, default=500,
                     help="TRL's max_steps (the budget ends it first)")
     ap.add_argument("--tt-set", nargs="*", default=[], help="overrides of tracetrain-best alone")
@@ -385,7 +388,8 @@ def main() -> None:
     out = Path(args.out or ROOT / "runs" / "bench_tools_trl" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.side:
-        {"warm": run_warm, "tracetrain-best": run_tracetrain}.get(args.side, run_trl)(args, out)
+        {"warm": run_warm, "tracetrain-best": run_tracetrain,
+         "tracetrain-defaults": run_tracetrain}.get(args.side, run_trl)(args, out)
         return
     passthrough = list(sys.argv[1:])
     if "--sides" in passthrough:
