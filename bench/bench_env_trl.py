@@ -245,7 +245,6 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from tracetrain.agents.tasks import open_task_data
@@ -329,13 +328,44 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
         print(f"  eval after step {step}: pass@1 {point['pass1']:.3f} at {clock:.1f} s (eval {dt:.1f} s)",
               flush=True)
 
+    clock = trl_clock(rec, budget, every, evaluate, start=lambda: evaluate(0, 0.0))
+    t = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=dataset,
+                          processing_class=tok, callbacks=[clock])
+    rec["construct_s"] = time.perf_counter() - t
+    clock.attach(trainer)
+    trainer.train()
+    rec["machine_end"] = machine()
+    (out / f"{args.side}.json").write_text(json.dumps(rec, indent=1))
+
+
+def trl_clock(rec: dict, budget: float, every: float, point, *, start=lambda: None, extra=lambda m: {}):
+    """A GRPOTrainer callback that keeps a TRL side's clock: `start()` before it starts (the point
+    at 0 s), then each step into rec["steps"] (the clock without rec["eval_s"], the step's time
+    and its generation's, CPU seconds, the sampled reward, `extra(trl's train metrics)`), and
+    `point(step, clock)` after the first step past each multiple of `every` and after the step past
+    `budget`, which stops the run. `attach(trainer)` once the trainer is built: it times
+    `_generate_and_score_completions` (the step's generation)."""
+    from transformers import TrainerCallback
+
     class Clock(TrainerCallback):
-        t0 = step_t0 = 0.0
-        gen_s = 0.0
+        t0 = step_t0 = gen_s = 0.0
         nxt = every
+        trainer = None
+
+        def attach(self, trainer) -> None:
+            self.trainer, generate = trainer, trainer._generate_and_score_completions
+
+            def timed_generate(inputs):
+                t = time.perf_counter()
+                result = generate(inputs)
+                self.gen_s += time.perf_counter() - t
+                return result
+
+            trainer._generate_and_score_completions = timed_generate
 
         def on_train_begin(self, a, state, control, **kw):
-            evaluate(0, 0.0)  # before the clock starts
+            start()  # before the clock starts
             self.t0, self.cpu0 = time.perf_counter(), cpu_s()
             rec["eval_s"] = rec["eval_cpu_s"] = 0.0  # what the clock excludes from here on
 
@@ -345,37 +375,22 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
         def on_step_end(self, a, state, control, **kw):
             now = time.perf_counter()
             clock = now - self.t0 - rec["eval_s"]
-            self.reward = float((trainer._metrics["train"].get("reward") or [float("nan")])[-1])
+            metrics = self.trainer._metrics["train"]
+            reward = float((metrics.get("reward") or [float("nan")])[-1])
             rec["steps"].append({"step": state.global_step, "clock_s": clock, "step_s": now - self.step_t0,
                                  "cpu_s": cpu_s() - self.cpu0 - rec["eval_cpu_s"],
-                                 "gen_s": self.gen_s, "reward_mean": self.reward})
-            print(f"  step {state.global_step}: clock {clock:.1f} s, reward {self.reward:.3f}, "
+                                 "gen_s": self.gen_s, "reward_mean": reward, **extra(metrics)})
+            print(f"  step {state.global_step}: clock {clock:.1f} s, reward {reward:.3f}, "
                   f"step {now - self.step_t0:.1f} s (generation {self.gen_s:.1f} s)", flush=True)
             if clock >= budget:
-                evaluate(state.global_step, clock)
+                point(state.global_step, clock)
                 control.should_training_stop = True
             elif clock >= self.nxt:
-                evaluate(state.global_step, clock)
+                point(state.global_step, clock)
                 while self.nxt <= clock:
                     self.nxt += every
 
-    clock = Clock()
-    t = time.perf_counter()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=dataset,
-                          processing_class=tok, callbacks=[clock])
-    rec["construct_s"] = time.perf_counter() - t
-    generate = trainer._generate_and_score_completions
-
-    def timed_generate(inputs):
-        t = time.perf_counter()
-        result = generate(inputs)
-        clock.gen_s += time.perf_counter() - t
-        return result
-
-    trainer._generate_and_score_completions = timed_generate
-    trainer.train()
-    rec["machine_end"] = machine()
-    (out / f"{args.side}.json").write_text(json.dumps(rec, indent=1))
+    return Clock()
 
 
 # ------------------------------------------------------------------ the report

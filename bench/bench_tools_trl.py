@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env_trl import cpu_s, first_reach, machine, median  # noqa: E402
+from bench_env_trl import first_reach, machine, median, trl_clock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "environment_class" / "config.yaml"
@@ -180,7 +180,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_schema
 
@@ -241,36 +241,10 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
         saved.append((step, clock, dst))
         rec["eval_s"] += time.perf_counter() - t
 
-    class Clock(TrainerCallback):
-        t0 = step_t0 = gen_s = 0.0
-        nxt = every
+    def calls(metrics: dict) -> dict:
+        return {"tool_call_frequency": float((metrics.get("tools/call_frequency") or [float("nan")])[-1])}
 
-        def on_train_begin(self, a, state, control, **kw):
-            self.t0, self.cpu0 = time.perf_counter(), cpu_s()
-
-        def on_step_begin(self, a, state, control, **kw):
-            self.step_t0, self.gen_s = time.perf_counter(), 0.0
-
-        def on_step_end(self, a, state, control, **kw):
-            now = time.perf_counter()
-            clock = now - self.t0 - rec["eval_s"]
-            metrics = trainer._metrics["train"]
-            reward = float((metrics.get("reward") or [float("nan")])[-1])
-            calls = float((metrics.get("tools/call_frequency") or [float("nan")])[-1])
-            rec["steps"].append({"step": state.global_step, "clock_s": clock, "step_s": now - self.step_t0,
-                                 "cpu_s": cpu_s() - self.cpu0, "gen_s": self.gen_s,
-                                 "reward_mean": reward, "tool_call_frequency": calls})
-            print(f"  step {state.global_step}: clock {clock:.1f} s, reward {reward:.3f}, step "
-                  f"{now - self.step_t0:.1f} s (generation {self.gen_s:.1f} s)", flush=True)
-            if clock >= budget:
-                save(state.global_step, clock)
-                control.should_training_stop = True
-            elif clock >= self.nxt:
-                save(state.global_step, clock)
-                while self.nxt <= clock:
-                    self.nxt += every
-
-    clock = Clock()
+    clock = trl_clock(rec, budget, every, save, extra=calls)
     t = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=env.reward_funcs, args=gcfg, train_dataset=dataset,
                           processing_class=tok, callbacks=[clock], environment_factory=env.factory)
@@ -281,15 +255,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> None:
         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         for e, r in zip(entries[:400], rows[:400], strict=True)}
     (out / f"first_turns-{args.side}.json").write_text(json.dumps(theirs))  # (the report compares)
-    generate = trainer._generate_and_score_completions
-
-    def timed_generate(inputs):
-        t = time.perf_counter()
-        result = generate(inputs)
-        clock.gen_s += time.perf_counter() - t
-        return result
-
-    trainer._generate_and_score_completions = timed_generate
+    clock.attach(trainer)
     trainer.train()
     rec["saved"] = [{"step": s, "clock_s": c, "dir": str(d)} for s, c, d in saved]
     rec["machine_end"] = machine()
