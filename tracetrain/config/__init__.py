@@ -1,7 +1,8 @@
 """The typed run configuration: a YAML file plus `key.sub=value` overrides (docs/config.md).
 
     base.py       what a section is (strict, a docstring per key), ConfigError, union_sections
-    model.py      model, model.lora, policies          tasks.py     data, env (one model per kind)
+    model.py      model, model.lora           policies.py  policies
+    distill.py    distill (a teacher)                  tasks.py     data, env (one model per kind)
     objective.py  rollout, aggregate, roles, advantage, loss, correction, optim
     trainer.py    trainer, warm_start                  serving.py   gateway, engine (by kind), verl
     train.py      TrainConfig, the whole run, and the rules across its sections
@@ -18,8 +19,9 @@ from tracetrain.config.base import (
     registered,
     union_sections,
 )
+from tracetrain.config.distill import DistillConfig
 from tracetrain.config.load import build_config, load_config, parse_overrides
-from tracetrain.config.model import LoraConfig, ModelConfig, PolicyConfig
+from tracetrain.config.model import LoraConfig, ModelConfig, RemoteModelConfig
 from tracetrain.config.objective import (
     AdvantageConfig,
     AggregateConfig,
@@ -29,6 +31,7 @@ from tracetrain.config.objective import (
     RolesConfig,
     RolloutConfig,
 )
+from tracetrain.config.policies import PolicyConfig
 from tracetrain.config.reference import (
     EXTERNAL_DESCRIPTIONS,
     REFERENCE_COMMAND,
@@ -60,6 +63,8 @@ from tracetrain.config.train import TrainConfig
 from tracetrain.config.trainer import TrainerConfig, WarmStartConfig
 
 __all__ = [
+    "DistillConfig",
+    "RemoteModelConfig",
     "EXTERNAL_DESCRIPTIONS", "REFERENCE_COMMAND", "WILDCARD_HOSTS", "AdvantageConfig",
     "AggregateConfig", "ConfigError", "CorrectionConfig", "DataConfig", "EngineConfig", "EnvConfig",
     "EnvironmentClassConfig", "GatewayConfig", "LocalEngineConfig", "LoraConfig", "LossConfig",

@@ -1,28 +1,22 @@
-"""The policy's sections: the model it starts from, its LoRA adapter, and the several policies
-of a run (`policies`)."""
+"""The policy's sections: the model it starts from and its LoRA adapter; how a model behind a URL
+is named."""
 
 from __future__ import annotations
 
-import re
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
-from tracetrain.config.base import _Section, named_once
-from tracetrain.types import check_role
+from tracetrain.config.base import _Section
 
 
 class RemoteModelConfig(_Section):
-    """A model behind an OpenAI-compatible chat completions endpoint (vLLM, SGLang, a hosted API):
-    how an expert (warm_start.expert) is named."""
+    """A model behind an OpenAI-compatible endpoint (vLLM, SGLang, a hosted API): how an expert
+    (warm_start.expert) or a teacher (distill.teacher) is named."""
 
     url: str = Field(pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
-    """The endpoint's base URL, e.g. `http://127.0.0.1:8000/v1` (requests go to its
-    /chat/completions)."""
+    """The endpoint's base URL, e.g. `http://127.0.0.1:8000/v1` (an expert's requests go to its
+    /chat/completions, a teacher's to its /completions, and to the server's /tokenize)."""
     name: str = Field(min_length=1)
     """The model name the endpoint serves (the request's `model`)."""
     api_key_env: str | None = None
@@ -96,58 +90,3 @@ class ModelConfig(_Section):
         if self.kind == "gguf" and not self.gguf_file:
             raise ValueError("model.gguf_file is required when model.kind is 'gguf'")
         return self
-
-
-# peft names the rows of a batch without an adapter "__base__"; an adapter's name must not be
-# part of its layers' prefix "lora_" (peft would take its weights for a layer's on loading).
-RESERVED_POLICY_NAMES = ("__base__",)
-POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # (an adapter's name is a module key)
-
-
-class PolicyConfig(_Section):
-    """One of several policies of a run (`policies`): a LoRA adapter on the run's base model
-    (`model`), or a whole model of its own, making its roles' calls and learning from their
-    trained tokens only, with its own optimizer and learning-rate schedule (docs/policies.md)."""
-
-    roles: list[str] = Field(min_length=1)
-    """The roles whose calls this policy makes and learns from; a role belongs to one policy at
-    most (a role of none is served by the base model, without an adapter, and does not train)."""
-    lora: LoraConfig | None = Field(default_factory=LoraConfig)
-    """Its adapter on the run's base model (rank, alpha, target layers); null: a whole model of
-    its own, every weight trained: `model`, or without it a copy of the run's model as RL starts
-    (after the warm start, which trains the model every policy starts from)."""
-    model: ModelConfig | None = None
-    """Its own model (a whole model, every weight trained; `lora` is then null unless given);
-    the tokenizer must be the run's model's. null: `lora` on the run's model, or its copy."""
-    lr: float | None = Field(None, gt=0)
-    """Its AdamW learning rate; null: `optim.lr`."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """Its learning-rate warm-up; null: `optim.warmup_steps`."""
-    decay: Literal["constant", "cosine", "linear"] | None = None
-    """Its learning-rate decay; null: `optim.decay`."""
-    weight_decay: float | None = Field(None, ge=0)
-    """Its weight decay; null: `optim.weight_decay`."""
-    grad_clip: float | None = Field(None, gt=0)
-    """Its gradient norm clip; null: `optim.grad_clip`."""
-    kl_coef: float | None = Field(None, ge=0)
-    """Its KL penalty against the base model; null: `loss.kl_coef`."""
-
-    @field_validator("roles")
-    @classmethod
-    def _role_names(cls, v: list[str]) -> list[str]:
-        for role in v:
-            check_role(role)
-        return named_once(v, "a role")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _own_model_is_whole(cls, data: Any) -> Any:
-        """`model` without `lora`: the model whole (the adapter's default is not meant)."""
-        if isinstance(data, dict) and data.get("model") is not None and "lora" not in data:
-            return {**data, "lora": None}
-        return data
-
-    @property
-    def whole(self) -> bool:
-        """A whole model of its own (`model`, or a copy of the run's), not an adapter."""
-        return self.lora is None

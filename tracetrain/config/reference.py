@@ -219,7 +219,9 @@ def _rows(prefix: str, models: list[type[BaseModel]], tags: dict[type[BaseModel]
             f"{' and '.join(k)}: {text}" for text, k in meanings.items())
         if len(having) < len(models):
             labels = ["a plugin's" if tags[m] == "plugin" else f"`{tags[m]}`" for m in having]
-            meaning = f"(kind {' or '.join(labels)}) {meaning}"
+            by_kind = all("kind" in m.model_fields for m in models)  # else a form, by its keys
+            meaning = (f"(kind {' or '.join(labels)}) " if by_kind
+                       else f"(the {' or '.join(labels)} form) ") + meaning
         others = {}  # the kinds whose default is not the one shown (`kind`'s own: its tag)
         for m in having if name != "kind" else ():
             f = m.model_fields[name]

@@ -13,13 +13,8 @@ from pydantic import (
 
 from tracetrain import registry
 from tracetrain.config.base import _Section
-from tracetrain.config.model import (
-    POLICY_NAME,
-    RESERVED_POLICY_NAMES,
-    LoraConfig,
-    ModelConfig,
-    PolicyConfig,
-)
+from tracetrain.config.distill import DistillConfig
+from tracetrain.config.model import LoraConfig, ModelConfig
 from tracetrain.config.objective import (
     AdvantageConfig,
     AggregateConfig,
@@ -29,6 +24,7 @@ from tracetrain.config.objective import (
     RolesConfig,
     RolloutConfig,
 )
+from tracetrain.config.policies import POLICY_NAME, RESERVED_POLICY_NAMES, PolicyConfig
 from tracetrain.config.serving import (
     WILDCARD_HOSTS,
     EngineConfig,
@@ -79,6 +75,10 @@ class TrainConfig(_Section):
     """Several policies in one run, by name: each a LoRA adapter on `model` with its roles and
     optimizer (docs/policies.md); null: one policy, the whole model (or `model.lora`)."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    distill: DistillConfig | None = None
+    """On-policy distillation: a frozen teacher scores every token the policy samples, and its
+    per-token term is credit (docs/objective.md); null: none. Several policies: each names its
+    own (`policies.<p>.distill`)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -208,7 +208,8 @@ class TrainConfig(_Section):
         loss = {} if pc.kl_coef is None else {"kl_coef": pc.kl_coef}
         return self.model_copy(update={"roles": self.roles.model_copy(update={"train": train}),
                                        "optim": self.optim.model_copy(update=optim),
-                                       "loss": self.loss.model_copy(update=loss)})
+                                       "loss": self.loss.model_copy(update=loss),
+                                       "distill": pc.distill})
 
     @property
     def reproducible(self) -> bool:
@@ -326,6 +327,24 @@ class TrainConfig(_Section):
             if why:
                 raise ValueError(f"policies.{name}: a whole model of its own not with {why} yet "
                                  "(it has a local engine of its own, given its weights in place)")
+        return self
+
+    @model_validator(mode="after")
+    def _distill(self) -> TrainConfig:
+        taught = [("distill", self.distill, self.roles.train)] + [
+            (f"policies.{n}.distill", pc.distill, pc.roles) for n, pc in (self.policies or {}).items()]
+        if self.distill is not None and self.policies is not None:
+            raise ValueError("distill: with policies each policy names its own teacher "
+                             "(policies.<name>.distill)")
+        for key, dc, trained in taught:
+            if dc is None:
+                continue
+            if self.backend != "embedded":
+                raise ValueError(f"{key}: for backend 'embedded' (verl's actor takes no teacher)")
+            outside = sorted(set(dc.roles or ()) - set(trained)) if trained is not None else []
+            if outside:
+                raise ValueError(f"{key}.roles: {outside} do not train here (the roles it can "
+                                 f"teach: {sorted(trained)})")
         return self
 
     @model_validator(mode="after")

@@ -43,6 +43,10 @@ class LocalStats(MutableMapping):
     """Seconds of the decode steps' forward passes."""
     sample_s: float = 0.0
     """Seconds of sampling and its bookkeeping (stop checks, streaming)."""
+    scored_tokens: int = 0
+    """Response tokens scored (engines/score.py: a teacher's logprobs, no sampling)."""
+    score_s: float = 0.0
+    """Seconds of scoring."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Keys a measurement adds (a bench's own timer), read and written like the others."""
 

@@ -383,19 +383,34 @@ class UpstreamEngine:
         self, payload: bytes, on_tokens: OnTokens | None
     ) -> tuple[list[int], list[float], str]:
         """One request: the parsed turn, or _Retry, PromptTooLong or EngineError."""
+        if on_tokens is None:
+            try:
+                return self._parse(await self.post_json(payload))
+            except ValueError as e:  # a malformed answer will not get better by asking again
+                raise self._bad_answer(e) from None
         try:
             async with self._http().post(self._url, data=payload, headers=_JSON) as response:
-                if on_tokens is not None and response.status == 200:
+                if response.status == 200:
                     return await self._stream(response, on_tokens)
                 code, raw = response.status, await response.read()
         except (asyncio.TimeoutError, aiohttp.ClientError) as e:
             raise self._retry(e) from None
-        if code == 200:
-            try:
-                return self._parse(orjson.loads(raw))
-            except ValueError as e:  # a malformed answer will not get better by asking again
-                raise self._bad_answer(e) from None
         raise self._refusal(code, _error_message(code, raw))
+
+    async def post_json(self, payload: bytes) -> Any:
+        """One POST of `payload` to the protocol's route: the answer's JSON, or _Retry,
+        PromptTooLong or EngineError (engines/score.py asks through it too)."""
+        try:
+            async with self._http().post(self._url, data=payload, headers=_JSON) as response:
+                code, raw = response.status, await response.read()
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise self._retry(e) from None
+        if code != 200:
+            raise self._refusal(code, _error_message(code, raw))
+        try:
+            return orjson.loads(raw)
+        except ValueError as e:
+            raise self._bad_answer(e) from None
 
     async def _stream(
         self, response: aiohttp.ClientResponse, on_tokens: OnTokens

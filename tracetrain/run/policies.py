@@ -133,10 +133,10 @@ def build_policy_rows(store, results, cfg: TrainConfig, tokenizer, version: int)
 
 
 def row_metrics(parts: dict[str, Rows]) -> dict[str, Any]:
-    """policy/<p>/aggregate/*, policy/<p>/advantage/* and policy/<p>/entropy/sampled of each
-    policy's rows."""
+    """policy/<p>/aggregate/*, policy/<p>/advantage/*, policy/<p>/distill/* (its teacher's) and
+    policy/<p>/entropy/sampled of each policy's rows."""
     return {f"policy/{name}/{k}": v for name, rows in parts.items() for k, v in rows.metrics.items()
-            if k.startswith(("aggregate/", "advantage/", "entropy/"))}
+            if k.startswith(("aggregate/", "advantage/", "distill/", "entropy/"))}
 
 
 def update(models: dict[str, torch.nn.Module], parts: dict[str, Rows], optimizers: ByPolicy,

@@ -22,11 +22,13 @@ from typing import Any, NamedTuple
 from tracetrain.agents.runner import run_rollouts
 from tracetrain.config import ConfigError, TrainConfig
 from tracetrain.objective.credit import batch_credit
+from tracetrain.objective.distill import distill_advantages
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
 from tracetrain.rows.context_metrics import context_metrics
 from tracetrain.rows.roles import role_metrics, trains
 from tracetrain.rows.tool_metrics import tool_metrics
+from tracetrain.run.teacher import teacher_scores
 from tracetrain.types import TOOL_ERRORS, Rollout
 
 
@@ -226,7 +228,7 @@ def collected_of(step: int, *candidates: Any) -> Collected | None:
 class Rows(NamedTuple):
     batch: TrainingBatch
     # [n_rollouts] one per rollout, or [rows, S] one per token of a turn-level estimator
-    # (credit.batch_credit); None when there is no row
+    # (credit.batch_credit) or with a teacher (objective/distill.py); None when there is no row
     advantages: Any
     metrics: dict[str, Any]
 
@@ -237,7 +239,8 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
     dropped, aggregated into rows, and given their advantages.
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
-    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts were
+    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, distill/* (with a teacher:
+    objective/distill.py, its scores read from the store, run/teacher.py), context/* (how the prompts were
     built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), tools/* (over
     the step's rollouts, stale ones too: `tools_metrics`), advantage/*, entropy/sampled,
     time/rows_s.
@@ -276,6 +279,11 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
             step_weight=ad.step_weight, eps=ad.eps, failed_rollouts=ad.failed_rollouts,
             others=cfg.other_policies_roles)
         metrics.update({f"advantage/{k}": v for k, v in adv_metrics.items()})
+        if cfg.distill is not None:  # the teacher's per-token term (objective/distill.py)
+            adv, more = distill_advantages(batch, adv, teacher_scores(store, batch.rollouts),
+                                           coef=cfg.distill.coef,
+                                           with_reward=cfg.distill.with_reward)
+            metrics.update(more)
         if batch.rollout_logprobs is not None:
             trained = batch.rollout_logprobs[batch.response_mask].double()
             metrics["entropy/sampled"] = float(-trained.mean()) if trained.numel() else 0.0

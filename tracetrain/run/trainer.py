@@ -3,6 +3,7 @@
     for step in 1..steps:
         collect     the collector's rollouts of the step (run/collectors.py: step, overlap,
                     continuous) -> turns in the store
+        teacher     config `distill`: the teacher scores the rollouts' taught tokens (run/teacher.py)
         rows        the learner's rows and advantages (run/learner.py: one policy or several)
         update      PPO epochs over mini-batches of whole rollouts, on the update thread, while
                     the engine is held (shared weights) or keeps decoding (its own copy)
@@ -60,6 +61,7 @@ from tracetrain.run.step import (
     tools_metrics,
 )
 from tracetrain.run.stop import Stop, Stopped
+from tracetrain.run.teacher import teach
 from tracetrain.run.trackers import NO_TRACKERS, open_trackers
 from tracetrain.run.update_thread import UpdateThread
 from tracetrain.run.weights import WeightSync
@@ -251,8 +253,9 @@ class Trainer:
                 collected = self.fail_fast(await stop.until(collector.take(st, clock)), bar)  # collect
                 await collector.taken(st)
                 sync.check_engine()  # (a vLLM server that died stops the run here)
+                taught = await teach(svc.teachers, svc.store, collected.results, cfg)  # teacher
                 rows, work = learner.rows(svc.store, collected.results, st.version)  # rows
-                m = {"step": st.step, **rows.metrics, **collected.metrics,
+                m = {"step": st.step, **rows.metrics, **collected.metrics, **taught,
                      **engine_metrics(collected.engine_work)}
                 t = time.perf_counter()
                 if self.dp.enabled:  # every rank trains on rank 0's rows (or skips the step)
