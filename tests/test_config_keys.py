@@ -42,19 +42,21 @@ CONSUMED_ELSEWHERE: dict[str, tuple[str, str, str]] = {
     "plugins": ("tracetrain/config/train.py", "registry.import_plugins(plugins",
                 "TrainConfig's own validator imports them while the config is built, before the "
                 "other keys are checked against the names they register"),
+    "distill.teacher.lora": ("tracetrain/config/distill.py", "self.teacher.lora is not None",
+                             "DistillConfig refuses it: the teacher does not train"),
 }
 
 
-def section_classes() -> tuple[set[str], dict[str, str], str]:
-    """(the section prefixes, {class name: its prefix} for classes at one prefix, the root's
-    class name)."""
+def section_classes() -> tuple[set[str], dict[str, frozenset[str]], str]:
+    """(the section prefixes, {class name: the prefixes it is at} (ModelConfig: `model` and
+    `distill.teacher`), the root's class name)."""
     found = sections()
     prefixes = {p for p, _ in found}
     at: dict[str, set[str]] = {}
     for p, model in found:
         at.setdefault(model.__name__, set()).add(p)
     root = next(model.__name__ for p, model in found if p == "")
-    return prefixes, {name: next(iter(ps)) for name, ps in at.items() if len(ps) == 1}, root
+    return prefixes, {name: frozenset(ps) for name, ps in at.items()}, root
 
 
 class Reads:
@@ -65,10 +67,11 @@ class Reads:
         self.prefixes, self.classes, self.root_class = section_classes()
         self.found: dict[str, list[str]] = {}
 
-    def section_of(self, e: ast.expr, aliases: dict[str, str]) -> str | None:
-        """The section prefix `e` evaluates to ("" for the root config), or None."""
+    def section_of(self, e: ast.expr, aliases: dict[str, frozenset[str]]) -> frozenset[str] | None:
+        """The section prefixes `e` may evaluate to ("" for the root config; several for a
+        parameter annotated with a class at several prefixes), or None."""
         if isinstance(e, ast.Name):
-            return aliases.get(e.id, "" if e.id == "cfg" else None)
+            return aliases.get(e.id, frozenset({""}) if e.id == "cfg" else None)
         if isinstance(e, ast.BoolOp):  # `verl or cfg.verl or VerlConfig()`
             return next((s for v in e.values if (s := self.section_of(v, aliases)) is not None), None)
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "getattr" \
@@ -76,18 +79,20 @@ class Reads:
             return self.child(self.section_of(e.args[0], aliases), e.args[1].value)
         if isinstance(e, ast.Attribute):
             if e.attr == "cfg":
-                return ""
+                return frozenset({""})
             return self.child(self.section_of(e.value, aliases), e.attr)
         return None
 
-    def child(self, base: str | None, name: object) -> str | None:
-        if base is None or not isinstance(name, str):
+    def child(self, bases: frozenset[str] | None, name: object) -> frozenset[str] | None:
+        if bases is None or not isinstance(name, str):
             return None
-        s = f"{base}.{name}" if base else name
-        return s if s in self.prefixes else None
+        out = frozenset(s for b in bases if (s := f"{b}.{name}" if b else name) in self.prefixes)
+        return out or None
 
-    def read(self, base: str | None, name: object, where: str) -> None:
-        if base is not None and isinstance(name, str):
+    def read(self, bases: frozenset[str] | None, name: object, where: str) -> None:
+        if bases is None or not isinstance(name, str):
+            return
+        for base in bases:
             key = f"{base}.{name}" if base else name
             if key in self.keys:
                 self.found.setdefault(key, []).append(where)
@@ -112,10 +117,10 @@ class Reads:
         def annotated(target: str, ann: ast.expr | None) -> None:
             text = ann.value if isinstance(ann, ast.Constant) else ast.unparse(ann) if ann else ""
             for name in str(text).replace("|", " ").replace("[", " ").replace("]", " ").split():
-                if name in self.classes:
+                if name == self.root_class:
+                    aliases[target] = frozenset({""})
+                elif name in self.classes:
                     aliases[target] = self.classes[name]
-                elif name == self.root_class:
-                    aliases[target] = ""
 
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             a = node.args
@@ -167,7 +172,7 @@ def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[st
     the config's classes in `text` (tracetrain/config/): `cfg.reproducible` reads what
     TrainConfig.reproducible reads through `self`, and through the methods it calls on `self`."""
     _, classes, root = section_classes()
-    prefix_of = {**classes, root: ""}
+    prefix_of = {**classes, root: frozenset({""})}
     out: dict[tuple[str, str], set[str]] = {}
     for c in ast.parse(text).body:
         if not isinstance(c, ast.ClassDef) or c.name not in prefix_of:
@@ -191,8 +196,8 @@ def config_properties(text: str, keys: set[str]) -> dict[tuple[str, str], set[st
                     seen.add(m)
                     got |= direct[m]
                     todo += calls[m]
-            if got:
-                out[(prefix_of[c.name], name)] = got
+            for prefix in prefix_of[c.name] if got else ():
+                out[(prefix, name)] = got
     return out
 
 

@@ -81,8 +81,9 @@ def sections(
         below = f"{prefix}.{name}" if prefix else name
         if section is not None:  # an optional one is also a key of its own (null: off)
             out += sections(section, below)
-        for variant in union_sections(field.annotation).values():
-            out += sections(variant, below)
+        # a union's kinds first, then the sections below them (the kinds' keys stay together)
+        nested = [sections(variant, below) for variant in union_sections(field.annotation).values()]
+        out += [n[0] for n in nested] + [s for n in nested for s in n[1:]]
     return out
 
 

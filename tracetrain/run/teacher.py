@@ -133,6 +133,11 @@ async def close(teachers: Mapping[str | None, Any]) -> None:
         await engine.aclose()
 
 
+def taught_roles(cfg: TrainConfig) -> list[str] | None:
+    """The roles a (policy's) config's teacher teaches: distill.roles, else those that train."""
+    return cfg.distill.roles or cfg.roles.train
+
+
 def taught_turns(rollout, roles: Iterable[str] | None) -> list[int]:
     """The indices of the rollout's turns the teacher scores: those of `roles` (None: every
     role) that have response tokens."""
@@ -151,8 +156,7 @@ async def teach(teachers: Mapping[str | None, Any], store, results: list, cfg: T
     ids = [r.rollout_id for r in results]
     rollouts = store.load_rollouts(rollout_ids=ids)
     for policy, engine in teachers.items():
-        pc = cfg if policy is None else cfg.for_policy(policy)
-        roles = pc.distill.roles or pc.roles.train
+        roles = taught_roles(cfg if policy is None else cfg.for_policy(policy))
         name = policy or ""
         todo = [r for r in rollouts if not any(
             (e.payload or {}).get("teacher") == name for e in store.list_events(r.rollout_id, EVENT))]
