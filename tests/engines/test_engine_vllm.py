@@ -29,7 +29,7 @@ from tracetrain.config import ConfigError, LocalEngineConfig, build_config
 from tracetrain.engines.base import EngineError, SamplingParams
 from tracetrain.engines.upstream import UpstreamEngine
 from tracetrain.engines.vllm import VLLMEngine
-from tracetrain.engines.vllm_server import VLLMServer, server_command
+from tracetrain.engines.vllm_server import SERVED_NAME, VLLMServer, server_command
 from tracetrain.models.save import write_hf_dir
 from tracetrain.models.tiny import build_model, build_tokenizer
 from tracetrain.run.trainer import train
@@ -781,3 +781,40 @@ def test_sigterm_stops_the_run_and_the_server_it_launched(tmp_path, vllm_python)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_scoring_asks_vllm_for_prompt_logprobs_and_gets_the_trainers(served, tok):
+    """engines/score.py on vLLM: the logprobs of given response tokens (not sampled: greedy ones
+    of another model, so most are not the server's argmax) are the trainer's log softmax at
+    temperature 1, and the same through a teacher named by URL (run/teacher.py, which first
+    checks the server's tokenizer against the policy's)."""
+    from tracetrain.config import DistillConfig
+    from tracetrain.engines.score import score
+    from tracetrain.run.teacher import load_teacher
+
+    server, model, _ = served
+    other = perturbed(model, seed=23, scale=0.2)
+    prompts = [chat(tok, t) for t in ("Guess.", "Lower, much lower.", "What is 2 + 2?")]
+    responses = [greedy(other, p, n) for p, n in zip(prompts, (1, 9, 16), strict=True)]
+    dc = DistillConfig(teacher={"url": server.base_url + "/v1", "name": SERVED_NAME})
+    cfg = build_config({"distill": dc.model_dump()})
+
+    async def go():
+        engine = engine_on(served, tok)
+        try:
+            await engine.load_weights(model, 0)
+            direct = await score(engine, prompts, responses)
+        finally:
+            await UpstreamEngine.aclose(engine)
+        teacher = await load_teacher(cfg.distill, tok, cfg, key="distill", threads=1)
+        try:
+            return direct, await score(teacher, prompts, responses)
+        finally:
+            await teacher.aclose()
+
+    direct, named = asyncio.run(go())
+    for p, r, d, n in zip(prompts, responses, direct, named, strict=True):
+        ours = teacher_forced(model, p, r, 1.0)
+        assert len(d) == len(n) == len(r)
+        assert float((torch.tensor(d) - ours).abs().max()) < TOL
+        assert d == n

@@ -1,6 +1,6 @@
 """The services of a run, started in order and stopped in reverse: the trace store, the engine
-(and roles.serve's, and each whole-model policy's), the teachers (config `distill`), the agent
-workers, the in-process gateway, the agents' HTTP client."""
+(and roles.serve's, and each whole-model policy's), the agent workers, the in-process gateway,
+the agents' HTTP client."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tracetrain.agents.workers import AgentRef, AgentWorkers
 from tracetrain.config import TrainConfig
 from tracetrain.engines.start import start_engine
 from tracetrain.rows.roles import role_engines
-from tracetrain.run import policies, teacher
+from tracetrain.run import policies
 
 
 @dataclass
@@ -31,16 +31,17 @@ class Services:
 
 @contextlib.asynccontextmanager
 async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_dir: Path,
-                  threads: int, lockstep, admin_key: str | None, log=print):
+                  threads: int, lockstep, admin_key: str | None, teachers=None, log=print):
     """The run's Services: the store, the engine on `sync.engine_weights(version)` (the policy
     of `learner`, run/learner.py, or the engine's own copy), roles.serve's "frozen" engine,
-    whole-model policies' engines, the teachers, the agent workers (of task source `task`), the gateway, the
-    agents' HTTP client; stopped in reverse. The engine is attached to `sync` (run/weights.py)."""
+    whole-model policies' engines, the agent workers (of task source `task`), the gateway, the
+    agents' HTTP client; stopped in reverse. The engine is attached to `sync` (run/weights.py);
+    `teachers` (run/teacher.py, the trainer's) are handed on to the steps."""
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import app_options, bind, serve_in_loop
     from tracetrain.store import SQLiteStore
 
-    store, engines, workers, teachers = SQLiteStore(run_dir / "traces.db"), {}, None, {}
+    store, engines, workers = SQLiteStore(run_dir / "traces.db"), {}, None
     on = {"run_dir": run_dir, "threads": threads, "log": log, "lockstep": lockstep}
     try:
         weights, engine_version = sync.engine_weights(version)
@@ -52,7 +53,6 @@ async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_di
         for name, model in learner.whole.items():  # whole-model policies: a local engine each
             engines[policies.engine_name(name)] = await start_engine(
                 cfg, model, learner.tokenizer, version=version, **on)
-        teachers = await teacher.load_teachers(cfg, learner.tokenizer, threads)
         if cfg.rollout.agent_workers:  # agents in their own processes (agents/workers.py)
             workers = AgentWorkers(agent_ref(cfg, task), cfg.rollout.agent_workers,
                                    max_connections=cfg.rollout.concurrency)
@@ -69,7 +69,7 @@ async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_di
                     agent_http_client(cfg.rollout.concurrency) as http):
             gateway = GatewayClient(url, admin_key)
             try:
-                yield Services(gateway, engine, store, http, workers, teachers)
+                yield Services(gateway, engine, store, http, workers, teachers or {})
             finally:
                 await gateway.aclose()
     finally:
@@ -77,7 +77,6 @@ async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_di
             workers.close()
         for e in engines.values():
             await e.aclose()
-        await teacher.close(teachers)
         store.close()
 
 

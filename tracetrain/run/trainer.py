@@ -61,7 +61,8 @@ from tracetrain.run.step import (
     tools_metrics,
 )
 from tracetrain.run.stop import Stop, Stopped
-from tracetrain.run.teacher import teach
+from tracetrain.run.teacher import close as close_teachers
+from tracetrain.run.teacher import load_teachers, teach
 from tracetrain.run.trackers import NO_TRACKERS, open_trackers
 from tracetrain.run.update_thread import UpdateThread
 from tracetrain.run.weights import WeightSync
@@ -161,6 +162,7 @@ class Trainer:
         self.failures = FailedSteps(cfg.trainer.max_failed_steps)  # (run/failures.py)
         self.failed: str | None = None  # why the run stopped, when its rollouts failed
         self.saved_step = 0  # the step of the last checkpoint written (or resumed from)
+        self.teachers: dict = {}  # config `distill`: {policy or None: its teacher (run/teacher.py)}
 
     async def run(self) -> list[dict]:
         """Resume or warm-start, then every step with the services up; a checkpoint at the end
@@ -171,6 +173,7 @@ class Trainer:
                 await self.run_all()
         finally:
             self.stop.uninstall()
+            await close_teachers(self.teachers)
             self.checkpoints.close()
             self.update_thread.close()
         if self.stop.requested.is_set():
@@ -189,6 +192,9 @@ class Trainer:
         admin_key = admin_key_for(cfg.gateway.host) if self.dp.is_main else None
         check_top_p(cfg)
         preflight(cfg)
+        if self.dp.is_main:  # (its tokenizer checked against the policy's before any work)
+            self.teachers = await load_teachers(cfg, self.learner.tokenizer,
+                                                self.update_thread.threads)
         agent = resolve_agent(self.task, cfg.agent)
         self.started = time.perf_counter()
         resumed = cfg.trainer.resume and self.load_checkpoint()
@@ -217,7 +223,7 @@ class Trainer:
         async with services.started(
                 cfg, self.learner, self.sync, version=self.state.version, task=self.task,
                 run_dir=self.run_dir, threads=self.update_thread.threads, lockstep=self.lockstep,
-                admin_key=admin_key, log=self.log) as svc:
+                admin_key=admin_key, teachers=self.teachers, log=self.log) as svc:
             from tqdm import tqdm
 
             play = Play(cfg, self.task, self.data, agent, self.nonce, self.lockstep, svc)
