@@ -163,6 +163,8 @@ async def teach(teachers: Mapping[str | None, Any], store, results: list, cfg: T
         pairs = [(r, k) for r in todo for k in taught_turns(r, roles)]
         if not pairs:
             continue
+        if hasattr(engine, "drop_prefix_cache"):  # a step's scores depend on its rollouts alone:
+            engine.drop_prefix_cache()            # a resumed run scores the same numbers
         scores = await score(engine, [r.turns[k].prompt_ids for r, k in pairs],
                              [r.turns[k].response_ids for r, k in pairs])
         by_rollout: dict[str, dict[str, list[float]]] = {}
