@@ -3,6 +3,7 @@
     step = explain_step(rollouts, cfg, tokenizer)   # aggregate -> credit -> plan, as the trainer
     step.summary[rollout_id]   # Explained: rows, breaks, advantage, loss mass, mini-batch, status
     step.rows(rollout_id)      # [TokenRow]: every token of its rows, kind, weight, advantage, logprob
+                               # (with a teacher: its logprob, the distillation and reward parts)
 
 The rows are the step's rollouts aggregated with the run's config (aggregate.level, lengths,
 roles.train), credited (advantage.estimator, failed_rollouts) and planned into mini-batches as
@@ -24,6 +25,12 @@ from typing import Any
 import torch
 
 from tracetrain.objective.credit import batch_credit
+from tracetrain.objective.distill import (
+    TeacherLogprobs,
+    distill_advantages,
+    teacher_logprobs,
+    token_level,
+)
 from tracetrain.objective.minibatch import MiniBatch, plan_step
 from tracetrain.rows.aggregate import aggregate
 from tracetrain.rows.batch import TrainingBatch
@@ -53,6 +60,12 @@ class TokenRow:
     advantage: list[float | None]
     logprob: list[float | None]
     turn: list[int | None]
+    # with a teacher (config `distill`; None elsewhere): its logprob of the token, the token's
+    # distillation advantage coef · (teacher − engine logprob), and the reward-based one (0 when
+    # distill.with_reward is false: not trained on); advantage is what the token trained with
+    teacher_logprob: list[float | None] = field(default_factory=list)
+    distill: list[float | None] = field(default_factory=list)
+    reward_advantage: list[float | None] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +97,9 @@ class StepExplained:
     advantages: torch.Tensor | None
     plan: list[MiniBatch]
     prompt_lengths: dict[tuple[str, int], int]  # (rollout, turn) -> len(prompt_ids)
+    # with a teacher, each [rows, S]: its logprobs, the taught tokens (bool), coef · d, and the
+    # reward-based advantages
+    teacher: tuple[torch.Tensor, ...] | None = None
 
     def rows(self, rollout_id: str) -> list[TokenRow]:
         """The rollout's rows token by token ([] if it was not trained)."""
@@ -112,6 +128,7 @@ class StepExplained:
             else:
                 adv = [float(self.advantages[k])] * n_resp
             lp = [None] * n_resp if b.rollout_logprobs is None else b.rollout_logprobs[i, :n_resp].tolist()
+            taught = self._taught(i, n_resp, n_prompt)
             first = int(b.turn_index[i])
             s = scale.get(i, 0.0)
             out.append(TokenRow(
@@ -122,14 +139,32 @@ class StepExplained:
                 advantage=[None] * n_prompt + [a if m else None for a, m in zip(adv, mask, strict=True)],
                 logprob=[None] * n_prompt + [x if m else None for x, m in zip(lp, mask, strict=True)],
                 turn=[None] * n_prompt + [t if m else None for t, m in zip(turn_of, mask, strict=True)],
+                **taught,
             ))
         return out
 
+    def _taught(self, i: int, n_resp: int, n_prompt: int) -> dict[str, list[float | None]]:
+        """Row i's teacher_logprob, distill and reward_advantage lists ({} without a teacher)."""
+        if self.teacher is None:
+            return {}
+        lp_t, taught, dist, reward = (x[i, :n_resp].tolist() for x in self.teacher)
+        mask = self.batch.response_mask[i, :n_resp].tolist()
+        pad: list[float | None] = [None] * n_prompt
 
-def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None) -> StepExplained:
+        def on(values: list[float], where: list[bool]) -> list[float | None]:
+            return pad + [v if w else None for v, w in zip(values, where, strict=True)]
+
+        return {"teacher_logprob": on(lp_t, taught), "distill": on(dist, taught),
+                "reward_advantage": on(reward, mask)}
+
+
+def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None,
+                 teacher: TeacherLogprobs | None = None) -> StepExplained:
     """The step's rows, credit and plan for `rollouts` (one step's finished rollouts), with the
     run's `TrainConfig` (a store without config.json: `TrainConfig()`'s defaults; not imported
-    here: the config reaches the verl integration's keys, and this stage stays pure)."""
+    here: the config reaches the verl integration's keys, and this stage stays pure). `teacher`:
+    the teacher's scores (run/teacher.teacher_scores) when cfg.distill is set: the advantages
+    are then objective/distill.py's, as the run trained."""
     ac, est, oc = cfg.aggregate, cfg.advantage, cfg.optim
     train_roles = cfg.roles.train
     pad = getattr(tokenizer, "pad_token_id", None) or 0
@@ -157,6 +192,13 @@ def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None) -> StepE
         kept.response_mask, kept.rollout_index, n_mini_batches=min(oc.mini_batches, kept.n_rollouts),
         micro_batch_tokens=oc.micro_batch_tokens, mode=cfg.loss.mode, norm_length=cfg.loss.norm_length,
         row_tokens=kept.attention_mask.sum(1))
+    taught, trained_with = None, adv
+    if getattr(cfg, "distill", None) is not None and teacher is not None:
+        reward = token_level(kept, adv) if cfg.distill.with_reward else torch.zeros(
+            kept.response_mask.shape)
+        trained_with, _ = distill_advantages(kept, adv, teacher, coef=cfg.distill.coef,
+                                             with_reward=cfg.distill.with_reward)
+        taught = (*teacher_logprobs(kept, teacher), trained_with - reward, reward)
     T = kept.response_mask.sum(1).to(torch.float64)
     mass = torch.zeros(kept.n_rollouts, dtype=torch.float64)
     where = torch.full((kept.n_rollouts,), -1, dtype=torch.int64)
@@ -177,4 +219,5 @@ def explain_step(rollouts: Sequence[Rollout], cfg: Any, tokenizer=None) -> StepE
             e.advantage = float(adv[k])
     return StepExplained(summary, n_rollouts=kept.n_rollouts, n_mini_batches=len(plan),
                          mini_batch_rollouts=[mb.n_rollouts for mb in plan], batch=kept,
-                         advantages=adv, plan=plan, **base)
+                         advantages=trained_with, plan=plan,
+                         teacher=taught, **base)

@@ -20,6 +20,7 @@ from tracetrain.types import ToolStats
 from tracetrain.view.explain import TRAINED, Explained, StepExplained
 from tracetrain.view.tokens import token_pieces
 
+TAUGHT = ("teacher_logprob", "distill", "reward_advantage")  # TokenRow's lists with a teacher
 SORTS = ("group", "reward", "advantage", "rows", "turns", "breaks", "state")
 EXPERT = "expert"  # the engine of an expert demonstration's rollout
 
@@ -129,6 +130,9 @@ class TokenView:
     turn: int | None = None
     pos: int | None = None  # prompt tokens: the position in the row's first turn's prompt
     brk: str | None = None  # a drift break at this token: its kind and cost
+    teacher_logprob: float | None = None  # with a teacher (config `distill`): its logprob
+    distill: float | None = None  # and the token's distillation advantage
+    reward_advantage: float | None = None  # beside the reward-based one
 
 
 @dataclass
@@ -219,9 +223,11 @@ def rollout_view(rec: RolloutRecord, turns: list[TurnRecord], step: StepExplaine
             toks = []
             for j, (text, whole) in enumerate(pieces):
                 w = row.weight[j]
+                taught = {k: getattr(row, k)[j] for k in TAUGHT if getattr(row, k)}
                 toks.append(TokenView(text, whole, row.kind[j], row.ids[j], w, row.advantage[j],
                                       row.logprob[j], row.turn[j],
-                                      row.prompt_offset + j if j < row.n_prompt else None))
+                                      row.prompt_offset + j if j < row.n_prompt else None,
+                                      **taught))
             rv = RowView(f"row {row.index} (from turn {row.first_turn}): {len(row.ids)} tokens, "
                          f"prompt {row.n_prompt}", toks,
                          n_trained=sum(k == "trained" for k in row.kind),

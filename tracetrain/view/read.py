@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetrain.config import TrainConfig
+from tracetrain.run.teacher import teacher_scores
 from tracetrain.store import SQLiteStore
 from tracetrain.store.records import RolloutRecord, StoreError, StoreNotReady, TurnRecord
 from tracetrain.types import Rollout, RolloutState
@@ -203,7 +204,10 @@ class RunDir:
                             [t.to_turn() for t in self._read(store.get_turns, r.rollout_id)],
                             r.reward, RolloutState(r.state)) for r in done]
         cfg = self.config() or TrainConfig()
-        out = explain_step(rollouts, cfg.for_policy(policy) if policy is not None else cfg, self.tokenizer())
+        mine = cfg.for_policy(policy) if policy is not None else cfg
+        scores = (self._read(teacher_scores, store, [r.rollout_id for r in done])
+                  if mine.distill is not None else None)
+        out = explain_step(rollouts, mine, self.tokenizer(), scores)
         with self._lock:
             self._steps[key] = out
             while len(self._steps) > self.STEP_CACHE:

@@ -4,7 +4,10 @@ function detail(t) {
   const d = t.dataset, parts = [t.className.replace("tok ", "").replace(" selected", ""), "id " + d.id];
   if (d.w !== undefined) parts.push("weight " + Number(d.w).toPrecision(4));
   if (d.a !== undefined) parts.push("advantage " + (d.a === "None" ? "-" : Number(d.a).toFixed(4)));
+  if (d.da !== undefined) parts.push("= distillation " + Number(d.da).toFixed(4));
+  if (d.ra !== undefined) parts.push((d.da !== undefined ? "+ reward " : "reward-based ") + Number(d.ra).toFixed(4));
   if (d.lp !== undefined) parts.push("engine logprob " + d.lp);
+  if (d.tlp !== undefined) parts.push("teacher logprob " + d.tlp);
   if (d.turn !== undefined) parts.push("turn " + d.turn);
   if (d.pos !== undefined) parts.push("prompt position " + d.pos);
   parts.push("text " + JSON.stringify(t.textContent));

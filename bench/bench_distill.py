@@ -1,0 +1,186 @@
+"""On-policy distillation against RL from the reward alone (issue 60): SmolLM2-135M-Instruct on
+reasoning-gym chain_sum, three terms of 1-2 digits (examples/distill/teacher.yaml), on this
+machine's CPU cores.
+
+    .venv/bin/python bench/bench_distill.py teacher --out runs/bench_distill          # part 1
+    .venv/bin/python bench/bench_distill.py arms --out runs/bench_distill --seeds 0 1 2  # part 2
+    .venv/bin/python bench/bench_distill.py report --out runs/bench_distill
+
+teacher: RL from the reward alone (examples/distill/teacher.yaml) in segments of --segment steps
+up to --teacher-steps, resumed each time; after each segment its policy/ is scored greedily on
+the 512 held-out rows (`tracetrain eval --temperature 0 --k 1`), and the best one is kept as
+OUT/teacher/best (its score and step in OUT/teacher/best.json, every segment's in
+OUT/teacher/segments.jsonl).
+
+arms: for each seed, three runs of --steps steps from the untrained model, the same tasks, the same
+settings, held-out greedy pass@1 on 256 rows every 5 steps (the runs' own eval passes):
+- rl: the reward alone (examples/distill/teacher.yaml as it is);
+- distill: the teacher's term alone (examples/distill/config.yaml, distill.with_reward false);
+- both: the reward-based advantage plus the teacher's term (distill.with_reward true).
+Each run is OUT/arms/<arm>-s<seed>; a finished one is skipped when the command runs again.
+
+report: the target is the teacher's score minus 2 standard errors (sqrt(p (1 - p) / 512)); for
+each run, the first step whose eval reaches it; the median over seeds per arm; the ratio
+distill / rl (goal <= 1/3); each arm's curve; the teacher's scoring time per step against
+collection and the update (time/teacher_s, time/collect_s, time/update_s means).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEACHER_CFG = ROOT / "examples" / "distill" / "teacher.yaml"
+DISTILL_CFG = ROOT / "examples" / "distill" / "config.yaml"
+TT = [sys.executable, "-m", "tracetrain"]
+HELD_OUT = 512  # env.size 5120, data.eval_fraction 0.1
+EVAL_TASKS = 256
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return {"cpu": model, "cores": os.cpu_count(), "loadavg": list(os.getloadavg()), "commit": commit,
+            "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def greedy_score(config: Path, policy: Path, log: Path) -> float:
+    """pass@1 of `policy`, greedy, on the HELD_OUT held-out rows (the summary line `tracetrain
+    eval` prints last)."""
+    run([*TT, "eval", str(config), "--policy", str(policy), "--temperature", "0", "--k", "1",
+         "--tasks", str(HELD_OUT)], log)
+    for line in reversed(log.read_text().splitlines()):
+        if line.startswith("{") and '"pass@1"' in line:
+            return float(json.loads(line)["pass@1"])
+    raise RuntimeError(f"no pass@1 in {log}")
+
+
+def teacher(args) -> None:
+    out = args.out / "teacher"
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir, log = out / "run", out / "log.txt"
+    best = json.loads((out / "best.json").read_text()) if (out / "best.json").exists() else None
+    done = [json.loads(x) for x in (out / "segments.jsonl").read_text().splitlines()] \
+        if (out / "segments.jsonl").exists() else []
+    steps = done[-1]["step"] if done else 0
+    while steps < args.teacher_steps:
+        steps = min(args.teacher_steps, steps + args.segment)
+        t = time.time()
+        run([*TT, "train", str(TEACHER_CFG), f"trainer.steps={steps}", f"trainer.run_dir={run_dir}",
+             "trainer.resume=true", "trainer.eval_every=0", f"trainer.seed={args.teacher_seed}"], log)
+        train_s = time.time() - t
+        score = greedy_score(TEACHER_CFG, run_dir / "policy", log)
+        seg = {"step": steps, "pass@1": score, "train_s": train_s, **machine()}
+        with open(out / "segments.jsonl", "a") as f:
+            f.write(json.dumps(seg) + "\n")
+        print(json.dumps(seg), flush=True)
+        if best is None or score > best["pass@1"]:
+            shutil.rmtree(out / "best", ignore_errors=True)
+            shutil.copytree(run_dir / "policy", out / "best")
+            best = seg
+            (out / "best.json").write_text(json.dumps(best))
+    print("best", json.dumps(best))
+
+
+ARMS = {"rl": (TEACHER_CFG, []),
+        "distill": (DISTILL_CFG, ["distill.with_reward=false"]),
+        "both": (DISTILL_CFG, ["distill.with_reward=true"])}
+
+
+def arms(args) -> None:
+    best = args.out / "teacher" / "best"
+    if not best.is_dir():
+        raise SystemExit(f"no teacher at {best}: run `bench_distill.py teacher` first")
+    for seed in args.seeds:
+        for arm in args.arms:
+            config, extra = ARMS[arm]
+            run_dir = args.out / "arms" / f"{arm}-s{seed}"
+            if (run_dir / "summary.json").exists():
+                continue
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            (run_dir / "machine.json").write_text(json.dumps(machine()))
+            over = [f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
+                    "trainer.eval_every=5", f"trainer.eval_tasks={EVAL_TASKS}", *extra]
+            if config == DISTILL_CFG:
+                over.append(f"distill.teacher.path={best}")
+            t = time.time()
+            run([*TT, "train", str(config), *over], run_dir / "log.txt")
+            print(f"{arm} seed {seed}: {time.time() - t:.0f} s", flush=True)
+
+
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    """[(steps trained, held-out pass@1)]: the initial pass and each eval pass."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out = []
+    for m in rows:
+        if "eval/initial_reward_mean" in m:
+            out.append((0, m["eval/initial_reward_mean"]))
+        if "eval/reward_mean" in m:
+            out.append((m["step"] + 1, m["eval/reward_mean"]))
+    return out
+
+
+def report(args) -> None:
+    best = json.loads((args.out / "teacher" / "best.json").read_text())
+    p = best["pass@1"]
+    target = p - 2 * math.sqrt(p * (1 - p) / HELD_OUT)
+    print(f"teacher: pass@1 {p:.3f} on {HELD_OUT} held-out rows after {best['step']} RL steps "
+          f"({best['cpu']}, commit {best['commit']}); target {target:.3f}")
+    reached: dict[str, list[float]] = {}
+    for arm in ARMS:
+        for run_dir in sorted((args.out / "arms").glob(f"{arm}-s*")):
+            if not (run_dir / "metrics.jsonl").exists():
+                continue
+            c = curve(run_dir)
+            hit = next((s for s, v in c if v >= target), math.inf)
+            reached.setdefault(arm, []).append(hit)
+            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            times = {k: statistics.fmean(m.get(k, 0.0) for m in rows)
+                     for k in ("time/teacher_s", "time/collect_s", "time/update_s", "time/train_s")}
+            mach = json.loads((run_dir / "machine.json").read_text())
+            print(f"{run_dir.name}: reached at step {hit}; curve "
+                  + " ".join(f"{s}:{v:.3f}" for s, v in c)
+                  + " | s/step " + " ".join(f"{k.split('/')[1]} {v:.2f}" for k, v in times.items())
+                  + f" | {mach['cpu']} commit {mach['commit']}")
+    med = {arm: statistics.median(v) for arm, v in reached.items()}
+    print("median steps to the target: " + ", ".join(f"{a} {m}" for a, m in med.items()))
+    if "rl" in med and "distill" in med and math.isfinite(med["rl"]):
+        print(f"distill / rl = {med['distill'] / med['rl']:.2f} (goal <= 0.33)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("part", choices=["teacher", "arms", "report"])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_distill")
+    ap.add_argument("--teacher-steps", type=int, default=200)
+    ap.add_argument("--segment", type=int, default=20)
+    ap.add_argument("--teacher-seed", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    args = ap.parse_args(argv)
+    args.out = args.out.resolve()
+    {"teacher": teacher, "arms": arms, "report": report}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
