@@ -152,3 +152,20 @@ def test_several_policies_each_learn_from_their_own_teacher_or_none(tmp_path):
         assert roles == {"solver"}
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("collect", ["continuous", "overlap"])
+def test_the_teacher_scores_what_each_collection_mode_trains(tmp_path, collect):
+    """Collected ahead of the update (overlap) or group by group (continuous): every trained
+    token of every step is taught, the scores read from the store."""
+    run = tmp_path / "run"
+    train(small_config(run, 3, distill=TEACHER, **{"trainer.collect": collect,
+                                                  "trainer.max_staleness": 1}),
+          base_dir=EXAMPLE, log=lambda *_: None)
+    rows = read_metrics(run)
+    assert len(rows) == 3
+    for m in rows:
+        roles = [k.split("/")[1] for k, v in m.items() if k.startswith("roles/")
+                 and k.endswith("/trained") and v]
+        trained = sum(m[f"roles/{role}/response_tokens"] for role in roles)
+        assert m["distill/taught_tokens"] == trained > 0

@@ -212,3 +212,41 @@ def test_the_command_prints_its_url_when_ready_and_guards_other_hosts(run_dir):
     bad = subprocess.run([sys.executable, "-m", "tracetrain", "view", str(run_dir / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "is not a run directory" in bad.stderr
+
+
+def test_each_taught_token_shows_its_teacher_logprob_and_both_parts_of_its_advantage(tmp_path):
+    """A run with a teacher (config `distill`, with_reward): on the rollout page each trained
+    token carries the teacher's logprob the store holds for it, and an advantage that is its
+    distillation part, coef · (teacher − engine logprob), plus its reward-based part."""
+    import json
+
+    from view_run import TESTS, view_config
+
+    from tracetrain.run.teacher import teacher_scores
+    from tracetrain.run.trainer import train
+    from tracetrain.store import SQLiteStore
+
+    run = tmp_path / "run"
+    taught = {"teacher": {"kind": "tiny", "hidden_size": 48, "num_layers": 2, "num_heads": 2,
+                          "num_kv_heads": 1}, "with_reward": True, "coef": 0.5}
+    train(view_config(run, 1, distill=json.dumps(taught)), base_dir=TESTS, log=lambda *_: None)
+    store = SQLiteStore(run / "traces.db")
+    try:
+        scores = teacher_scores(store, [rid for rid, *_ in step_ids(run, 0)])
+    finally:
+        store.close()
+    checked = 0
+    with TestClient(create_view_app(run)) as c:
+        for rid, *_ in step_ids(run, 0):
+            page = c.get(f"/rollout/{rid}").text
+            shown = {a: [float(x) for x in token_attrs(page, "trained", a)]
+                     for a in ("data-tlp", "data-da", "data-ra", "data-a", "data-lp")}
+            if not shown["data-a"]:
+                continue
+            want = [lp for k in sorted(scores[rid]) for lp in scores[rid][k]]
+            assert shown["data-tlp"] == pytest.approx(want, abs=5e-5)  # (shown to 4 decimals)
+            for t, d, r, a, lp in zip(*shown.values(), strict=True):
+                assert d == pytest.approx(0.5 * (t - lp), abs=1e-4)
+                assert a == pytest.approx(d + r, rel=1e-5, abs=1e-6)
+            checked += 1
+    assert checked
