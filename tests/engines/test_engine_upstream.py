@@ -689,3 +689,21 @@ def test_malformed_chunks_are_named(payload, err):
         parse_chunk(payload)
     assert parse_chunk({"choices": [], "usage": {}}) == ([], [], None)
     assert parse_chunk(token_chunk([4, 5])) == ([4, 5], [-0.25, -0.25], None)
+
+
+def test_scoring_on_a_server_without_prompt_logprobs_is_refused_naming_the_key(clean):
+    """The fake answers a completion without prompt_logprobs (a server that ignores the key):
+    an EngineError naming it, not retried; SGLang is not asked (ValueError naming it)."""
+    from tracetrain.engines.score import score
+
+    async def scored(eng):
+        try:
+            return await score(eng, [[5, 6, 7]], [[8, 9]])
+        finally:
+            await eng.aclose()
+
+    with pytest.raises(EngineError, match="prompt_logprobs") as e:
+        run(scored(engine(clean.url)))
+    assert e.value.status == 502 and clean.stats["requests"] == 1
+    with pytest.raises(ValueError, match="`prompt_logprobs`, which only a vLLM server"):
+        run(scored(engine(clean.url, api="sglang")))
