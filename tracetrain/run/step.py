@@ -239,11 +239,11 @@ def build_rows(store, results: Sequence[Any], cfg: TrainConfig, tokenizer, versi
     dropped, aggregated into rows, and given their advantages.
 
     metrics: reward_mean (over succeeded rollouts with a reward), n_failed, n_timed_out,
-    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, distill/* (with a teacher:
-    objective/distill.py, its scores read from the store, run/teacher.py), context/* (how the prompts were
-    built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), tools/* (over
-    the step's rollouts, stale ones too: `tools_metrics`), advantage/*, entropy/sampled,
-    time/rows_s.
+    n_stale_rollouts, staleness/* (`staleness_counts`), aggregate/*, context/* (how the prompts
+    were built), roles/* and turn_rewards/* (roles.role_metrics), env/* (`env_metrics`), tools/*
+    (over the step's rollouts, stale ones too: `tools_metrics`), advantage/*, distill/* (with a
+    teacher: objective/distill.py on its scores, which run/teacher.py wrote to the store),
+    entropy/sampled, time/rows_s.
 
     entropy/sampled: the mean over the trained tokens of -(the engine's logprob), the sampling
     policy's per-token entropy estimated from its own samples (E_{a~pi} -log pi(a) = H(pi), at
