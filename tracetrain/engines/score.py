@@ -188,33 +188,25 @@ def parse_prompt_logprobs(payload: Any, ids: list[int], n: int) -> list[float]:
 
 
 async def _upstream(engine, prompt: list[int], response: list[int]) -> list[float]:
-    from tracetrain.engines.upstream import EngineError, _Retry
+    from tracetrain.engines.upstream import EngineError, PromptTooLong
 
     if engine.api != "vllm":
         raise ValueError(f"upstream {engine.name!r} ({engine.api}): scoring asks for "
                          "`prompt_logprobs`, which only a vLLM server is asked for")
     ids = prompt + response
-    body = {"model": engine.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-            "n": 1, "stream": False, "prompt_logprobs": 0}
-    payload = orjson.dumps(body)
-    engine.stats["requests"] += 1
-    last = _Retry(502, "")
-    for attempt in range(engine.max_retries + 1):
-        if attempt:
-            engine.stats["retries"] += 1
-            await asyncio.sleep(min(engine.backoff_max, engine.backoff * 2 ** (attempt - 1)))
-        engine.stats["attempts"] += 1
+    payload = orjson.dumps({"model": engine.served_model, "prompt": ids, "max_tokens": 1,
+                            "temperature": 0.0, "n": 1, "stream": False, "prompt_logprobs": 0})
+
+    async def attempt() -> list[float]:
+        answer = await engine.post_json(payload)
         try:
-            answer = await engine.post_json(payload)
             return parse_prompt_logprobs(answer, ids, len(response))
-        except _Retry as e:
-            last = e
-        except ValueError as e:
-            engine.stats["failures"] += 1
-            raise engine._bad_answer(f"{e} (scoring with prompt_logprobs)") from None
-        except EngineError as e:
-            engine.stats["failures"] += 1
-            raise EngineError(f"{e} (scoring asks for `prompt_logprobs`)", e.status) from None
-    engine.stats["failures"] += 1
-    raise EngineError(f"upstream {engine.name!r} at {engine.base_url} failed after "
-                      f"{engine.max_retries + 1} attempts at scoring: {last}", last.status)
+        except ValueError as e:  # a malformed answer will not get better by asking again
+            raise engine._bad_answer(e) from None
+
+    try:
+        return (await engine.retried(attempt, " at scoring"))[0]
+    except PromptTooLong:
+        raise
+    except EngineError as e:
+        raise EngineError(f"{e} (scoring asks for `prompt_logprobs`)", e.status) from None

@@ -63,6 +63,7 @@ import asyncio
 import json
 import math
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -357,35 +358,39 @@ class UpstreamEngine:
             on_tokens = None
         payload = orjson.dumps(body)  # ids: C speed
         version = self.model_version  # the version that served this request
+        (ids, logprobs, finish), n = await self.retried(lambda: self._attempt(payload, on_tokens))
+        return Generation(ids, logprobs, finish, version, extra={"attempts": n})
+
+    async def retried(self, attempt: Callable[[], Awaitable[Any]], what: str = "") -> tuple[Any, int]:
+        """(`await attempt()`, the attempts it took): tried again on _Retry, max_retries times
+        with exponential backoff (module docstring); EngineError when every try failed (`what`
+        says what was asked). One request in `stats` (engines/score.py asks through it too)."""
         self.stats["requests"] += 1
         last = _Retry(502, "")
-        for attempt in range(self.max_retries + 1):
-            if attempt:
+        for k in range(self.max_retries + 1):
+            if k:
                 self.stats["retries"] += 1
-                await asyncio.sleep(min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
+                await asyncio.sleep(min(self.backoff_max, self.backoff * 2 ** (k - 1)))
             self.stats["attempts"] += 1
             try:
-                ids, logprobs, finish = await self._attempt(payload, on_tokens)
+                return await attempt(), k + 1
             except _Retry as e:
                 last = e
-                continue
             except EngineError:
                 self.stats["failures"] += 1
                 raise
-            return Generation(ids, logprobs, finish, version, extra={"attempts": attempt + 1})
         self.stats["failures"] += 1
-        raise EngineError(
-            f"upstream {self.name!r} at {self.base_url} failed after {self.max_retries + 1} attempts: {last}",
-            last.status,
-        )
+        raise EngineError(f"upstream {self.name!r} at {self.base_url} failed after "
+                          f"{self.max_retries + 1} attempts{what}: {last}", last.status)
 
     async def _attempt(
         self, payload: bytes, on_tokens: OnTokens | None
     ) -> tuple[list[int], list[float], str]:
         """One request: the parsed turn, or _Retry, PromptTooLong or EngineError."""
         if on_tokens is None:
+            answer = await self.post_json(payload)
             try:
-                return self._parse(await self.post_json(payload))
+                return self._parse(answer)
             except ValueError as e:  # a malformed answer will not get better by asking again
                 raise self._bad_answer(e) from None
         try:
