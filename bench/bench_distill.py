@@ -17,7 +17,8 @@ settings, held-out greedy pass@1 on 256 rows every 5 steps (the runs' own eval p
 - rl: the reward alone (examples/distill/teacher.yaml as it is);
 - distill: the teacher's term alone (examples/distill/config.yaml, distill.with_reward false);
 - both: the reward-based advantage plus the teacher's term (distill.with_reward true).
-Each run is OUT/arms/<arm>-s<seed>; a finished one is skipped when the command runs again.
+Each run is OUT/arms/<arm>-s<seed> (<arm>-c<coef>-s<seed> with --coef); a finished one is skipped
+when the command runs again.
 
 report: the target is the teacher's score minus 2 standard errors (sqrt(p (1 - p) / 512)); for
 each run, the first step whose eval reaches it; the median over seeds per arm; the ratio
@@ -112,7 +113,8 @@ def arms(args) -> None:
     for seed in args.seeds:
         for arm in args.arms:
             config, extra = ARMS[arm]
-            run_dir = args.out / "arms" / f"{arm}-s{seed}"
+            scaled = args.coef != 1.0 and arm != "rl"
+            run_dir = args.out / "arms" / (f"{arm}-c{args.coef:g}-s{seed}" if scaled else f"{arm}-s{seed}")
             if (run_dir / "summary.json").exists():
                 continue
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -121,7 +123,7 @@ def arms(args) -> None:
             over = [f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
                     "trainer.eval_every=5", f"trainer.eval_tasks={EVAL_TASKS}", *extra]
             if config == DISTILL_CFG:
-                over.append(f"distill.teacher.path={best}")
+                over += [f"distill.teacher.path={best}", f"distill.coef={args.coef}"]
             t = time.time()
             run([*TT, "train", str(config), *over], run_dir / "log.txt")
             print(f"{arm} seed {seed}: {time.time() - t:.0f} s", flush=True)
@@ -145,14 +147,14 @@ def report(args) -> None:
     target = p - 2 * math.sqrt(p * (1 - p) / HELD_OUT)
     print(f"teacher: pass@1 {p:.3f} on {HELD_OUT} held-out rows after {best['step']} RL steps "
           f"({best['cpu']}, commit {best['commit']}); target {target:.3f}")
-    reached: dict[str, list[float]] = {}
+    reached: dict[str, list[float]] = {}  # by arm (and coef): rl, distill, distill-c8, ...
     for arm in ARMS:
-        for run_dir in sorted((args.out / "arms").glob(f"{arm}-s*")):
+        for run_dir in sorted((args.out / "arms").glob(f"{arm}-*s*")):
             if not (run_dir / "metrics.jsonl").exists():
                 continue
             c = curve(run_dir)
             hit = next((s for s, v in c if v >= target), math.inf)
-            reached.setdefault(arm, []).append(hit)
+            reached.setdefault(run_dir.name.rsplit("-s", 1)[0], []).append(hit)
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             times = {k: statistics.fmean(m.get(k, 0.0) for m in rows)
                      for k in ("time/teacher_s", "time/collect_s", "time/update_s", "time/train_s")}
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    ap.add_argument("--coef", type=float, default=1.0,
+                    help="distill.coef of the distill and both arms (runs named <arm>-c<coef>-s<seed>)")
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
     {"teacher": teacher, "arms": arms, "report": report}[args.part](args)
