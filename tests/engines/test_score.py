@@ -95,6 +95,7 @@ def test_chunks_keep_order_and_stay_within_the_budget(lengths, budget):
     ([[1, 2], []], [[3], [4]], "pair 1: a prompt and a response"),
     ([[1, 2]], [[3, 10**6]], "pair 0: token id 1000000"),
     ([[1, -1]], [[3]], "pair 0: token id -1"),
+    ([[5] * 200], [[6] * 57], "pair 0: 200 \\+ 57 tokens, more than the scoring model's context of 256"),
 ])
 def test_bad_pairs_are_refused_naming_the_pair(prompts, responses, match):
     engine = LocalEngine(family_model("llama"), TOK, threads=1)

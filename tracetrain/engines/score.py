@@ -32,15 +32,20 @@ from tracetrain.models.compute import compute_thread, run_with_threads
 MAX_SCORE_TOKENS = 4096  # rows x the longest response of one forward pass (logits [., ., V])
 
 
-def _check(prompts: Sequence[list[int]], responses: Sequence[list[int]], vocab: int | None) -> None:
-    """ValueError naming the pair: unequal counts, an empty prompt or response, an id that is not
-    an int in [0, vocab) (vocab None: not checked here; the server checks)."""
+def _check(prompts: Sequence[list[int]], responses: Sequence[list[int]], vocab: int | None,
+           max_context: int | None = None) -> None:
+    """ValueError naming the pair: unequal counts, an empty prompt or response, more tokens than
+    `max_context`, an id that is not an int in [0, vocab) (None: not checked here; the server
+    checks)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         if not p or not r:
             raise ValueError(f"pair {b}: a prompt and a response of at least one token each "
                              f"(got {len(p)} and {len(r)})")
+        if max_context is not None and len(p) + len(r) > max_context:
+            raise ValueError(f"pair {b}: {len(p)} + {len(r)} tokens, more than the scoring "
+                             f"model's context of {max_context}")
         for i in (*p, *r):
             if type(i) is not int or vocab is not None and not 0 <= i < vocab:
                 raise ValueError(f"pair {b}: token id {i!r} is not an int in [0, {vocab})")
@@ -55,7 +60,7 @@ async def score(engine: Any, prompts: Sequence[list[int]],
 
     prompts, responses = [list(p) for p in prompts], [list(r) for r in responses]
     if isinstance(engine, LocalEngine):
-        _check(prompts, responses, engine.vocab_size)
+        _check(prompts, responses, engine.vocab_size, engine.max_context)
         future = compute_thread().submit(_local, engine, prompts, responses)
         return await asyncio.wrap_future(future)
     if isinstance(engine, UpstreamEngine):
