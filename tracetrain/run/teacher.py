@@ -165,8 +165,12 @@ async def teach(teachers: Mapping[str | None, Any], store, results: list, cfg: T
             continue
         if hasattr(engine, "drop_prefix_cache"):  # a step's scores depend on its rollouts alone:
             engine.drop_prefix_cache()            # a resumed run scores the same numbers
-        scores = await score(engine, [r.turns[k].prompt_ids for r, k in pairs],
-                             [r.turns[k].response_ids for r, k in pairs])
+        try:
+            scores = await score(engine, [r.turns[k].prompt_ids for r, k in pairs],
+                                 [r.turns[k].response_ids for r, k in pairs])
+        except ValueError as e:  # (a turn longer than the teacher's context, ...)
+            raise ConfigError(f"config key '{key_of(policy)}.teacher': it cannot score the "
+                              f"step's turns: {e}") from None
         by_rollout: dict[str, dict[str, list[float]]] = {}
         for (r, k), lps in zip(pairs, scores, strict=True):
             by_rollout.setdefault(r.rollout_id, {})[str(k)] = lps
