@@ -8,7 +8,7 @@ at temperature 1 (the model's own distribution), one float per response token, n
 - local engine: each prompt prefilled as a decode would be (engines/prefill.py: shared prefixes
   once, the prefix cache's KV reused and kept), whose next-token logits score responses[b][0];
   then one forward pass of responses[b][:-1] over that KV, right-padded, scoring the rest. Rows
-  go in chunks of at most `max_tokens` (rows x the longest response) so that the logits
+  go in chunks of at most MAX_SCORE_TOKENS (rows x the longest response) so that the logits
   [rows, tokens, V] stay bounded. A model the engine prefills `plain` (conv layers) is scored by
   one forward pass over prompt + response, left-padded.
 - upstream vLLM: one `POST /v1/completions` per turn, the prompt being prompt + response ids,
@@ -193,7 +193,7 @@ def parse_prompt_logprobs(payload: Any, ids: list[int], n: int) -> list[float]:
 
 
 async def _upstream(engine, prompt: list[int], response: list[int]) -> list[float]:
-    from tracetrain.engines.upstream import EngineError, PromptTooLong
+    from tracetrain.engines.upstream import EngineError
 
     if engine.api != "vllm":
         raise ValueError(f"upstream {engine.name!r} ({engine.api}): scoring asks for "
@@ -209,9 +209,7 @@ async def _upstream(engine, prompt: list[int], response: list[int]) -> list[floa
         except ValueError as e:  # a malformed answer will not get better by asking again
             raise engine._bad_answer(e) from None
 
-    try:
+    try:  # (PromptTooLong is a ValueError: it passes as it is)
         return (await engine.retried(attempt, " at scoring"))[0]
-    except PromptTooLong:
-        raise
     except EngineError as e:
         raise EngineError(f"{e} (scoring asks for `prompt_logprobs`)", e.status) from None

@@ -26,17 +26,15 @@ class Services:
     store: Any  # the trace store (run_dir/traces.db)
     http_client: Any  # the agents' connections (agents in this process)
     workers: AgentWorkers | None  # rollout.agent_workers: the agents' processes
-    teachers: dict  # {policy or None: its teacher's engine} (run/teacher.py); {} without
 
 
 @contextlib.asynccontextmanager
 async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_dir: Path,
-                  threads: int, lockstep, admin_key: str | None, teachers=None, log=print):
+                  threads: int, lockstep, admin_key: str | None, log=print):
     """The run's Services: the store, the engine on `sync.engine_weights(version)` (the policy
     of `learner`, run/learner.py, or the engine's own copy), roles.serve's "frozen" engine,
     whole-model policies' engines, the agent workers (of task source `task`), the gateway, the
-    agents' HTTP client; stopped in reverse. The engine is attached to `sync` (run/weights.py);
-    `teachers` (run/teacher.py, the trainer's) are handed on to the steps."""
+    agents' HTTP client; stopped in reverse. The engine is attached to `sync` (run/weights.py)."""
     from tracetrain.gateway.app import create_app
     from tracetrain.gateway.inprocess import app_options, bind, serve_in_loop
     from tracetrain.store import SQLiteStore
@@ -69,7 +67,7 @@ async def started(cfg: TrainConfig, learner, sync, *, version: int, task, run_di
                     agent_http_client(cfg.rollout.concurrency) as http):
             gateway = GatewayClient(url, admin_key)
             try:
-                yield Services(gateway, engine, store, http, workers, teachers or {})
+                yield Services(gateway, engine, store, http, workers)
             finally:
                 await gateway.aclose()
     finally:

@@ -145,8 +145,8 @@ def taught_turns(rollout, roles: Iterable[str] | None) -> list[int]:
     return [k for k, t in enumerate(rollout.turns) if t.response_ids and trains(t.role, roles)]
 
 
-async def teach(teachers: Mapping[str | None, Any], store, results: list, cfg: TrainConfig,
-                log=print) -> dict[str, float]:
+async def teach(teachers: Mapping[str | None, Any], store, results: list,
+                cfg: TrainConfig) -> dict[str, float]:
     """Each teacher scores the taught turns of the step's rollouts (`results`, the runner's)
     that it has not scored yet; the scores go to the store (module docstring). Metrics:
     time/teacher_s, teacher/scored_tokens."""

@@ -223,7 +223,7 @@ class Trainer:
         async with services.started(
                 cfg, self.learner, self.sync, version=self.state.version, task=self.task,
                 run_dir=self.run_dir, threads=self.update_thread.threads, lockstep=self.lockstep,
-                admin_key=admin_key, teachers=self.teachers, log=self.log) as svc:
+                admin_key=admin_key, log=self.log) as svc:
             from tqdm import tqdm
 
             play = Play(cfg, self.task, self.data, agent, self.nonce, self.lockstep, svc)
@@ -259,7 +259,7 @@ class Trainer:
                 collected = self.fail_fast(await stop.until(collector.take(st, clock)), bar)  # collect
                 await collector.taken(st)
                 sync.check_engine()  # (a vLLM server that died stops the run here)
-                taught = await teach(svc.teachers, svc.store, collected.results, cfg)  # teacher
+                taught = await teach(self.teachers, svc.store, collected.results, cfg)  # teacher
                 rows, work = learner.rows(svc.store, collected.results, st.version)  # rows
                 m = {"step": st.step, **rows.metrics, **collected.metrics, **taught,
                      **engine_metrics(collected.engine_work)}
