@@ -60,6 +60,7 @@ async def load_teacher(dc: DistillConfig, tokenizer: Any, cfg: TrainConfig, *, k
     import asyncio
 
     if isinstance(dc.teacher, ModelConfig):
+        from tracetrain.engines.layers import Unservable
         from tracetrain.engines.local import LocalEngine
         from tracetrain.models.compute import on_compute
         from tracetrain.models.load import load_policy
@@ -73,8 +74,11 @@ async def load_teacher(dc: DistillConfig, tokenizer: Any, cfg: TrainConfig, *, k
                               f"the policy's ({_name(tokenizer)}, config key 'model'): {why}; a "
                               "teacher must share the policy's tokenizer")
         model.requires_grad_(False)
-        return LocalEngine(model, own, name="teacher", threads=n,
-                           precision=getattr(cfg.engine, "precision", "fp32"))
+        try:
+            return LocalEngine(model, own, name="teacher", threads=n,
+                               precision=getattr(cfg.engine, "precision", "fp32"))
+        except Unservable as e:  # before any work, as the policy's own engine (engines/start.py)
+            raise ConfigError(f"config key '{key}.teacher': {e}") from None
     from tracetrain.engines.upstream import UpstreamEngine
 
     rc = dc.teacher
