@@ -170,28 +170,46 @@ def layer_weights(model) -> list[list]:
             for layer in model.model.layers]
 
 
-def matmul_rate(weights: list, M: int, dtype, *, backward: bool, repeats: int) -> float:
-    """GFLOP/s of x[M, in] @ W.T over `weights` (each used once per pass; with `backward` also
-    dy @ W and dy.T @ x), best of `repeats` passes after one warm-up."""
+def matmul_rate(weights: list, M: int, dtype, *, backward: bool, repeats: int,
+                products: str | None = None) -> float:
+    """GFLOP/s over `weights` (each used once per pass) of `products`: "forward" x[M, in] @ W.T,
+    "backward" dy @ W and dy.T @ x (the input and weight gradients), "both" all three (default:
+    "both" with `backward`, else "forward"); best of `repeats` passes after one warm-up."""
     import torch
 
+    products = products or ("both" if backward else "forward")
     linear = torch.nn.functional.linear  # what nn.Linear calls
     ws = [w.detach().to(dtype) for w in weights]
-    flops = 2 * M * sum(w.numel() for w in ws) * (3 if backward else 1)
+    flops = 2 * M * sum(w.numel() for w in ws) * {"forward": 1, "backward": 2, "both": 3}[products]
     xs = {n: torch.randn(M, n, dtype=dtype) for w in ws for n in w.shape}
     best = float("inf")
     with torch.no_grad():
         for k in range(repeats + 1):
             t = time.perf_counter()
             for w in ws:
-                y = linear(xs[w.shape[1]], w)
-                if backward:
+                y = linear(xs[w.shape[1]], w) if products != "backward" else None
+                if products != "forward":
                     dy = xs[w.shape[0]]
                     y = dy @ w, dy.T @ xs[w.shape[1]]
             del y
             if k:
                 best = min(best, time.perf_counter() - t)
     return flops / best / 1e9
+
+
+def bandwidth_gbs(repeats: int, mib: int = 256) -> float:
+    """GB/s of a copy between two float32 buffers of `mib` MiB (bytes read + bytes written),
+    best of `repeats`: the rate a pass that streams every parameter's state runs at, at best."""
+    import torch
+
+    a, b = torch.randn(mib * 2**18), torch.empty(mib * 2**18)
+    best = float("inf")
+    for k in range(repeats + 1):
+        t = time.perf_counter()
+        b.copy_(a)
+        if k:
+            best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best / 1e9
 
 
 def phase_rates(model, s: Shapes, work: dict, dtype, repeats: int) -> dict[str, dict[str, float]]:
@@ -204,20 +222,92 @@ def phase_rates(model, s: Shapes, work: dict, dtype, repeats: int) -> dict[str, 
         per_layer = 2 * w["M"] * s.layer_params * (3 if backward else 1)
         n = s.layers if w["M"] <= STREAMED else max(1, min(s.layers, int(BUDGET_FLOPS // per_layer)))
         rows = max(512, int(BUDGET_FLOPS // (2 * w["G"] * s.hidden * (3 if backward else 1))))
+        lw = [x for ws in layers[:n] for x in ws]
         out[phase] = {
-            "layers": matmul_rate([x for ws in layers[:n] for x in ws], w["M"], dtype,
-                                  backward=backward, repeats=repeats),
+            "layers": matmul_rate(lw, w["M"], dtype, backward=backward, repeats=repeats),
             "head": matmul_rate([head[:rows]], w["G"], dtype, backward=backward, repeats=repeats),
         }
+        if backward:  # the update's forward and backward apart (its breakdown's floors)
+            for part in ("forward", "backward"):
+                out[phase][f"layers_{part}"] = matmul_rate(lw, w["M"], dtype, backward=True,
+                                                           repeats=repeats, products=part)
+                out[phase][f"head_{part}"] = matmul_rate([head[:rows]], w["G"], dtype, backward=True,
+                                                         repeats=repeats, products=part)
     return out
 
 
-def floor_s(flops: dict[str, int], rate: dict[str, float]) -> float:
-    layers = (flops["layers"] + flops["attention"]) / (rate["layers"] * 1e9)
-    return layers + flops["head"] / (rate["head"] * 1e9)
+def floor_s(flops: dict[str, int], rate: dict[str, float], part: str = "") -> float:
+    """The seconds of `flops` at `rate` (`part` "_forward" or "_backward": that part's rates)."""
+    layers = (flops["layers"] + flops["attention"]) / (rate["layers" + part] * 1e9)
+    return layers + flops["head"] / (rate["head" + part] * 1e9)
+
+
+OPTIMIZER_BYTES = 40  # per parameter: clip (read g; read and write g), AdamW (read p g m v; write p m v)
+
+
+def update_phases(m: dict, work: dict, rate: dict, params: int, gbs: float) -> list[dict]:
+    """The update's phases (learn/phases.py: the step's time/update/* metrics) beside their floors:
+    forward F and backward 2F over the update's tree (its F = the update's FLOPs / 3), the old and
+    reference passes F each where they ran, the optimizer OPTIMIZER_BYTES per parameter at the
+    copy bandwidth `gbs`; packing and the loss do no matmul; `other` is time/update_s less them
+    (the update thread's hand-over, planning, the rows onto the device)."""
+    f = {k: v // 3 for k, v in work["update"]["flops"].items()}
+    fwd = floor_s(f, rate["update"], "_forward")
+    bwd = floor_s({k: 2 * v for k, v in f.items()}, rate["update"], "_backward")
+    floors = {"forward": fwd, "backward": bwd, "old": fwd, "reference": fwd,
+              "optimizer": OPTIMIZER_BYTES * params / gbs / 1e9}
+    rows = []
+    for key in sorted(k for k in m if k.startswith("time/update/")):
+        name = key.split("/")[-1][:-2]
+        sec = m[key]
+        if sec == 0.0 and name in ("old", "reference"):
+            continue  # (not run: the engine's logprobs are the old ones; KL off)
+        row = {"phase": name, "measured_s": sec}
+        if name in floors:
+            row["floor_s"] = floors[name]
+            row["ratio"] = sec / floors[name]
+        rows.append(row)
+    other = m.get("time/update_s", 0.0) - sum(r["measured_s"] for r in rows)
+    rows.append({"phase": "other", "measured_s": other})
+    return rows
 
 
 # ------------------------------------------------------------------ the step
+def rss_gb() -> float:
+    """The resident set now (VmRSS), GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return 0.0
+
+
+def memory_per_phase() -> dict[str, float]:
+    """{phase: the process's peak resident GB during it} of every update from now on (learn/
+    update.py's Phases replaced by one that resets the peak as a phase starts and reads it as it
+    ends); "before update": the peak from the step's start to its update (collect, rows),
+    "update start": the resident set as the update starts."""
+    import contextlib
+
+    from tracetrain.learn import update
+    from tracetrain.learn.phases import Phases
+    from tracetrain.run.memory import peak_rss_gb, reset_peak
+
+    peaks: dict[str, float] = {}
+
+    class MemoryPhases(Phases):
+        @contextlib.contextmanager
+        def phase(self, name):
+            if not peaks:
+                peaks["before update"], peaks["update start"] = peak_rss_gb(), rss_gb()
+            reset_peak()
+            with super().phase(name):
+                yield
+            peaks[name] = max(peaks.get(name, 0.0), peak_rss_gb())
+
+    update.Phases = MemoryPhases
+    return peaks
+
+
 async def real_step(args: argparse.Namespace, work: Path) -> dict:
     """One warm-up and one timed tracetrain step of bench_grpo_smollm2's shape: its metrics, the
     engine's and the store's seconds over the timed step, the requests it decoded."""
@@ -226,10 +316,13 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
     from bench_train_step import serving
     from transformers.utils import logging as hf_logging
 
+    from tracetrain.run.memory import reset_peak
+
     hf_logging.disable_progress_bar()
     trainer = await smollm2_trainer(args, work)
     seen: list = []
     clocks = {"store_reads_s": 0.0, "store_commits_s": 0.0}
+    peaks = memory_per_phase()
 
     def timed(fn, key):
         def run(*a, **kw):
@@ -255,6 +348,8 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
         store._writer._commit = timed(store._writer._commit, "store_commits_s")
         for _ in range(1 + args.warmup):
             seen.clear()
+            peaks.clear()
+            reset_peak()
             clocks.update(dict.fromkeys(clocks, 0.0))
             before, load = dict(engine.stats), os.getloadavg()[0]
             t = time.perf_counter()
@@ -262,6 +357,7 @@ async def real_step(args: argparse.Namespace, work: Path) -> dict:
             step_s = time.perf_counter() - t
         stats = {k: v - before.get(k, 0) for k, v in engine.stats.items() if k != "max_batch"}
     return {"metrics": m, "step_s": step_s, "engine": stats, "clocks": clocks, "requests": seen,
+            "memory_gb": dict(peaks),
             "model": trainer.learner.model, "precision": trainer.cfg.trainer.precision,
             "engine_precision": engine.precision,
             "threads": torch.get_num_threads(), "load": [load, os.getloadavg()[0]]}
@@ -318,6 +414,10 @@ def run(args: argparse.Namespace) -> dict:
         table.append(row)
     gen_floor = sum(r.get("floor_s", 0.0) for r in table if r["phase"] in ("prefill", "decode"))
     m = step["metrics"]
+    params = sum(p.numel() for p in model.parameters())
+    gbs = on_compute(args.threads, bandwidth_gbs, args.repeats)
+    update_rows = update_phases(m, work, rates[used["update"]], params, gbs)
+    update_floor = sum(r.get("floor_s", 0.0) for r in update_rows)
     return {
         "cpu": cpu_name(), "bf16_units": units, "torch_threads": step["threads"],
         "precision": {"engine": step["engine_precision"], "update": step["precision"]},
@@ -333,6 +433,13 @@ def run(args: argparse.Namespace) -> dict:
                        "ratio": m["time/collect_s"] / gen_floor},
         "step_floor_s": sum(r.get("floor_s", 0.0) for r in table),
         "store_commits_s": step["clocks"]["store_commits_s"],
+        "update": {"measured_s": m.get("time/update_s", 0.0), "floor_s": update_floor,
+                   "ratio": m.get("time/update_s", 0.0) / update_floor, "phases": update_rows,
+                   "bandwidth_gbs": gbs, "params": params},
+        "memory_gb": {**step["memory_gb"], "step peak": max(step["memory_gb"].values(), default=0.0),
+                      "weights fp32": params * 4 / 1e9, "grads fp32": params * 4 / 1e9,
+                      "adamw states": params * 8 / 1e9,
+                      "engine copy": params * 2 / 1e9 if step["engine_precision"] == "bf16" else 0.0},
     }
 
 
@@ -371,6 +478,17 @@ def report(r: dict) -> None:
     g = r["generation"]
     line("generation", g["measured_s"], g["floor_s"], g["ratio"])
     print(f"(store group commits, in their thread during the collect: {r['store_commits_s']:.3f} s)")
+    u = r["update"]
+    print(f"\nthe update by phase (time/update/*; optimizer floor: {OPTIMIZER_BYTES} B x {u['params']:,} "
+          f"parameters at {u['bandwidth_gbs']:.1f} GB/s), peak resident GB in each:")
+    mem = r["memory_gb"]
+    print(f"{'phase':18s} {'measured s':>10s} {'floor s':>8s} {'measured/floor':>14s} {'peak GB':>8s}")
+    for row in [*u["phases"], {"phase": "update", **{k: u[k] for k in ("measured_s", "floor_s", "ratio")}}]:
+        fl, ratio, gb = row.get("floor_s"), row.get("ratio"), mem.get(row["phase"])
+        print(f"{row['phase']:18s} {row['measured_s']:10.3f} "
+              + (f"{fl:8.3f} {ratio:13.1f}x" if fl is not None else f"{'-':>8s} {'-':>14s}")
+              + (f" {gb:8.2f}" if gb is not None else f" {'-':>8s}"))
+    print("memory, GB: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k not in u["phases"]))
 
 
 def main(argv: list[str] | None = None) -> dict:

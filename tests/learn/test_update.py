@@ -129,3 +129,39 @@ def test_lr_factor_warms_up_linearly_then_decays(decay):
     want = {"constant": [1.0] * len(frac), "linear": [1 - x for x in frac],
             "cosine": [0.5 * (1 + math.cos(math.pi * x)) for x in frac]}[decay]
     assert f[warmup:] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("engine_logprobs, kl", [(True, 0.0), (False, 0.0), (True, 0.1)])
+def test_the_update_times_each_phase_once_and_only_the_phases_it_ran(engine_logprobs, kl):
+    """time/update/<phase>_s (learn/phases.py): the old-logprob pass runs only without the
+    engine's logprobs, the reference pass only with KL on; the phases never overlap (their sum is
+    within the update's wall time) and come in the update's order (old before any backward)."""
+    import time
+
+    from tracetrain.learn.phases import PHASES, Phases
+
+    model, batch = model_and_batch()
+    batch.rollout_logprobs = own_logprobs(model, batch) if engine_logprobs else None
+    ref = tiny_causal_lm(0).eval() if kl else None
+    if ref is not None:
+        ref.set_attn_implementation("eager")
+    ended: list[str] = []
+    phases = Phases(on_end=ended.append)
+    t = time.perf_counter()
+    out = ppo_update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch,
+                     torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(2)),
+                     config(optim={"mini_batches": 2}, loss={"kl_coef": kl}), ref_model=ref,
+                     phases=phases)
+    wall = time.perf_counter() - t
+    times = out[0].times
+    assert sorted(times) == sorted(f"time/update/{p}_s" for p in PHASES)
+    assert all(r.times is None for r in out[1:])  # the step's, once
+    ran = {p for p in PHASES if times[f"time/update/{p}_s"] > 0}
+    expected = {"pack", "forward", "loss", "backward", "optimizer"}
+    expected |= set() if engine_logprobs else {"old"}
+    expected |= {"reference"} if kl else set()
+    assert ran == expected and set(ended) == expected
+    assert sum(times.values()) <= wall
+    assert ended.count("optimizer") == len(out)  # one optimizer step per update
+    if not engine_logprobs:
+        assert max(i for i, p in enumerate(ended) if p == "old") < ended.index("backward")

@@ -22,7 +22,8 @@ import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.learn.distributed import DataParallel, sum_over_ranks
-from tracetrain.learn.packing import default_pack_tokens, packable, row_costs, row_logprobs
+from tracetrain.learn.packing import default_pack_tokens, pack_rows, packable, row_costs, row_logprobs
+from tracetrain.learn.phases import Phases
 from tracetrain.objective.correction import correct
 from tracetrain.objective.loss import policy_loss
 from tracetrain.objective.minibatch import plan_step
@@ -53,6 +54,8 @@ class UpdateResult:
     logprob_gap: dict[str, float] | None = None
     # correction.correct's metrics (the step's, on the first update's result); None when off
     correction: dict[str, float] | None = None
+    # the whole step's seconds per phase (phases.Phases.metrics), on the first update's result
+    times: dict[str, float] | None = None
 
 
 @dataclass
@@ -100,9 +103,11 @@ class Forward:
     """Logprobs (and entropy) of a micro-batch's rows under a model: packed into one sequence per
     micro-batch (optim.pack_rows, for a model whose layers are all full attention: packing.packable;
     shared prompts computed once with optim.share_prefixes), or padded from the first column that
-    is not left padding in every row."""
+    is not left padding in every row. Its seconds go to `phases`: packing to `pack`, the pass to
+    the phase the caller names (forward, old, reference)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, phases: Phases | None = None):
+        self.phases = phases or Phases()
         oc = cfg.optim
         self.pack = oc.pack_rows and packable(model)  # (sliding windows, conv layers: padded)
         self.share = self.pack and oc.share_prefixes
@@ -120,18 +125,22 @@ class Forward:
                                       share=self.share)
 
     def __call__(self, m: torch.nn.Module, s: StepRows, rows: torch.Tensor, *,
-                 entropy: bool = False, packed=None):
+                 entropy: bool = False, packed=None, phase: str = "forward"):
         """(logprobs [n, S], entropy [n, S] | None, pack, tokens computed, tokens a padded batch
         computes) of `rows` (n of them)."""
         real = s.batch.attention_mask[rows]
         first = int((real.sum(0) > 0).int().argmax())
         start = 0 if self.pack else first
         rd = rows.to(s.ids.device)
-        lp, ent, pk = row_logprobs(
-            m, s.ids[rd, start:], s.att[rd, start:], s.pos[rd, start:], s.batch.response_length,
-            s.mask[rd], pack=self.pack, share=self.share, chunk=self.chunk,
-            temperature=self.temperature, with_entropy=entropy, precision=self.precision,
-            packed=packed)
+        if self.pack and packed is None:  # the pack of the rows whole (start 0), as row_logprobs'
+            with self.phases.phase("pack"):
+                packed = pack_rows(s.batch.input_ids[rows], real, share=self.share)
+        with self.phases.phase(phase):
+            lp, ent, pk = row_logprobs(
+                m, s.ids[rd, start:], s.att[rd, start:], s.pos[rd, start:], s.batch.response_length,
+                s.mask[rd], pack=self.pack, share=self.share, chunk=self.chunk,
+                temperature=self.temperature, with_entropy=entropy, precision=self.precision,
+                packed=packed)
         padded = rows.numel() * (real.shape[1] - first)
         return lp, ent, pk, (pk.n_tokens if pk is not None else padded), padded
 
@@ -164,7 +173,7 @@ def proximal_logprobs(model: torch.nn.Module, s: StepRows, fwd: Forward, cfg: Tr
         for mb in plan(s, fwd, cfg, 1, 0):
             for micro in mb.micro_batches:
                 _check(stop)
-                old[micro.rows.to(old.device)] = fwd(model, s, micro.rows)[0]
+                old[micro.rows.to(old.device)] = fwd(model, s, micro.rows, phase="old")[0]
     return old
 
 
@@ -225,15 +234,17 @@ def mini_batch_step(model, optimizer, scheduler, s: StepRows, mb, fwd: Forward, 
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref = fwd(ref_model, s, micro.rows, packed=pk)[0]
-            loss, m = policy_loss(
-                lp, s.old[rd], s.adv[rd], RowWeights(s.mask[rd], micro.row_scales.to(rd.device)),
-                clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
-                is_weights=None if s.is_weights is None else s.is_weights[rd],
-                ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
-                entropy=ent, entropy_coef=lc.entropy_coef,
-            )
-            loss.backward()
+                    ref = fwd(ref_model, s, micro.rows, packed=pk, phase="reference")[0]
+            with fwd.phases.phase("loss"):
+                loss, m = policy_loss(
+                    lp, s.old[rd], s.adv[rd], RowWeights(s.mask[rd], micro.row_scales.to(rd.device)),
+                    clip_low=lc.clip_low, clip_high=lc.clip_high, dual_clip=lc.dual_clip,
+                    is_weights=None if s.is_weights is None else s.is_weights[rd],
+                    ref_logprobs=ref, kl_coef=lc.kl_coef, kl_estimator=lc.kl_estimator,
+                    entropy=ent, entropy_coef=lc.entropy_coef,
+                )
+            with fwd.phases.phase("backward"):
+                loss.backward()
         total += float(loss.detach())
         m = {**m, "tokens_computed": computed, "tokens_padded": padded}
         # pg_loss, weight_mass and token counts add up over micro-batches; the rest are weighted
@@ -247,10 +258,11 @@ def mini_batch_step(model, optimizer, scheduler, s: StepRows, mb, fwd: Forward, 
         summed = sum_over_ranks([total, *(sums[k] for k in keys)], dp)
         total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
     metrics = update_metrics(sums, s, mb, dp.world_size)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    with fwd.phases.phase("optimizer"):
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip))
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     return total, grad_norm, metrics
 
 
@@ -281,6 +293,7 @@ def ppo_update(
     dp: DataParallel = DataParallel(),
     measure_gap: bool = False,
     stop: Callable[[], bool] | None = None,
+    phases: Phases | None = None,
 ) -> list[UpdateResult]:
     """PPO epochs over mini-batches of whole rollouts; the loss of a mini-batch is the plain sum
     of its micro-batch losses (weights computed once per mini-batch, see minibatch.py).
@@ -296,10 +309,11 @@ def ppo_update(
     equals the one-process update. Metrics are summed over ranks. measure_gap (the rollouts came
     from these very weights): the first update's result carries mean and max |engine logprob -
     trainer logprob| over its trained tokens (this rank's). `stop`: module docstring (not asked
-    under DDP: every rank would have to stop at the same micro-batch)."""
+    under DDP: every rank would have to stop at the same micro-batch). `phases`: where the seconds
+    of each phase go (a new Phases when None); the first result carries them (`times`)."""
     stop = None if dp.enabled else stop
     s = StepRows.of(batch, advantages, next(model.parameters()).device)
-    fwd = Forward(model, cfg)
+    fwd = Forward(model, cfg, phases)
     corrected = None
     s.old = s.behaviour
     if s.behaviour is None or cfg.correction.old == "trainer":
@@ -307,7 +321,7 @@ def ppo_update(
         if cfg.correction.old == "trainer" and s.behaviour is not None:
             s, corrected = apply_correction(s, cfg)
             if s is None:  # every rollout rejected: no update
-                return [UpdateResult(0.0, 0.0, {}, None, corrected.metrics)]
+                return [UpdateResult(0.0, 0.0, {}, None, corrected.metrics, fwd.phases.metrics())]
     model.train()
     mini_batches = plan(s, fwd, cfg, dp.world_size, dp.rank)  # a function of the rows alone
     results: list[UpdateResult] = []
@@ -322,4 +336,6 @@ def ppo_update(
                                             corrected.metrics if first and corrected else None))
     finally:
         model.eval()
+    if results:
+        results[0].times = fwd.phases.metrics()
     return results

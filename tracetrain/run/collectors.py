@@ -120,6 +120,7 @@ class OverlapCollector(StepCollector):
     def __init__(self, play: Play, sync: WeightSync, stop: Stop, log=print):
         super().__init__(play, sync, stop, log)
         self.pending: asyncio.Task | None = None
+        self.sync_s = 0.0  # the last `taken`'s weight sync (the step's time/sync_s)
 
     async def take(self, state: RunState, clock) -> Collected:
         if self.pending is None:
@@ -130,12 +131,14 @@ class OverlapCollector(StepCollector):
         return collected
 
     async def taken(self, state: RunState) -> None:
-        await self.sync.catch_up(self.play.services.gateway, state.version)
+        self.sync_s = await self.sync.catch_up(self.play.services.gateway, state.version)
         if state.step + 1 < self.steps:
             self.pending = asyncio.create_task(self.play.step(state.step + 1))
 
     async def synced(self, state: RunState, updated: bool) -> dict[str, float]:
-        return {}  # (the next `taken`)
+        """The weights go to the engine in the next `taken`; this step's time/sync_s is the
+        previous update's sync, done in this step's `taken`."""
+        return {"time/sync_s": self.sync_s}
 
     async def before_eval(self, state: RunState) -> None:
         """The next step's collect finishes on the old weights first; after the last step the

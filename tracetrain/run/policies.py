@@ -168,16 +168,18 @@ def update(models: dict[str, torch.nn.Module], parts: dict[str, Rows], optimizer
 
 
 def policy_update_metrics(updates: dict[str, list[UpdateResult]], schedulers: ByPolicy) -> dict[str, float]:
-    """policy/<p>/{loss, grad_norm, loss/*, engine/*, lr} of each policy that updated, and the
-    step's over them: a *_min key their min, a *_max key their max, any other their mean (with
+    """policy/<p>/{loss, grad_norm, loss/*, engine/*, lr} and time/policy/<p>/update/* of each
+    policy that updated, and the step's over them: a *_min key their min, a *_max key their max,
+    a time/* key their sum (the policies update one after the other), any other their mean (with
     one policy: its own, as a run without `policies` logs them)."""
     per = {name: update_metrics(results) for name, results in updates.items()}
     out: dict[str, float] = {}
     for name, m in per.items():
-        out.update({f"policy/{name}/{k}": v for k, v in m.items()})
+        out.update({f"time/policy/{name}/{k[5:]}" if k.startswith("time/") else f"policy/{name}/{k}": v
+                    for k, v in m.items()})
         out[f"policy/{name}/lr"] = schedulers[name].get_last_lr()[0]
     for key in {k for m in per.values() for k in m}:
         values = [m[key] for m in per.values() if key in m]
         out[key] = (min(values) if key.endswith("_min") else max(values) if key.endswith("_max")
-                    else sum(values) / len(values))
+                    else sum(values) if key.startswith("time/") else sum(values) / len(values))
     return out

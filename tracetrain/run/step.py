@@ -337,9 +337,9 @@ def throughput(n_rollouts: int, batch: TrainingBatch, collect_s: float, train_s:
 
 
 def update_metrics(updates: list) -> dict[str, float]:
-    """A step's metrics of its updates (update.UpdateResult): means over them, the correction's
-    and the engine-trainer logprob gap of the first."""
-    n, out = len(updates), {**(updates[0].correction or {})}
+    """A step's metrics of its updates (update.UpdateResult): means over them, the correction's,
+    the engine-trainer logprob gap and the seconds per phase (time/update/*) of the first."""
+    n, out = len(updates), {**(updates[0].correction or {}), **(updates[0].times or {})}
     if updates[0].logprob_gap is not None:
         out["engine/logprob_gap_mean"] = updates[0].logprob_gap["mean"]
         out["engine/logprob_gap_max"] = updates[0].logprob_gap["max"]

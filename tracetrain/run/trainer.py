@@ -274,7 +274,8 @@ class Trainer:
                     updates, times = await sync.run_update(svc.gateway, update, st.version + 1)
                     st.version += 1
                     m.update({**times, **learner.update_metrics(updates)})
-                m.update(await collector.synced(st, updated=bool(rows.batch.n_rows)))  # sync
+                for k, v in (await collector.synced(st, updated=bool(rows.batch.n_rows))).items():
+                    m[k] = m.get(k, 0.0) + v  # sync (an own copy's, after a shared whole model's)
                 m.update({"model_version": st.version, "lr": learner.lr,
                           "rollout_model_version": collected.engine_version,
                           **throughput(len(collected.results), rows.batch, collected.seconds,

@@ -90,9 +90,10 @@ class WeightSync:
     async def run_update(self, gateway: GatewayClient, run_update: Callable[[], Awaitable[Any]],
                          version: int) -> tuple[Any, dict[str, float]]:
         """Run the optimizer update (`run_update()`), which makes the policy `version`; -> (its
-        result, {"time/update_s"}). Shared weights change inside a held window and the engine's
-        version moves with them; a sleeping server sleeps through it; an own copy is left as it
-        is (`send` or `catch_up` gives it the new weights)."""
+        result, {"time/update_s", "time/sync_s"}). Shared weights change inside a held window and
+        the engine's version moves with them (time/sync_s: its update_weights, a bf16 engine's
+        copy refreshed); a sleeping server sleeps through it; an own copy is left as it is (`send`
+        or `catch_up` gives it the new weights, and times that)."""
         held = self.shared or self.sleep_level
         async with contextlib.AsyncExitStack() as windows:
             for slot in ([self.slot] if held else []) + [slot for _, slot in self.whole]:
@@ -101,11 +102,12 @@ class WeightSync:
                 await self.engine.sleep(self.sleep_level)
             t = time.perf_counter()
             result = await run_update()
-            times = {"time/update_s": time.perf_counter() - t}
+            t_sync = time.perf_counter()
             if self.shared:
                 self.engine.update_weights(None, version)
             for engine, _ in self.whole:
                 engine.update_weights(None, version)
+            times = {"time/update_s": t_sync - t, "time/sync_s": time.perf_counter() - t_sync}
         return result, times
 
     async def send(self, gateway: GatewayClient, version: int) -> dict[str, float]:
@@ -118,13 +120,15 @@ class WeightSync:
             await self.push(version)
         return {"time/sync_s": time.perf_counter() - t}
 
-    async def catch_up(self, gateway: GatewayClient, version: int) -> None:
+    async def catch_up(self, gateway: GatewayClient, version: int) -> float:
         """An engine with its own copy takes the policy's weights (`version`), in a held window;
-        nothing when it holds them already."""
+        nothing when it holds them already. -> its seconds (0.0: nothing to do)."""
         if self.shared or self.engine.model_version == version:
-            return
+            return 0.0
+        t = time.perf_counter()
         async with held_engine(gateway, self.slot):
             await self.push(version)
+        return time.perf_counter() - t
 
     async def push(self, version: int) -> None:
         """The policy's weights into the engine's own copy; call it in a held window."""
