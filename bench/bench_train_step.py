@@ -369,7 +369,8 @@ class Stepper:
             updates, times = await tr.sync.run_update(svc.gateway, run, st.version + 1)
             st.version += 1
             m |= {**times, **tr.learner.update_metrics(updates)}
-        m |= await out.synced(st, updated=trained)  # sync
+        for k, v in (await out.synced(st, updated=trained)).items():  # sync (as Trainer.steps)
+            m[k] = m.get(k, 0.0) + v
         m |= {"model_version": st.version, "memory/peak_rss_gb": peak_rss_gb(),
               **throughput(len(got.results), rows.batch, got.seconds, time.perf_counter() - t)}
         reset_peak()

@@ -66,10 +66,15 @@ def test_row_blocks_equal_the_dense_tree_mask(seed, groups, common, question, sh
     H, Hkv = heads
     g = torch.Generator().manual_seed(seed)
     N, D = pk.n_tokens, 8
-    q, k, v = (torch.randn(1, h, N, D, generator=g) for h in (H, Hkv, Hkv))
+    q, k, v = (torch.randn(1, h, N, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv))
     got = pack_attention(q, k, v, plan)  # [1, N, H, D]
     expected = dense_attention(q, k, v, pk.allowed).transpose(1, 2)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    dy = torch.randn(got.shape, generator=g)  # and the gradients (K and V: summed over the query
+    mine = torch.autograd.grad(got, (q, k, v), dy)  # heads they serve, in either layout)
+    theirs = torch.autograd.grad(expected, (q, k, v), dy)
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * (1 + N))
     lengths = batch.attention_mask.sum(1)
     assert plan.scores <= batch.n_rows * int(lengths.max()) ** 2  # a padded batch's attention scores
     if not share:  # each row's own square, at most

@@ -46,6 +46,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tracetrain.learn import sparse_pack
+from tracetrain.learn.head import head_logprobs
 from tracetrain.learn.logprobs import autocast, logprobs_from_logits
 from tracetrain.learn.sparse_pack import SparsePlan, build_plan
 
@@ -58,6 +59,9 @@ PACK_ATTENTION = "auto"
 # is down to half the dense scores (measured with bench/bench_pack_attention.py: docs/benchmarks.md,
 # "A pack's attention without the dense mask")
 AUTO_SCORES = 0.5
+# The head's logprobs without entropy through learn/head.py's written-out gradient (False: each
+# chunk checkpointed and differentiated by autograd). Benchmarks and tests set it.
+USE_HEAD_FUNCTION = True
 
 
 @dataclass
@@ -200,8 +204,10 @@ def chunked_logprobs(
     chunk: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [M, H], target [M] -> (logprob [M], entropy [M] or None), `chunk` positions at a
-    time; with gradients on, each chunk is checkpointed (its [chunk, V] logits are recomputed in
-    the backward instead of kept)."""
+    time; no [chunk, V] logits are kept for the backward: without entropy the gradient is written
+    out (learn/head.py), with it each chunk is checkpointed (recomputed in the backward)."""
+    if not with_entropy and USE_HEAD_FUNCTION:
+        return head_logprobs(hidden, head, target, temperature=temperature, chunk=chunk), None
     lps, ents = [], []
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     for s in range(0, hidden.shape[0], chunk):

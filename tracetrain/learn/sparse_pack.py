@@ -40,6 +40,10 @@ import torch.nn.functional as F
 
 KWARG = "tracetrain_pack"  # the keyword the model's forward hands to each attention call
 SLACK = 2.0  # a group takes a row while its padded scores stay within SLACK x its rows' own
+# grouped-query attention (H = rep x Hkv query heads): the rep query heads of a kv head as rep x
+# Qmax queries of one head (K and V read as they are), instead of K and V copied rep times as
+# transformers' repeat_kv does. Benchmarks and tests set it.
+FOLD_GQA = True
 
 
 @dataclass
@@ -160,11 +164,15 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
         qg = q.index_select(1, g.q_idx).view(H, B, Qm, D).transpose(0, 1)
         kg = k.index_select(1, g.k_idx).view(Hkv, B, Km, D).transpose(0, 1)
         vg = v.index_select(1, g.k_idx).view(Hkv, B, Km, D).transpose(0, 1)
-        if rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv)
+        mask = g.mask
+        if rep > 1 and FOLD_GQA:  # query head h = kv head h // rep: [B, Hkv, rep * Qm, D]
+            qg = qg.reshape(B, Hkv, rep * Qm, D)
+            mask = mask.expand(B, rep, Qm, Km).reshape(B, 1, rep * Qm, Km)
+        elif rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv)
             kg = kg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
             vg = vg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, dropout_p=dropout,
-                                           scale=scaling)  # [B, H, Qm, D]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout,
+                                           scale=scaling).reshape(B, H, Qm, D)
         outs.append(o.transpose(1, 2).reshape(B * Qm, H, D).index_select(0, g.keep))
     plan.calls += 1
     return torch.cat(outs).index_select(0, plan.order).unsqueeze(0)
