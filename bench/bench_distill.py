@@ -17,8 +17,9 @@ machine's CPU cores, on one of two tasks (--task):
 teacher: the teacher's policy is scored greedily on the 512 held-out rows (`tracetrain eval
 --temperature 0 --k 1`) and kept as OUT/teacher/best (its score and step in OUT/teacher/best.json).
 
-arms: for each seed, three runs of --steps steps from the untrained model, the same tasks, the same
-settings, held-out greedy pass@1 on 256 rows every 5 steps (the runs' own eval passes):
+arms: for each seed, three runs from the untrained model (--steps steps; the distilled arms
+--steps-distilled), the same tasks, the same settings, held-out greedy pass@1 on 256 rows every 5
+steps (the runs' own eval passes):
 - rl: the reward alone (the distill config less its `distill` section);
 - distill: the teacher's term alone (distill.with_reward false);
 - both: the reward-based advantage plus the teacher's term (distill.with_reward true).
@@ -174,7 +175,8 @@ def arms(args) -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             (run_dir / "machine.json").write_text(json.dumps(machine()))
-            over = [f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
+            steps = args.steps if arm == "rl" else args.steps_distilled or args.steps
+            over = [f"trainer.steps={steps}", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
                     "trainer.eval_every=5", f"trainer.eval_tasks={EVAL_TASKS}", *extra]
             if arm != "rl":
                 over += [f"distill.teacher.path={best}", f"distill.coef={args.coef}"]
@@ -236,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--segment", type=int, default=20)
     ap.add_argument("--teacher-seed", type=int, default=100)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps-distilled", type=int, default=None,
+                    help="the distill and both arms' steps (default: --steps); past the step that "
+                         "reaches the target they only show whether it holds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--coef", type=float, default=1.0,
