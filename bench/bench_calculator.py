@@ -10,7 +10,8 @@ pass (trainer.eval_every 0), a temporary run_dir. Reads the run's metrics.jsonl 
 step's seconds (the difference of time/elapsed_s between steps: the first step counts from the
 run's start, so its model load and the first collect are in it and it is left out of the
 median), the median and mean step, the mean training reward over the steps, the engine-trainer
-logprob gap, the medians of a step's parts (PARTS) and the wall seconds of the process.
+logprob gap, the medians of a step's parts (PARTS, and the update's phases time/update/*), each
+step's resident peak and the wall seconds of the process.
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ def main() -> None:
           f"{statistics.mean(rewards[:5]):.3f}, last 5: {statistics.mean(rewards[-5:]):.3f})")
     if gap:
         print(f"engine-trainer logprob gap, mean over steps: {statistics.mean(gap):.2e}")
-    parts = {k: [m[k] for m in lines[1:] if k in m] for k in PARTS}
+    phases = sorted({k for m in lines for k in m if k.startswith("time/update/")})
+    parts = {k: [m[k] for m in lines[1:] if k in m] for k in (*PARTS, *phases)}
     print("median over steps 1..: " + ", ".join(
         f"{k} {statistics.median(v):.2f}" for k, v in parts.items() if v))
+    peaks = [m["memory/peak_rss_gb"] for m in lines if "memory/peak_rss_gb" in m]
+    if peaks:
+        print("each step's peak resident GB: " + " ".join(f"{x:.2f}" for x in peaks))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""The update's faster paths give today's update: the head's written-out gradient
+(packing.USE_HEAD_FUNCTION, learn/head.py) and a pack's grouped-query attention without K/V copies
+(sparse_pack.FOLD_GQA) against autograd through checkpointed chunks and transformers' repeat_kv:
+the loss, every gradient and the weights after one optimizer step, on packed rows that share
+prefixes (a tiny Qwen2 with 4 query heads over 2 kv heads, SDPA), in fp32 and bf16-mixed.
+
+Tolerances, from the arithmetic: in fp32 the two paths compute the same formulas with sums split
+or ordered differently, each within (terms x 2^-24) of its terms' magnitude (of the order of the
+largest gradient of the model, whatever the gradient's own size where its terms cancel): 1e-4 of
+that covers the thousand-odd terms of these sums (as test_packing.py's packed-against-padded
+check). Under bf16 autocast each side rounds the head's dz and the attention's operands to bf16
+(2^-8), and autograd's head adds its chunks' weight gradients in bf16 where learn/head.py adds
+them in fp32: within (chunks + 2) bf16 roundings of the largest gradient (chunks of 7 tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_packing import shared_batch
+from tiny_model import tiny_causal_lm
+
+from tracetrain.config import build_config
+from tracetrain.learn import packing, sparse_pack
+from tracetrain.learn.update import ppo_update
+
+
+@contextlib.contextmanager
+def paths(fast: bool):
+    before = packing.USE_HEAD_FUNCTION, sparse_pack.FOLD_GQA, packing.PACK_ATTENTION
+    packing.USE_HEAD_FUNCTION = sparse_pack.FOLD_GQA = fast
+    packing.PACK_ATTENTION = "sparse"  # (the row blocks, where FOLD_GQA applies)
+    try:
+        yield
+    finally:
+        packing.USE_HEAD_FUNCTION, sparse_pack.FOLD_GQA, packing.PACK_ATTENTION = before
+
+
+def one_update(batch, adv, precision: str, fast: bool):
+    """(loss, gradients, weights after one SGD step) of ppo_update on `batch`."""
+    model = tiny_causal_lm(0)
+    model.set_attn_implementation("sdpa")
+    cfg = build_config({"optim": {"lr": 0.1, "warmup_steps": 0, "grad_clip": 1e9, "logprob_chunk": 7},
+                        "trainer": {"precision": precision}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in model.parameters()))
+    with paths(fast):
+        (res,) = ppo_update(model, opt, batch, adv, cfg)
+    return res.loss, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000),
+       groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=3),
+       common=st.integers(0, 6), precision=st.sampled_from(["fp32", "bf16-mixed"]))
+def test_the_fast_paths_give_todays_update(seed, groups, common, precision):
+    batch = shared_batch(seed, groups, common=common, question=2)
+    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed))
+    loss, grads, weights = one_update(batch, adv, precision, fast=True)
+    loss0, grads0, weights0 = one_update(batch, adv, precision, fast=False)
+    chunks = -(-int(batch.response_mask.sum()) // 7)
+    rel = 1e-4 if precision == "fp32" else (chunks + 2) * 2.0**-8
+    assert abs(loss - loss0) <= rel * abs(loss0) + 1e-6
+    # a tensor's gradient sums terms that cancel (a bias's over tokens): its error is bounded by
+    # the terms' magnitude, the scale of the upstream gradients, not by its own size: the largest
+    scale = max(float(g0.abs().max()) for g0 in grads0)
+    for g, g0, w, w0 in zip(grads, grads0, weights, weights0, strict=True):
+        tol = rel * scale + 1e-6
+        assert float((g - g0).abs().max()) <= tol
+        assert float((w - w0).abs().max()) <= 0.1 * tol + 2.0**-24 * float(w0.abs().max())
