@@ -242,7 +242,7 @@ def floor_s(flops: dict[str, int], rate: dict[str, float], part: str = "") -> fl
     return layers + flops["head"] / (rate["head" + part] * 1e9)
 
 
-OPTIMIZER_BYTES = 40  # per parameter: clip (read g; read and write g), AdamW (read p g m v; write p m v)
+OPTIMIZER_BYTES = 28  # per parameter: AdamW reads p g m v and writes p m v (clip's two passes not counted)
 
 
 def update_phases(m: dict, work: dict, rate: dict, params: int, gbs: float) -> list[dict]:

@@ -281,6 +281,7 @@ class Trainer:
                           **throughput(len(collected.results), rows.batch, collected.seconds,
                                        time.perf_counter() - t),
                           "memory/peak_rss_gb": peak_rss_gb()})  # since the last step's line
+                release_free()  # the C heap's free pages back: without it the peak grows each step
                 reset_peak()
                 st.step += 1
                 m["engine/idle_frac"] = clock.idle_since_last()
