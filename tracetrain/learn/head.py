@@ -25,10 +25,11 @@ KEEP_LOGITS_MB = 256  # the logits the forward keeps for the backward, at most (
 
 
 def _scaled(raw: torch.Tensor, temperature: float, *, keep_raw: bool = False) -> torch.Tensor:
-    """z = raw / T in fp32 (raw, the matmul's output, left as it is with `keep_raw`, else fp32 raw
-    may become z)."""
-    z = raw.float() if raw.dtype != torch.float32 or not keep_raw else raw.clone()
-    if temperature > 0 and temperature != 1.0:
+    """z = raw / T in fp32; raw (the matmul's output) left as it is with `keep_raw`, else an fp32
+    raw may be divided in place and returned."""
+    scaled = temperature > 0 and temperature != 1.0
+    z = raw.float() if raw.dtype != torch.float32 or not (keep_raw and scaled) else raw.clone()
+    if scaled:
         z.div_(temperature)
     return z
 
@@ -42,7 +43,8 @@ class HeadLogprobs(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, temperature: float, chunk: int):
         lps, lses, kept = [], [], []
         size = torch.finfo(_matmul_dtype(h, weight)).bits // 8
-        keep = h.shape[0] * weight.shape[0] * size <= KEEP_LOGITS_MB * 2**20
+        keep = (any(ctx.needs_input_grad[:3])  # (no backward to come: nothing kept)
+                and h.shape[0] * weight.shape[0] * size <= KEEP_LOGITS_MB * 2**20)
         for s in range(0, h.shape[0], chunk):
             raw = linear(h[s : s + chunk], weight, bias)
             z = _scaled(raw, temperature, keep_raw=keep)
