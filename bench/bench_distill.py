@@ -111,7 +111,8 @@ def calculator_teacher(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     first, run_dir, log = out / "with_example", out / "run", out / "log.txt"
     t = time.time()
-    if not (first / "summary.json").exists():
+    if not (first / "policy").is_dir():
+        shutil.rmtree(first, ignore_errors=True)
         run([*TT, "train", str(EXAMPLES / "calculator" / "config.yaml"), "trainer.steps=20",
              "trainer.eval_every=0", f"trainer.run_dir={first}"], log)
     run([*TT, "train", str(EXAMPLES / "distill" / "calculator_teacher.yaml"), *data,
