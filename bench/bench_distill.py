@@ -115,6 +115,7 @@ def calculator_teacher(args) -> None:
         shutil.rmtree(first, ignore_errors=True)
         run([*TT, "train", str(EXAMPLES / "calculator" / "config.yaml"), "trainer.steps=20",
              "trainer.eval_every=0", f"trainer.run_dir={first}"], log)
+    shutil.rmtree(run_dir, ignore_errors=True)  # (a run of its own each time)
     run([*TT, "train", str(EXAMPLES / "distill" / "calculator_teacher.yaml"), *data,
          f"model.path={first / 'policy'}", f"trainer.steps={args.teacher_steps}",
          f"trainer.run_dir={run_dir}"], log)
