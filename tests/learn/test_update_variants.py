@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
+from families import family_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_packing import shared_batch
@@ -39,9 +41,9 @@ def paths(fast: bool):
         packing.USE_HEAD_FUNCTION, sparse_pack.FOLD_GQA, packing.PACK_ATTENTION = before
 
 
-def one_update(batch, adv, precision: str, fast: bool):
-    """(loss, gradients, weights after one SGD step) of ppo_update on `batch`."""
-    model = tiny_causal_lm(0)
+def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm):
+    """(loss, gradients, weights after one SGD step) of ppo_update on `batch`, `make(0)`'s model."""
+    model = make(0)
     model.set_attn_implementation("sdpa")
     cfg = build_config({"optim": {"lr": 0.1, "warmup_steps": 0, "grad_clip": 1e9, "logprob_chunk": 7},
                         "trainer": {"precision": precision}})
@@ -60,8 +62,21 @@ def one_update(batch, adv, precision: str, fast: bool):
 def test_the_fast_paths_give_todays_update(seed, groups, common, precision):
     batch = shared_batch(seed, groups, common=common, question=2)
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed))
-    loss, grads, weights = one_update(batch, adv, precision, fast=True)
-    loss0, grads0, weights0 = one_update(batch, adv, precision, fast=False)
+    check(batch, adv, precision, tiny_causal_lm)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "mistral"])
+def test_the_fast_paths_give_todays_update_in_each_family(kind):
+    """The same across the families' layouts: GQA with head_dim apart from hidden / heads, a MoE,
+    sliding windows (padded rows: the head's path alone)."""
+    batch = shared_batch(3, [[1, 2], [2, 1], [3]], common=5, question=2)
+    adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(3))
+    check(batch, adv, "fp32", lambda seed: family_model(kind, seed))
+
+
+def check(batch, adv, precision, make):
+    loss, grads, weights = one_update(batch, adv, precision, True, make)
+    loss0, grads0, weights0 = one_update(batch, adv, precision, False, make)
     chunks = -(-int(batch.response_mask.sum()) // 7)
     rel = 1e-4 if precision == "fp32" else (chunks + 2) * 2.0**-8
     assert abs(loss - loss0) <= rel * abs(loss0) + 1e-6
