@@ -18,8 +18,10 @@ import os
 import subprocess
 import sys
 
+CAPS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 CHILD = """
-import json, time
+import json, os, time
+{imports}
 import torch
 torch.set_num_threads(1)
 def rss_mb():
@@ -29,8 +31,19 @@ torch.nn.functional.linear(torch.randn(8, 256, dtype=torch.bfloat16), w)
 before, t = rss_mb(), time.perf_counter()
 for m in range(1, 1201):
     torch.nn.functional.linear(torch.randn(m, 256, dtype=torch.bfloat16), w)
-print(json.dumps({"growth_mb": rss_mb() - before, "s": time.perf_counter() - t}))
+print(json.dumps({{"growth_mb": rss_mb() - before, "s": time.perf_counter() - t,
+                  "caps": [os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+                           os.environ.get("LRU_CACHE_CAPACITY")]}}))
 """
+
+
+def growth(imports: str = "", **caps: str) -> dict:
+    """The child's figures: {growth_mb, s, caps (the two variables as the child saw them)}, run
+    after `imports` with the environment less both variables, plus `caps` (by variable name)."""
+    env = {k: v for k, v in os.environ.items() if k not in CAPS}
+    out = subprocess.run([sys.executable, "-c", CHILD.format(imports=imports)], env={**env, **caps},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -40,13 +53,9 @@ def main() -> None:
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     print(f"{cpu}, {os.cpu_count()} cores, 1 thread; 1,200 shapes")
     for cap in args.caps:
-        env = {**os.environ, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(cap), "LRU_CACHE_CAPACITY": str(cap)}
-        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                             check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        r = growth(**dict.fromkeys(CAPS, str(cap)))
         print(f"capacity {cap:5d}: +{r['growth_mb']:6.0f} MB ({r['growth_mb'] / min(cap, 1200):.2f} MB "
               f"an entry), {r['s']:.2f} s")
-
 
 if __name__ == "__main__":
     main()

@@ -3,10 +3,11 @@
 import os
 
 # oneDNN (torch's bf16 matmuls on CPU) keeps each primitive it builds, one per matmul shape, in two
-# caches of 1,024 entries by default, ~0.6 MB an entry: packed rows change length every step, so a
-# run's resident set grows every step until they fill (~1 GB). 128 entries hold the shapes in use;
-# a shape built again costs ~0.4 ms (docs/benchmarks.md, "oneDNN's caches"). A user's own setting
-# wins. The caches read these when first used: they are set before anything runs a matmul.
+# caches of 1,024 entries by default, ~1 MB a shape the two together: packed rows change length
+# every step, so a run's resident set grows every step until they fill (~1 GB). 128 entries hold
+# the shapes in use; a shape built again costs ~0.4 ms (docs/benchmarks.md, "oneDNN's caches"). A
+# user's own setting wins. The caches read these when first used: they are set before anything
+# runs a matmul.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
 
