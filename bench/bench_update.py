@@ -19,7 +19,8 @@ reversed every other repeat so that a shared machine's drift falls on all of the
 table gives each variant's best time, its peak RSS, and both as ratios to the first variant
 (today's path: padded rows, full logits). The "..." variants are the shipped path (packed +
 shared, chunked) with one of its newer parts switched back (SWITCHED: the head's gradient through
-autograd, its logits computed again in the backward, a pack's K and V copied per query head); each
+autograd, its logits computed again in the backward, a pack's K and V copied per query head, its
+attention under autocast in bf16); each
 child also reports its update's seconds per phase (time/update/*).
 """
 
@@ -56,6 +57,7 @@ SWITCHED = {  # name: (module, attribute, value)
     "... head through autograd": ("tracetrain.learn.packing", "USE_HEAD_FUNCTION", False),
     "... logits recomputed": ("tracetrain.learn.head", "KEEP_LOGITS_MB", 0),
     "... K/V copied per head": ("tracetrain.learn.sparse_pack", "FOLD_GQA", False),
+    "... attention in bf16": ("tracetrain.learn.sparse_pack", "WIDE_ATTENTION", False),
 }
 VARIANTS.update(dict.fromkeys(SWITCHED, SHARED))
 
@@ -80,7 +82,7 @@ def record(run: Path, out: Path) -> None:
           f"real tokens, {int(batch.response_mask.sum())} trained, to {out}")
 
 
-def child(path: str, variant: str, precision: str, threads: int) -> None:
+def child(path: str, variant: str, precision: str, threads: int, warmup: int = 0) -> None:
     import torch
 
     from tracetrain.config import TrainConfig
@@ -108,6 +110,8 @@ def child(path: str, variant: str, precision: str, threads: int) -> None:
     optimizer = adamw(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     ref = copy.deepcopy(model) if cfg.loss.kl_coef else None  # the KL term's reference model
     loaded = peak_rss_gb()
+    for _ in range(warmup):  # (kernels built, caches filled; the weights move on)
+        ppo_update(model, optimizer, saved["batch"], saved["advantages"], cfg, ref_model=ref)
     t = time.perf_counter()
     results = ppo_update(model, optimizer, saved["batch"], saved["advantages"], cfg, ref_model=ref)
     seconds = time.perf_counter() - t
@@ -127,11 +131,13 @@ def main() -> None:
     p.add_argument("--baseline", help="the variant the ratios are to (default: the first)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=0,
+                   help="updates each child runs before the timed one (0: the first is timed)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        return child(a.batch, a.child, a.precision, a.threads)
+        return child(a.batch, a.child, a.precision, a.threads, a.warmup)
     if a.run:
         out = Path(a.save or Path(a.run) / "batch.pt")
         record(Path(a.run), out)
@@ -145,12 +151,13 @@ def main() -> None:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    print(f"update on {a.batch}; {a.precision}, {a.threads} threads; {cpu}")
+    print(f"update on {a.batch}; {a.precision}, {a.threads} threads, {a.warmup} warm-up update(s); {cpu}")
     runs: dict[str, list[dict]] = {v: [] for v in a.variants}
     for k in range(a.repeats):
         for v in a.variants if k % 2 == 0 else a.variants[::-1]:
             done = subprocess.run([sys.executable, __file__, "--batch", a.batch, "--child", v,
-                                   "--precision", a.precision, "--threads", str(a.threads)],
+                                   "--precision", a.precision, "--threads", str(a.threads),
+                                   "--warmup", str(a.warmup)],
                                   capture_output=True, text=True, cwd=ROOT)
             if done.returncode != 0:
                 raise SystemExit(f"{v} failed:\n{done.stderr[-3000:]}")

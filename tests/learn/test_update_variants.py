@@ -1,6 +1,8 @@
 """The update's faster paths give today's update: the head's written-out gradient
 (packing.USE_HEAD_FUNCTION, learn/head.py) and a pack's grouped-query attention without K/V copies
-(sparse_pack.FOLD_GQA) against autograd through checkpointed chunks and transformers' repeat_kv:
+(sparse_pack.FOLD_GQA), its attention outside autocast in the operands' widest dtype
+(sparse_pack.WIDE_ATTENTION; row blocks and the dense mask) against autograd through checkpointed
+chunks, transformers' repeat_kv and SDPA under autocast:
 the loss, every gradient and the weights after one optimizer step, on packed rows that share
 prefixes (a tiny Qwen2 with 4 query heads over 2 kv heads, SDPA), in fp32 and bf16-mixed.
 
@@ -8,8 +10,8 @@ Tolerances, from the arithmetic: in fp32 the two paths compute the same formulas
 or ordered differently, each within (terms x 2^-24) of its terms' magnitude (of the order of the
 largest gradient of the model, whatever the gradient's own size where its terms cancel): 1e-4 of
 that covers the thousand-odd terms of these sums (as test_packing.py's packed-against-padded
-check). Under bf16 autocast each side rounds the head's dz and the attention's operands to bf16
-(2^-8), and autograd's head adds its chunks' weight gradients in bf16 where learn/head.py adds
+check). Under bf16 autocast each side rounds the head's dz to bf16 and one side the attention's
+operands (2^-8), and autograd's head adds its chunks' weight gradients in bf16 where learn/head.py adds
 them in fp32: within (chunks + 2) bf16 roundings of the largest gradient (chunks of 7 tokens).
 """
 
@@ -31,17 +33,24 @@ from tracetrain.learn.update import ppo_update
 
 
 @contextlib.contextmanager
-def paths(fast: bool):
-    before = packing.USE_HEAD_FUNCTION, sparse_pack.FOLD_GQA, packing.PACK_ATTENTION
-    packing.USE_HEAD_FUNCTION = sparse_pack.FOLD_GQA = fast
-    packing.PACK_ATTENTION = "sparse"  # (the row blocks, where FOLD_GQA applies)
+def paths(fast: bool, attention: str = "sparse"):
+    """The fast paths on or off; a pack's attention as `attention` says (the row blocks, where
+    FOLD_GQA applies, or the dense mask through the dispatcher)."""
+    flags = "USE_HEAD_FUNCTION", "FOLD_GQA", "WIDE_ATTENTION"
+    owners = packing, sparse_pack, sparse_pack
+    before = [getattr(m, f) for m, f in zip(owners, flags, strict=True)], packing.PACK_ATTENTION
+    for m, f in zip(owners, flags, strict=True):
+        setattr(m, f, fast)
+    packing.PACK_ATTENTION = attention
     try:
         yield
     finally:
-        packing.USE_HEAD_FUNCTION, sparse_pack.FOLD_GQA, packing.PACK_ATTENTION = before
+        for m, f, v in zip(owners, flags, before[0], strict=True):
+            setattr(m, f, v)
+        packing.PACK_ATTENTION = before[1]
 
 
-def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm):
+def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm, attention="sparse"):
     """(loss, gradients, weights after one SGD step) of ppo_update on `batch`, `make(0)`'s model."""
     model = make(0)
     model.set_attn_implementation("sdpa")
@@ -50,7 +59,9 @@ def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in model.parameters()))
-    with paths(fast):
+    if attention == "dense":  # the dispatcher in place, as a sparse plan's first use puts it
+        sparse_pack.install()
+    with paths(fast, attention):
         (res,) = ppo_update(model, opt, batch, adv, cfg)
     return res.loss, grads, [p.detach().clone() for p in model.parameters()]
 
@@ -58,11 +69,12 @@ def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm):
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000),
        groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=3),
-       common=st.integers(0, 6), precision=st.sampled_from(["fp32", "bf16-mixed"]))
-def test_the_fast_paths_give_todays_update(seed, groups, common, precision):
+       common=st.integers(0, 6), precision=st.sampled_from(["fp32", "bf16-mixed"]),
+       attention=st.sampled_from(["sparse", "dense"]))
+def test_the_fast_paths_give_todays_update(seed, groups, common, precision, attention):
     batch = shared_batch(seed, groups, common=common, question=2)
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed))
-    check(batch, adv, precision, tiny_causal_lm)
+    check(batch, adv, precision, tiny_causal_lm, attention)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "mistral"])
@@ -74,9 +86,9 @@ def test_the_fast_paths_give_todays_update_in_each_family(kind):
     check(batch, adv, "fp32", lambda seed: family_model(kind, seed))
 
 
-def check(batch, adv, precision, make):
-    loss, grads, weights = one_update(batch, adv, precision, True, make)
-    loss0, grads0, weights0 = one_update(batch, adv, precision, False, make)
+def check(batch, adv, precision, make, attention="sparse"):
+    loss, grads, weights = one_update(batch, adv, precision, True, make, attention)
+    loss0, grads0, weights0 = one_update(batch, adv, precision, False, make, attention)
     chunks = -(-int(batch.response_mask.sum()) // 7)
     rel = 1e-4 if precision == "fp32" else (chunks + 2) * 2.0**-8
     assert abs(loss - loss0) <= rel * abs(loss0) + 1e-6

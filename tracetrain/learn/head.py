@@ -13,7 +13,8 @@ db = sum_m dz[m]. The forward keeps h, y and lse, and the logits as the matmul g
 under autocast) where they take at most KEEP_LOGITS_MB; else the backward computes each chunk's z
 again (one matmul). dz is made in place from z. Under autocast (trainer.precision bf16-mixed) the
 matmuls run in bf16 as the forward's did (the backward runs under the forward's autocast state),
-z, lse and dz in fp32; dW and db are summed over the chunks in fp32.
+z, lse and dz in fp32; dW and db are summed over the chunks in fp32. W is cast to the matmul's
+dtype once, in the forward, and that copy kept for the backward.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ class HeadLogprobs(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, h, weight, bias, target, temperature: float, chunk: int):
         lps, lses, kept = [], [], []
-        size = torch.finfo(_matmul_dtype(h, weight)).bits // 8
+        low_w = weight.to(_matmul_dtype(h, weight))  # cast once, kept for the backward
+        size = low_w.element_size()
         keep = (any(ctx.needs_input_grad[:3])  # (no backward to come: nothing kept)
                 and h.shape[0] * weight.shape[0] * size <= KEEP_LOGITS_MB * 2**20)
         for s in range(0, h.shape[0], chunk):
-            raw = linear(h[s : s + chunk], weight, bias)
+            raw = linear(h[s : s + chunk], low_w, bias)
             z = _scaled(raw, temperature, keep_raw=keep)
             lse = torch.logsumexp(z, dim=-1)
             lps.append(z.gather(-1, target[s : s + chunk, None]).squeeze(-1) - lse)
@@ -56,6 +58,7 @@ class HeadLogprobs(torch.autograd.Function):
         lse = torch.cat(lses) if lses else h.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h, weight, bias, target, lse)
         ctx.temperature, ctx.chunk, ctx.kept = temperature, chunk, kept if keep else None
+        ctx.low_w = low_w if any(ctx.needs_input_grad[:3]) else None
         return torch.cat(lps) if lps else lse.clone()
 
     @staticmethod
@@ -65,14 +68,14 @@ class HeadLogprobs(torch.autograd.Function):
         T, chunk = ctx.temperature, ctx.chunk
         scale = 1.0 / T if T > 0 and T != 1.0 else 1.0
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        dw = None  # the first chunk's product, then the others added (no [V, H] of zeros first)
         db = None if bias is None or not ctx.needs_input_grad[2] else torch.zeros(bias.shape)
         g = g.float()
-        low_w = weight.to(_matmul_dtype(h, weight))  # (cast once, not per chunk)
+        low_w, ctx.low_w = ctx.low_w, None
         kept, ctx.kept = ctx.kept, None
         for i, s in enumerate(range(0, h.shape[0], chunk)):
             rows, gs = slice(s, s + chunk), g[s : s + chunk, None]
-            dz = _scaled(kept[i] if kept else linear(h[rows], weight, bias), T)
+            dz = _scaled(kept[i] if kept else linear(h[rows], low_w, bias), T)
             dz.sub_(lse[rows, None]).exp_().mul_(-gs)  # -g softmax(z)
             dz.scatter_add_(1, target[rows, None], gs)  # + g onehot(y)
             if scale != 1.0:
@@ -80,8 +83,9 @@ class HeadLogprobs(torch.autograd.Function):
             low = dz.to(low_w.dtype)
             if dh is not None:
                 dh[rows] = (low @ low_w).to(dh.dtype)
-            if dw is not None:
-                dw.add_(low.T @ h[rows].to(low.dtype))
+            if ctx.needs_input_grad[1]:
+                part = low.T @ h[rows].to(low.dtype)
+                dw = part.float() if dw is None else dw.add_(part)
             if db is not None:
                 db.add_(dz.sum(0))
         return (dh, None if dw is None else dw.to(weight.dtype),

@@ -20,8 +20,9 @@ row that reads them; the backward adds their gradients back), the outputs put ba
 
 How transformers gets there, without touching the model or its config (the engine may decode
 with the same module meanwhile): `install()` puts a dispatcher in transformers' attention registry
-under "sdpa"; it runs the original SDPA function unless the call carries a plan as the keyword
-`tracetrain_pack`, which the model's forward passes down to every attention call. The 4-D
+under "sdpa"; it runs the original SDPA function (under autocast: as WIDE_ATTENTION says) unless
+the call carries a plan as the keyword `tracetrain_pack`, which the model's forward passes down to
+every attention call. The 4-D
 attention mask given alongside is a stride-0 placeholder (no [N, N] memory) that only tells the
 mask builder to leave it as it is. A model whose attention did not come through the dispatcher
 (plan.calls stays 0) is computed again with the dense mask by the caller (packing.row_logprobs).
@@ -44,6 +45,11 @@ SLACK = 2.0  # a group takes a row while its padded scores stay within SLACK x i
 # Qmax queries of one head (K and V read as they are), instead of K and V copied rep times as
 # transformers' repeat_kv does. Benchmarks and tests set it.
 FOLD_GQA = True
+# The row blocks' attention outside autocast, in the widest of q's, k's and v's dtypes (fp32 under
+# bf16 autocast, where the rotary embedding has already made q and k fp32), instead of autocast's
+# bf16: torch 2.13's CPU flash kernel runs its backward at these block sizes slower in bf16 than
+# in fp32 (docs/benchmarks.md, "The update at its floor ..., part 2"). Benchmarks and tests set it.
+WIDE_ATTENTION = True
 
 
 @dataclass
@@ -154,6 +160,7 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
                    dropout: float = 0.0) -> torch.Tensor:
     """query [1, H, N, D], key and value [1, Hkv, N, D] (H a multiple of Hkv, as repeat_kv takes
     them) -> [1, N, H, D], the pack's attention output as transformers' attention functions give it."""
+    query, key, value = _widened(query, key, value)
     q, k, v = query[0], key[0], value[0]
     H, _, D = q.shape
     Hkv = k.shape[0]
@@ -171,11 +178,26 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
         elif rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv)
             kg = kg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
             vg = vg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout,
-                                           scale=scaling).reshape(B, H, Qm, D)
+        with _attention_autocast(q.device.type):
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout,
+                                               scale=scaling).reshape(B, H, Qm, D)
         outs.append(o.transpose(1, 2).reshape(B * Qm, H, D).index_select(0, g.keep))
     plan.calls += 1
     return torch.cat(outs).index_select(0, plan.order).unsqueeze(0)
+
+
+def _widened(query, key, value):
+    """(q, k, v) in the widest of their dtypes where WIDE_ATTENTION, else as they are."""
+    if not WIDE_ATTENTION:
+        return query, key, value
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
+def _attention_autocast(device_type: str):
+    """The context SDPA runs in: autocast off where WIDE_ATTENTION, else as it is."""
+    return torch.autocast(device_type, enabled=not WIDE_ATTENTION and torch.is_autocast_enabled(
+        device_type))
 
 
 _lock = threading.Lock()
@@ -185,7 +207,11 @@ _original = None
 def _dispatch(module, query, key, value, attention_mask, *args, **kwargs):
     plan = kwargs.pop(KWARG, None)
     if plan is None:
-        return _original(module, query, key, value, attention_mask, *args, **kwargs)
+        if not torch.is_autocast_enabled(query.device.type):  # (the engine, fp32 training)
+            return _original(module, query, key, value, attention_mask, *args, **kwargs)
+        query, key, value = _widened(query, key, value)
+        with _attention_autocast(query.device.type):
+            return _original(module, query, key, value, attention_mask, *args, **kwargs)
     return pack_attention(query, key, value, plan, scaling=kwargs.get("scaling"),
                           dropout=kwargs.get("dropout", 0.0)), None
 
