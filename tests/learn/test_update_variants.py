@@ -29,7 +29,7 @@ from tiny_model import tiny_causal_lm
 
 from tracetrain.config import build_config
 from tracetrain.learn import packing, sparse_pack
-from tracetrain.learn.update import ppo_update
+from tracetrain.learn.update import clip_grad_norm, ppo_update
 
 
 @contextlib.contextmanager
@@ -99,3 +99,20 @@ def check(batch, adv, precision, make, attention="sparse"):
         tol = rel * scale + 1e-6
         assert float((g - g0).abs().max()) <= tol
         assert float((w - w0).abs().max()) <= 0.1 * tol + 2.0**-24 * float(w0.abs().max())
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10**6), max_norm=st.floats(0.01, 100.0), scale=st.floats(0.0, 3.0))
+def test_clip_grad_norm_is_torchs_bit_for_bit(seed, max_norm, scale):
+    """update.clip_grad_norm skips the pass where torch's factor is 1: the same norm and
+    gradients as torch.nn.utils.clip_grad_norm_, clipped or not."""
+    g = torch.Generator().manual_seed(seed)
+    ours = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n, generator=g)) for n in (3, 17, 64))
+    for p in ours:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    torchs = torch.nn.ParameterList(torch.nn.Parameter(p.detach().clone()) for p in ours)
+    for a, b in zip(torchs, ours, strict=True):
+        a.grad = b.grad.clone()
+    norm = clip_grad_norm(ours, max_norm)
+    assert norm == float(torch.nn.utils.clip_grad_norm_(torchs.parameters(), max_norm))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, torchs, strict=True))

@@ -75,6 +75,8 @@ def test_collect_overlap_is_one_version_behind_overlaps_and_resumes_identically(
     (_, c0, c1), = [s for s in spans["collect"] if s[0] == 1]
     u0, u1 = spans["update"][0]
     assert c0 < u1 and u0 < c1, (spans, "the collect of step 1 did not overlap the update of step 0")
+    # the update's idle share of each step: its thread computed (slept 0.3 s) in each, within it
+    assert all(0 <= m["time/update_idle_frac"] < 1 for m in rows)
 
     # Resume two more steps; the same as four straight, bit for bit (every metric but the measured
     # ones, the weights): step 2 is collected from the engine weights the checkpoint kept.
@@ -104,6 +106,9 @@ def test_a_run_resumed_without_overlap_shares_the_weights_again(tmp_path):
     assert [m["rollout_model_version"] for m in rows] == [2, 3]
     assert [m["model_version"] for m in rows] == [3, 4]
     assert all(m["n_stale_rollouts"] == 0 and m["aggregate/n_rollouts"] == 12 for m in rows)
+    # collect step: the engine and the update take turns, so neither computes while the other
+    # does, and their idle shares of a step add up to at least 1
+    assert all(m["engine/idle_frac"] + m["time/update_idle_frac"] >= 0.99 for m in rows), rows
 
 
 def test_collect_overlap_config_errors_name_the_key():

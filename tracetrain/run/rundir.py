@@ -77,6 +77,9 @@ def format_step(m: dict) -> str:
     if "collect/groups_taken" in m:  # continuous collection: how old, how busy
         ages = [int(k.rsplit("_", 1)[1]) for k in m if k.startswith("staleness/rollouts_")]
         parts.append(f"stale <= {max(ages, default=0)} | engine idle {m.get('engine/idle_frac', 0):.2f}")
+    if "time/update_idle_frac" in m and "collect/groups_taken" not in m:  # who waited for whom
+        parts.append(f"idle: engine {m.get('engine/idle_frac', 0):.2f} "
+                     f"update {m['time/update_idle_frac']:.2f}")
     if "eval/reward_mean" in m:
         parts.append(f"eval {m['eval/reward_mean']:.3f}")
     return " | ".join(parts)

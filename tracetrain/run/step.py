@@ -351,14 +351,17 @@ def update_metrics(updates: list) -> dict[str, float]:
 
 class EngineClock:
     """How idle the engine was between two steps: 1 - busy seconds / wall seconds (its gateway
-    slot's busy time), and the engine's stats at the last step (continuous.take_step's base)."""
+    slot's busy time), and the engine's stats at the last step (continuous.take_step's base).
+    `span`: the wall seconds between the last two steps."""
 
     def __init__(self, slot, engine):
         self.slot, self.engine = slot, engine
         self.wall, self.busy, self.stats = time.perf_counter(), slot.busy_seconds(), dict(engine.stats)
+        self.span = 0.0
 
     def idle_since_last(self) -> float:
         wall, busy = time.perf_counter(), self.slot.busy_seconds()
-        idle = 1 - (busy - self.busy) / max(wall - self.wall, 1e-9)
+        self.span = max(wall - self.wall, 1e-9)
+        idle = 1 - (busy - self.busy) / self.span
         self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
         return idle

@@ -285,6 +285,8 @@ class Trainer:
                 reset_peak()
                 st.step += 1
                 m["engine/idle_frac"] = clock.idle_since_last()
+                # the update's side: the share of the step its thread did not compute the update
+                m["time/update_idle_frac"] = 1 - m.get("time/update_s", 0.0) / clock.span
                 if initial is not None:
                     m.update(prefixed("eval/initial_", initial))
                     initial = None
