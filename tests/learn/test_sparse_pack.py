@@ -45,6 +45,22 @@ def attention(mode: str):
         packing.PACK_ATTENTION = before
 
 
+@contextlib.contextmanager
+def counted(function):
+    """[calls]: how many times `function.apply` ran inside."""
+    calls, apply = [0], function.apply
+
+    def counting(*args):
+        calls[0] += 1
+        return apply(*args)
+
+    function.apply = counting
+    try:
+        yield calls
+    finally:
+        function.apply = apply
+
+
 def dense_attention(q, k, v, allowed):
     """The reference: SDPA over the whole pack with the [N, N] tree mask, kv heads repeated."""
     rep = q.shape[1] // k.shape[1]
@@ -79,6 +95,36 @@ def test_row_blocks_equal_the_dense_tree_mask(seed, groups, common, question, sh
     assert plan.scores <= batch.n_rows * int(lengths.max()) ** 2  # a padded batch's attention scores
     if not share:  # each row's own square, at most
         assert plan.scores <= int((lengths ** 2).sum()) * sparse_pack.SLACK
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000),
+       groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=4),
+       common=st.integers(0, 8), heads=st.sampled_from([(4, 2), (3, 3), (6, 1)]))
+def test_row_blocks_under_autocast_compute_in_fp32(seed, groups, common, heads):
+    """Under bf16 autocast the row blocks go through sparse_pack.Fp32Flash: the dense tree
+    attention in fp64 on the bf16-rounded operands, to the bf16 rounding of the output (2^-8 of
+    it, plus fp32's sums) and of the gradients (their inputs, the kept output and dq, dk, dv
+    themselves rounded to bf16: a few 2^-8 of the largest)."""
+    batch = shared_batch(seed, groups, common=common, question=2)
+    pk = pack_rows(batch.input_ids, batch.attention_mask, share=True)
+    plan = build_plan(pk.node, pk.n_tokens)
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    N, D = pk.n_tokens, 8
+    q, k, v = (torch.randn(1, h, N, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv))
+    with torch.autocast("cpu", dtype=torch.bfloat16), counted(sparse_pack.Fp32Flash) as calls:
+        got = pack_attention(q, k, v, plan)  # [1, N, H, D]
+    assert calls == [len(plan.groups)] and got.dtype == torch.bfloat16
+    low = [t.detach().bfloat16().double().requires_grad_(True) for t in (q, k, v)]
+    expected = dense_attention(*low, pk.allowed).transpose(1, 2)
+    err = float((got.double() - expected).detach().abs().max())
+    assert err <= 2.0**-8 * float(expected.detach().abs().max()) + 1e-5
+    dy = torch.randn(got.shape, generator=g).bfloat16()
+    mine = torch.autograd.grad(got, (q, k, v), dy)
+    theirs = torch.autograd.grad(expected, low, dy.double())
+    for a, b in zip(mine, theirs, strict=True):
+        assert float((a.double() - b).abs().max()) <= 4 * 2.0**-8 * float(b.abs().max()) + 1e-5
 
 
 def test_plan_of_a_small_tree():

@@ -1,8 +1,8 @@
 """The update's faster paths give today's update: the head's written-out gradient
 (packing.USE_HEAD_FUNCTION, learn/head.py) and a pack's grouped-query attention without K/V copies
-(sparse_pack.FOLD_GQA), its attention outside autocast in the operands' widest dtype
-(sparse_pack.WIDE_ATTENTION; row blocks and the dense mask) against autograd through checkpointed
-chunks, transformers' repeat_kv and SDPA under autocast:
+(sparse_pack.FOLD_GQA), its attention in fp32 on autocast's bf16 operands (sparse_pack.Fp32Flash,
+WIDE_ATTENTION) against autograd through checkpointed chunks, transformers' repeat_kv and SDPA's
+bf16 kernel under autocast:
 the loss, every gradient and the weights after one optimizer step, on packed rows that share
 prefixes (a tiny Qwen2 with 4 query heads over 2 kv heads, SDPA), in fp32 and bf16-mixed.
 
@@ -10,8 +10,8 @@ Tolerances, from the arithmetic: in fp32 the two paths compute the same formulas
 or ordered differently, each within (terms x 2^-24) of its terms' magnitude (of the order of the
 largest gradient of the model, whatever the gradient's own size where its terms cancel): 1e-4 of
 that covers the thousand-odd terms of these sums (as test_packing.py's packed-against-padded
-check). Under bf16 autocast each side rounds the head's dz to bf16 and one side the attention's
-operands (2^-8), and autograd's head adds its chunks' weight gradients in bf16 where learn/head.py adds
+check). Under bf16 autocast each side rounds the head's dz and the attention's operands and
+output to bf16 (2^-8), and autograd's head adds its chunks' weight gradients in bf16 where learn/head.py adds
 them in fp32: within (chunks + 2) bf16 roundings of the largest gradient (chunks of 7 tokens).
 """
 
@@ -33,15 +33,15 @@ from tracetrain.learn.update import clip_grad_norm, ppo_update
 
 
 @contextlib.contextmanager
-def paths(fast: bool, attention: str = "sparse"):
-    """The fast paths on or off; a pack's attention as `attention` says (the row blocks, where
-    FOLD_GQA applies, or the dense mask through the dispatcher)."""
+def paths(fast: bool):
+    """The fast paths on or off; a pack's attention in row blocks (where FOLD_GQA and
+    WIDE_ATTENTION apply)."""
     flags = "USE_HEAD_FUNCTION", "FOLD_GQA", "WIDE_ATTENTION"
     owners = packing, sparse_pack, sparse_pack
     before = [getattr(m, f) for m, f in zip(owners, flags, strict=True)], packing.PACK_ATTENTION
     for m, f in zip(owners, flags, strict=True):
         setattr(m, f, fast)
-    packing.PACK_ATTENTION = attention
+    packing.PACK_ATTENTION = "sparse"
     try:
         yield
     finally:
@@ -50,7 +50,7 @@ def paths(fast: bool, attention: str = "sparse"):
         packing.PACK_ATTENTION = before[1]
 
 
-def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm, attention="sparse"):
+def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm):
     """(loss, gradients, weights after one SGD step) of ppo_update on `batch`, `make(0)`'s model."""
     model = make(0)
     model.set_attn_implementation("sdpa")
@@ -59,9 +59,7 @@ def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm, atte
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads = []
     opt.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in model.parameters()))
-    if attention == "dense":  # the dispatcher in place, as a sparse plan's first use puts it
-        sparse_pack.install()
-    with paths(fast, attention):
+    with paths(fast):
         (res,) = ppo_update(model, opt, batch, adv, cfg)
     return res.loss, grads, [p.detach().clone() for p in model.parameters()]
 
@@ -69,12 +67,11 @@ def one_update(batch, adv, precision: str, fast: bool, make=tiny_causal_lm, atte
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000),
        groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=3),
-       common=st.integers(0, 6), precision=st.sampled_from(["fp32", "bf16-mixed"]),
-       attention=st.sampled_from(["sparse", "dense"]))
-def test_the_fast_paths_give_todays_update(seed, groups, common, precision, attention):
+       common=st.integers(0, 6), precision=st.sampled_from(["fp32", "bf16-mixed"]))
+def test_the_fast_paths_give_todays_update(seed, groups, common, precision):
     batch = shared_batch(seed, groups, common=common, question=2)
     adv = torch.randn(batch.n_rollouts, generator=torch.Generator().manual_seed(seed))
-    check(batch, adv, precision, tiny_causal_lm, attention)
+    check(batch, adv, precision, tiny_causal_lm)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "gemma3_text", "mistral"])
@@ -86,9 +83,9 @@ def test_the_fast_paths_give_todays_update_in_each_family(kind):
     check(batch, adv, "fp32", lambda seed: family_model(kind, seed))
 
 
-def check(batch, adv, precision, make, attention="sparse"):
-    loss, grads, weights = one_update(batch, adv, precision, True, make, attention)
-    loss0, grads0, weights0 = one_update(batch, adv, precision, False, make, attention)
+def check(batch, adv, precision, make):
+    loss, grads, weights = one_update(batch, adv, precision, True, make)
+    loss0, grads0, weights0 = one_update(batch, adv, precision, False, make)
     chunks = -(-int(batch.response_mask.sum()) // 7)
     rel = 1e-4 if precision == "fp32" else (chunks + 2) * 2.0**-8
     assert abs(loss - loss0) <= rel * abs(loss0) + 1e-6

@@ -20,9 +20,8 @@ row that reads them; the backward adds their gradients back), the outputs put ba
 
 How transformers gets there, without touching the model or its config (the engine may decode
 with the same module meanwhile): `install()` puts a dispatcher in transformers' attention registry
-under "sdpa"; it runs the original SDPA function (under autocast: as WIDE_ATTENTION says) unless
-the call carries a plan as the keyword `tracetrain_pack`, which the model's forward passes down to
-every attention call. The 4-D
+under "sdpa"; it runs the original SDPA function unless the call carries a plan as the keyword
+`tracetrain_pack`, which the model's forward passes down to every attention call. The 4-D
 attention mask given alongside is a stride-0 placeholder (no [N, N] memory) that only tells the
 mask builder to leave it as it is. A model whose attention did not come through the dispatcher
 (plan.calls stays 0) is computed again with the dense mask by the caller (packing.row_logprobs).
@@ -45,10 +44,10 @@ SLACK = 2.0  # a group takes a row while its padded scores stay within SLACK x i
 # Qmax queries of one head (K and V read as they are), instead of K and V copied rep times as
 # transformers' repeat_kv does. Benchmarks and tests set it.
 FOLD_GQA = True
-# The row blocks' attention outside autocast, in the widest of q's, k's and v's dtypes (fp32 under
-# bf16 autocast, where the rotary embedding has already made q and k fp32), instead of autocast's
-# bf16: torch 2.13's CPU flash kernel runs its backward at these block sizes slower in bf16 than
-# in fp32 (docs/benchmarks.md, "The update at its floor ..., part 2"). Benchmarks and tests set it.
+# Under autocast, the row blocks' attention computed by torch's CPU flash kernel in fp32 on the
+# operands autocast gives it (bf16, kept so for the backward: Fp32Flash) instead of the kernel's
+# bf16 path: torch 2.13's bf16 backward is about twice its fp32 one at these block sizes
+# (docs/benchmarks.md, "The update at its floor ..., part 2"). Benchmarks and tests set it.
 WIDE_ATTENTION = True
 
 
@@ -61,6 +60,17 @@ class Group:
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool: True = attend
     keep: torch.Tensor  # [n real queries] int64: the real query slots, in the flat [B * Qmax]
     shape: tuple[int, int, int]  # (B, Qmax, Kmax)
+    biases: dict = field(default_factory=dict, repr=False)  # (rep, dtype) -> the mask as a bias
+
+    def bias(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, rep * Qmax, Kmax]: the mask (its rows repeated `rep` times, for a kv head's rep
+        query heads as one) as an additive bias, 0 where attended, -inf elsewhere; made once."""
+        if (rep, dtype) not in self.biases:
+            B, Qm, Km = self.shape
+            mask = self.mask.expand(B, rep, Qm, Km).reshape(B, 1, rep * Qm, Km)
+            self.biases[rep, dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device
+                                                  ).masked_fill_(~mask, float("-inf"))
+        return self.biases[rep, dtype]
 
 
 @dataclass
@@ -160,7 +170,6 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
                    dropout: float = 0.0) -> torch.Tensor:
     """query [1, H, N, D], key and value [1, Hkv, N, D] (H a multiple of Hkv, as repeat_kv takes
     them) -> [1, N, H, D], the pack's attention output as transformers' attention functions give it."""
-    query, key, value = _widened(query, key, value)
     q, k, v = query[0], key[0], value[0]
     H, _, D = q.shape
     Hkv = k.shape[0]
@@ -178,26 +187,50 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
         elif rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv)
             kg = kg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
             vg = vg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
-        with _attention_autocast(q.device.type):
+        if _fp32_flash(q, dropout):
+            low = torch.get_autocast_dtype(q.device.type)
+            o = Fp32Flash.apply(qg.to(low), kg.to(low), vg.to(low),
+                                g.bias(rep if rep > 1 and FOLD_GQA else 1, torch.float32), scaling)
+        else:
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout,
-                                               scale=scaling).reshape(B, H, Qm, D)
+                                               scale=scaling)
+        o = o.reshape(B, H, Qm, D)
         outs.append(o.transpose(1, 2).reshape(B * Qm, H, D).index_select(0, g.keep))
     plan.calls += 1
     return torch.cat(outs).index_select(0, plan.order).unsqueeze(0)
 
 
-def _widened(query, key, value):
-    """(q, k, v) in the widest of their dtypes where WIDE_ATTENTION, else as they are."""
-    if not WIDE_ATTENTION:
-        return query, key, value
-    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
-    return query.to(dtype), key.to(dtype), value.to(dtype)
+def _fp32_flash(q: torch.Tensor, dropout: float) -> bool:
+    """Whether a block's attention runs as Fp32Flash: WIDE_ATTENTION, on the CPU, under
+    autocast, without dropout."""
+    return (WIDE_ATTENTION and q.device.type == "cpu" and not dropout
+            and torch.is_autocast_enabled("cpu"))
 
 
-def _attention_autocast(device_type: str):
-    """The context SDPA runs in: autocast off where WIDE_ATTENTION, else as it is."""
-    return torch.autocast(device_type, enabled=not WIDE_ATTENTION and torch.is_autocast_enabled(
-        device_type))
+class Fp32Flash(torch.autograd.Function):
+    """o [B, h, q, D] = Fp32Flash.apply(q [B, h, q, D], k, v [B, h, k, D], bias [B, 1, q, k],
+    scale): softmax(q k^T * scale + bias) v by torch's CPU flash kernel in fp32, on operands
+    given (and kept for the backward) in a narrower dtype, o in that dtype. The backward runs the
+    kernel's fp32 backward on the kept operands (and o) widened again. scale None: 1/sqrt(D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale):
+        with torch.autocast("cpu", enabled=False):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q.float(), k.float(), v.float(), attn_mask=bias, scale=scale)
+        low = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, low, lse, bias)
+        ctx.scale = scale
+        return low
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        with torch.autocast("cpu", enabled=False):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, False,
+                attn_mask=bias, scale=ctx.scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 _lock = threading.Lock()
@@ -207,11 +240,7 @@ _original = None
 def _dispatch(module, query, key, value, attention_mask, *args, **kwargs):
     plan = kwargs.pop(KWARG, None)
     if plan is None:
-        if not torch.is_autocast_enabled(query.device.type):  # (the engine, fp32 training)
-            return _original(module, query, key, value, attention_mask, *args, **kwargs)
-        query, key, value = _widened(query, key, value)
-        with _attention_autocast(query.device.type):
-            return _original(module, query, key, value, attention_mask, *args, **kwargs)
+        return _original(module, query, key, value, attention_mask, *args, **kwargs)
     return pack_attention(query, key, value, plan, scaling=kwargs.get("scaling"),
                           dropout=kwargs.get("dropout", 0.0)), None
 
