@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 # a step's parts (with trainer.collect overlap the next step's collect runs beside the update)
-PARTS = ("time/collect_s", "time/update_s", "time/sync_s", "time/rows_s", "engine/prefix_hit_rate")
+PARTS = ("time/collect_s", "time/update_s", "time/sync_s", "time/rows_s", "engine/prefix_hit_rate",
+         "engine/idle_frac", "time/update_idle_frac")
 
 
 def main() -> None:
