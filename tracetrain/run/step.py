@@ -365,3 +365,10 @@ class EngineClock:
         idle = 1 - (busy - self.busy) / self.span
         self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
         return idle
+
+    def idle_shares(self, update_s: float) -> dict[str, float]:
+        """The shares of the wall time since the last step in which each side did not compute:
+        engine/idle_frac (idle_since_last) and time/update_idle_frac (1 - the update's seconds,
+        `update_s`, over that time)."""
+        engine = self.idle_since_last()
+        return {"engine/idle_frac": engine, "time/update_idle_frac": 1 - update_s / self.span}

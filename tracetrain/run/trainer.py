@@ -284,9 +284,7 @@ class Trainer:
                 release_free()  # the C heap's free pages back: without it the peak grows each step
                 reset_peak()
                 st.step += 1
-                m["engine/idle_frac"] = clock.idle_since_last()
-                # the update's side: the share of the step its thread did not compute the update
-                m["time/update_idle_frac"] = 1 - m.get("time/update_s", 0.0) / clock.span
+                m.update(clock.idle_shares(m.get("time/update_s", 0.0)))  # who waited for whom
                 if initial is not None:
                     m.update(prefixed("eval/initial_", initial))
                     initial = None
