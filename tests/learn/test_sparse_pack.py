@@ -68,6 +68,18 @@ def dense_attention(q, k, v, allowed):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None])
 
 
+def random_pack(seed, groups, common, question, share, heads, D=8):
+    """(batch, its pack, the pack's plan, a generator, random q [1, H, N, D] and k, v
+    [1, Hkv, N, D] that require grad) for heads = (H, Hkv)."""
+    batch = shared_batch(seed, groups, common=common, question=question)
+    pk = pack_rows(batch.input_ids, batch.attention_mask, share=share)
+    plan = build_plan(pk.node, pk.n_tokens)
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    qkv = [torch.randn(1, h, pk.n_tokens, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv)]
+    return batch, pk, plan, g, qkv
+
+
 @settings(max_examples=40)
 @given(seed=st.integers(0, 10_000),
        groups=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=3), min_size=1, max_size=4),
@@ -76,13 +88,8 @@ def dense_attention(q, k, v, allowed):
 def test_row_blocks_equal_the_dense_tree_mask(seed, groups, common, question, share, heads):
     """pack_attention over random prefix-sharing packs (GQA too) equals SDPA with the pack's
     dense mask, and computes no more scores than the padded batch's attention."""
-    batch = shared_batch(seed, groups, common=common, question=question)
-    pk = pack_rows(batch.input_ids, batch.attention_mask, share=share)
-    plan = build_plan(pk.node, pk.n_tokens)
-    H, Hkv = heads
-    g = torch.Generator().manual_seed(seed)
-    N, D = pk.n_tokens, 8
-    q, k, v = (torch.randn(1, h, N, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv))
+    batch, pk, plan, g, (q, k, v) = random_pack(seed, groups, common, question, share, heads)
+    N = pk.n_tokens
     got = pack_attention(q, k, v, plan)  # [1, N, H, D]
     expected = dense_attention(q, k, v, pk.allowed).transpose(1, 2)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -106,13 +113,7 @@ def test_row_blocks_under_autocast_compute_in_fp32(seed, groups, common, heads):
     attention in fp64 on the bf16-rounded operands, to the bf16 rounding of the output (2^-8 of
     it, plus fp32's sums) and of the gradients (their inputs, the kept output and dq, dk, dv
     themselves rounded to bf16: a few 2^-8 of the largest)."""
-    batch = shared_batch(seed, groups, common=common, question=2)
-    pk = pack_rows(batch.input_ids, batch.attention_mask, share=True)
-    plan = build_plan(pk.node, pk.n_tokens)
-    H, Hkv = heads
-    g = torch.Generator().manual_seed(seed)
-    N, D = pk.n_tokens, 8
-    q, k, v = (torch.randn(1, h, N, D, generator=g).requires_grad_(True) for h in (H, Hkv, Hkv))
+    _, pk, plan, g, (q, k, v) = random_pack(seed, groups, common, 2, True, heads)
     with torch.autocast("cpu", dtype=torch.bfloat16), counted(sparse_pack.Fp32Flash) as calls:
         got = pack_attention(q, k, v, plan)  # [1, N, H, D]
     assert calls == [len(plan.groups)] and got.dtype == torch.bfloat16
