@@ -57,5 +57,6 @@ def main() -> None:
         print(f"capacity {cap:5d}: +{r['growth_mb']:6.0f} MB ({r['growth_mb'] / min(cap, 1200):.2f} MB "
               f"an entry), {r['s']:.2f} s")
 
+
 if __name__ == "__main__":
     main()

@@ -44,9 +44,8 @@ class HeadLogprobs(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, temperature: float, chunk: int):
         lps, lses, kept = [], [], []
         low_w = weight.to(_matmul_dtype(h, weight))  # cast once, kept for the backward
-        size = low_w.element_size()
-        keep = (any(ctx.needs_input_grad[:3])  # (no backward to come: nothing kept)
-                and h.shape[0] * weight.shape[0] * size <= KEEP_LOGITS_MB * 2**20)
+        backward = any(ctx.needs_input_grad[:3])  # (none to come: nothing kept)
+        keep = backward and h.shape[0] * weight.shape[0] * low_w.element_size() <= KEEP_LOGITS_MB * 2**20
         for s in range(0, h.shape[0], chunk):
             raw = linear(h[s : s + chunk], low_w, bias)
             z = _scaled(raw, temperature, keep_raw=keep)
@@ -58,7 +57,7 @@ class HeadLogprobs(torch.autograd.Function):
         lse = torch.cat(lses) if lses else h.new_zeros(0, dtype=torch.float32)
         ctx.save_for_backward(h, weight, bias, target, lse)
         ctx.temperature, ctx.chunk, ctx.kept = temperature, chunk, kept if keep else None
-        ctx.low_w = low_w if any(ctx.needs_input_grad[:3]) else None
+        ctx.low_w = low_w if backward else None
         return torch.cat(lps) if lps else lse.clone()
 
     @staticmethod

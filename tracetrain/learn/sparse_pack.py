@@ -60,17 +60,18 @@ class Group:
     mask: torch.Tensor  # [B, 1, Qmax, Kmax] bool: True = attend
     keep: torch.Tensor  # [n real queries] int64: the real query slots, in the flat [B * Qmax]
     shape: tuple[int, int, int]  # (B, Qmax, Kmax)
-    biases: dict = field(default_factory=dict, repr=False)  # (rep, dtype) -> the mask as a bias
+    masks: dict = field(default_factory=dict, repr=False)  # (rep, dtype) -> attn_mask's result
 
-    def bias(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
-        """[B, 1, rep * Qmax, Kmax]: the mask (its rows repeated `rep` times, for a kv head's rep
-        query heads as one) as an additive bias, 0 where attended, -inf elsewhere; made once."""
-        if (rep, dtype) not in self.biases:
+    def attn_mask(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, rep * Qmax, Kmax]: the mask, its rows repeated `rep` times (a kv head's rep query
+        heads as one), as bool (dtype torch.bool) or as an additive bias (0 where attended, -inf
+        elsewhere); made once per group, for every layer."""
+        if (rep, dtype) not in self.masks:
             B, Qm, Km = self.shape
             mask = self.mask.expand(B, rep, Qm, Km).reshape(B, 1, rep * Qm, Km)
-            self.biases[rep, dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device
-                                                  ).masked_fill_(~mask, float("-inf"))
-        return self.biases[rep, dtype]
+            self.masks[rep, dtype] = mask if dtype == torch.bool else torch.zeros(
+                mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self.masks[rep, dtype]
 
 
 @dataclass
@@ -174,26 +175,25 @@ def pack_attention(query, key, value, plan: SparsePlan, *, scaling: float | None
     H, _, D = q.shape
     Hkv = k.shape[0]
     rep = H // Hkv
+    fold = rep if rep > 1 and FOLD_GQA else 1  # query heads per kv head in one block
     outs = []
     for g in plan.groups:
         B, Qm, Km = g.shape
         qg = q.index_select(1, g.q_idx).view(H, B, Qm, D).transpose(0, 1)
         kg = k.index_select(1, g.k_idx).view(Hkv, B, Km, D).transpose(0, 1)
         vg = v.index_select(1, g.k_idx).view(Hkv, B, Km, D).transpose(0, 1)
-        mask = g.mask
-        if rep > 1 and FOLD_GQA:  # query head h = kv head h // rep: [B, Hkv, rep * Qm, D]
+        if fold > 1:  # query head h = kv head h // rep: [B, Hkv, rep * Qm, D]
             qg = qg.reshape(B, Hkv, rep * Qm, D)
-            mask = mask.expand(B, rep, Qm, Km).reshape(B, 1, rep * Qm, Km)
         elif rep > 1:  # kv head h // rep serves query head h (transformers' repeat_kv)
             kg = kg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
             vg = vg[:, :, None].expand(B, Hkv, rep, Km, D).reshape(B, H, Km, D)
         if _fp32_flash(q, dropout):
             low = torch.get_autocast_dtype(q.device.type)
             o = Fp32Flash.apply(qg.to(low), kg.to(low), vg.to(low),
-                                g.bias(rep if rep > 1 and FOLD_GQA else 1, torch.float32), scaling)
+                                g.attn_mask(fold, torch.float32), scaling)
         else:
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout,
-                                               scale=scaling)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.attn_mask(fold, torch.bool),
+                                               dropout_p=dropout, scale=scaling)
         o = o.reshape(B, H, Qm, D)
         outs.append(o.transpose(1, 2).reshape(B * Qm, H, D).index_select(0, g.keep))
     plan.calls += 1

@@ -351,18 +351,15 @@ def update_metrics(updates: list) -> dict[str, float]:
 
 class EngineClock:
     """How idle the engine was between two steps: 1 - busy seconds / wall seconds (its gateway
-    slot's busy time), and the engine's stats at the last step (continuous.take_step's base).
-    `span`: the wall seconds between the last two steps."""
+    slot's busy time), and the engine's stats at the last step (continuous.take_step's base)."""
 
     def __init__(self, slot, engine):
         self.slot, self.engine = slot, engine
         self.wall, self.busy, self.stats = time.perf_counter(), slot.busy_seconds(), dict(engine.stats)
-        self.span = 0.0
 
     def idle_since_last(self) -> float:
         wall, busy = time.perf_counter(), self.slot.busy_seconds()
-        self.span = max(wall - self.wall, 1e-9)
-        idle = 1 - (busy - self.busy) / self.span
+        idle = 1 - (busy - self.busy) / max(wall - self.wall, 1e-9)
         self.wall, self.busy, self.stats = wall, busy, dict(self.engine.stats)
         return idle
 
@@ -370,5 +367,5 @@ class EngineClock:
         """The shares of the wall time since the last step in which each side did not compute:
         engine/idle_frac (idle_since_last) and time/update_idle_frac (1 - the update's seconds,
         `update_s`, over that time)."""
-        engine = self.idle_since_last()
-        return {"engine/idle_frac": engine, "time/update_idle_frac": 1 - update_s / self.span}
+        span = max(time.perf_counter() - self.wall, 1e-9)
+        return {"engine/idle_frac": self.idle_since_last(), "time/update_idle_frac": 1 - update_s / span}
