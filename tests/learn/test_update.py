@@ -15,7 +15,8 @@ from test_packing import shared_batch
 from tiny_model import logprobs_and_entropy, tiny_causal_lm
 
 from tracetrain.config import build_config
-from tracetrain.learn.update import lr_factor, ppo_update
+from tracetrain.learn.optim import lr_factor
+from tracetrain.learn.update import ppo_update
 
 GROUPS = [[1, 2], [2, 1, 1], [1, 3]]  # rows per rollout, per group: 7 rollouts, 11 rows
 

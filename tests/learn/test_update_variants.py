@@ -29,7 +29,8 @@ from tiny_model import tiny_causal_lm
 
 from tracetrain.config import build_config
 from tracetrain.learn import packing, sparse_pack
-from tracetrain.learn.update import clip_grad_norm, ppo_update
+from tracetrain.learn.optim import clip_grad_norm
+from tracetrain.learn.update import ppo_update
 
 
 @contextlib.contextmanager
@@ -101,7 +102,7 @@ def check(batch, adv, precision, make):
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 10**6), max_norm=st.floats(0.01, 100.0), scale=st.floats(0.0, 3.0))
 def test_clip_grad_norm_is_torchs_bit_for_bit(seed, max_norm, scale):
-    """update.clip_grad_norm skips the pass where torch's factor is 1: the same norm and
+    """optim.clip_grad_norm skips the pass where torch's factor is 1: the same norm and
     gradients as torch.nn.utils.clip_grad_norm_, clipped or not."""
     g = torch.Generator().manual_seed(seed)
     ours = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n, generator=g)) for n in (3, 17, 64))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tracetrain.learn.optim import clip_grad_norm
 from tracetrain.learn.update import Forward, StepRows
 from tracetrain.objective.minibatch import plan_step
 from tracetrain.rows.aggregate import aggregate
@@ -157,6 +158,6 @@ def _update(model, s: StepRows, mb, fwd: Forward, opt, params, grad_clip: float)
         loss = -(w * lp).sum()
         loss.backward()
         total += float(loss.detach())
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    clip_grad_norm(params, grad_clip)
     opt.step()
     return total

@@ -14,7 +14,6 @@ UpdateStopped with the weights and the optimizer as they were (the gradients dro
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,23 +21,13 @@ import torch
 
 from tracetrain.config import TrainConfig
 from tracetrain.learn.distributed import DataParallel, sum_over_ranks
+from tracetrain.learn.optim import clip_grad_norm
 from tracetrain.learn.packing import default_pack_tokens, pack_rows, packable, row_costs, row_logprobs
 from tracetrain.learn.phases import Phases
 from tracetrain.objective.correction import correct
 from tracetrain.objective.loss import policy_loss
 from tracetrain.objective.minibatch import plan_step
 from tracetrain.objective.weights import RowWeights, rollout_mass
-
-
-def lr_factor(step: int, *, warmup: int, total: int, decay: str) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up, then decay."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if decay == "constant" or total <= warmup:
-        return 1.0
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1 + math.cos(math.pi * frac)) if decay == "cosine" else 1.0 - frac
-
 
 ADDITIVE_METRICS = ("pg_loss", "weight_mass")  # policy_loss sums; its other metrics are weighted means
 TOKEN_METRICS = ("tokens_computed", "tokens_padded")  # per micro-batch, summed over ranks
@@ -259,21 +248,11 @@ def mini_batch_step(model, optimizer, scheduler, s: StepRows, mb, fwd: Forward, 
         total, sums = summed[0] / dp.world_size, dict(zip(keys, summed[1:], strict=True))
     metrics = update_metrics(sums, s, mb, dp.world_size)
     with fwd.phases.phase("optimizer"):
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
     return total, grad_norm, metrics
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """torch's clip_grad_norm_: g <- g * min(1, max_norm / (|g| + 1e-6)) over all gradients, |g|
-    their total 2-norm (returned), without the pass over every gradient where the factor is 1."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    if float(total) + 1e-6 > max_norm:  # (the factor min(1, ...) is 1 otherwise: g unchanged)
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
-    return float(total)
 
 
 def update_metrics(sums: dict[str, float], s: StepRows, mb, world_size: int) -> dict[str, float]:

@@ -12,7 +12,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from tracetrain.learn.optim import adamw
+from tracetrain.learn.optim import adamw, clip_grad_norm
 
 
 def render(tokenizer, transcripts: list[list[dict]]) -> list[list[int]]:
@@ -73,7 +73,7 @@ def warm_start(
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
     model.eval()
